@@ -1,0 +1,204 @@
+"""build(config) -> Run: the one place that turns typed config into objects and derived figures."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from gptlab import checkpoint, distributed
+from gptlab.config import Config
+from gptlab.data import PreparedData, RandomWindowLoader, Tokenizer, eval_batches, prepare_data
+from gptlab.distributed import Dist
+from gptlab.errors import GptlabError
+from gptlab.metrics import flops_per_token, measured_cpu_peak
+from gptlab.model import GPT
+from gptlab.optim import build_optimizer, lr_at, scaled_lr
+from gptlab.tracking import NullTracker, Tracker, flatten
+
+_AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, already built."""
+
+    train: Any  # TrainConfig
+    dist: Dist
+    model: nn.Module  # wrapped (checkpointing -> compile -> DDP)
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    lr_at: Callable[[int], float]
+    grad_clip: float
+    train_loader: RandomWindowLoader
+    val_batches: List[Any]
+    tokenizer: Tokenizer
+    tracker: Any  # Tracker or NullTracker
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    block_size: int
+    num_params: int
+    flops_per_token: float
+    peak_flops: float
+    run_dir: Path
+    checkpoint_dir: Path
+    resolved_config: Dict[str, Any]
+    model_config: Dict[str, Any]
+    summary: str = ""
+    start_step: int = 0
+    start_tokens: int = 0
+    start_best_val: float = math.inf
+    derived: Dict[str, Any] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def resume_path(resume: str, checkpoint_dir: Path) -> Optional[Path]:
+    """The checkpoint to continue from: train.resume=auto|never|<path>."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return checkpoint.latest(checkpoint_dir)
+    path = Path(resume).expanduser()
+    if not path.is_file():
+        raise GptlabError(f"train.resume={resume}: no such checkpoint file")
+    return path
+
+
+def autocast_factory(device_type: str, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = _AUTOCAST[precision]
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = Path("outputs"),
+          run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
+          log: Callable[[str], None] = print) -> Run:
+    """Build every object of a training run from a validated Config."""
+    run_dir = Path(run_dir)
+    d = distributed.setup(cfg.hardware, cfg.parallelism)
+    say = log if d.is_main else (lambda *_: None)
+
+    # Data: rank 0 prepares the token files first so the others only read them.
+    if d.is_main:
+        data = prepare_data(cfg.data, log=say)
+    if d.world_size > 1:
+        torch.distributed.barrier()
+    if not d.is_main:
+        data = prepare_data(cfg.data, log=say)
+    train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
+    T = cfg.model.block_size
+    if T + 1 > min(len(train_tokens), len(val_tokens)):
+        raise GptlabError(f"model.block_size={T} is longer than the data allows "
+                          f"({len(val_tokens):,} validation tokens)")
+
+    # Model: identical initialisation on every rank, then per-rank seeds for dropout.
+    mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
+    seed_everything(cfg.train.seed)
+    raw_model = GPT(mcfg).to(d.device)
+    seed_everything(cfg.train.seed + d.rank)
+    compile_model = cfg.parallelism.compile if cfg.parallelism.compile is not None else cfg.hardware.compile
+    model = distributed.wrap_model(raw_model, d, cfg.parallelism.activation_checkpointing, compile_model)
+
+    world = d.world_size
+    mb = cfg.micro_batch_size
+    peak_lr = scaled_lr(cfg.optimizer, world)
+    optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
+    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
+    loader = RandomWindowLoader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
+    eval_bs = cfg.train.eval_batch_size or mb
+    val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
+
+    matmul_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, nn.Linear))
+    fpt = flops_per_token(mcfg.n_layer, mcfg.n_embd, T, matmul_params)
+    if cfg.hardware.peak_tflops:
+        peak = cfg.hardware.peak_tflops * 1e12
+    elif d.device.type == "cpu":
+        peak = measured_cpu_peak("bfloat16" if cfg.hardware.precision == "bf16" else "float32")
+    else:
+        peak = 0.0
+    num_params = raw_model.num_params()
+    derived = {
+        "params": num_params,
+        "world_size": world,
+        "micro_batch_size": mb,
+        "accum_steps": loader.accum_steps,
+        "tokens_per_step": cfg.train.batch_size * T,
+        "peak_lr": peak_lr,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "data_dir": str(data.root),
+        "train_tokens": len(train_tokens),
+        "val_tokens": len(val_tokens),
+    }
+
+    checkpoint_dir = run_dir / "checkpoints"
+    start = {"step": 0, "tokens": 0, "best_val": math.inf}
+    mlflow_run_id = None
+    ckpt = resume_path(cfg.train.resume, checkpoint_dir)
+    if ckpt is not None:
+        state = checkpoint.load(ckpt)
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        loader.load_state_dict(state["loader"])
+        start = {"step": state["step"], "tokens": state["tokens"], "best_val": state["best_val_loss"]}
+        mlflow_run_id = state.get("mlflow_run_id")
+        say(f"resumed from {ckpt} at step {state['step']}")
+
+    model_name = f"{cfg.model.name}-{cfg.data.name}"
+    if d.is_main:
+        params = {**flatten(resolved), **{f"derived.{k}": v for k, v in derived.items()}}
+        all_tags = {"hardware": cfg.hardware.name, "model": cfg.model.name, "data": cfg.data.name,
+                    "run_dir": str(run_dir.resolve()), **(tags or {})}
+        tracker: Any = Tracker(run_dir, cfg.tracking, outputs, cfg.tracking.experiment or model_name,
+                               run_name or cfg.tracking.run_name or f"{model_name}-{cfg.hardware.name}",
+                               params, all_tags)
+    else:
+        tracker = NullTracker()
+    del mlflow_run_id  # reopening the same MLflow run on resume arrives with the checkpoint work
+
+    summary = (f"{cfg.model.name}: {num_params / 1e6:.2f}M params | data {cfg.data.name} "
+               f"({len(train_tokens):,} train tokens, vocab {data.vocab_size}) | {cfg.hardware.name} "
+               f"x{world} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {mb} x {loader.accum_steps} "
+               f"accum x {world} ranks of {T} tokens | peak lr {peak_lr:g} | {cfg.train.max_steps} steps")
+    return Run(
+        train=cfg.train, dist=d, model=model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
+        lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps),
+        grad_clip=cfg.optimizer.grad_clip, train_loader=loader, val_batches=val,
+        tokenizer=data.tokenizer, tracker=tracker,
+        autocast=autocast_factory(d.device.type, cfg.hardware.precision),
+        block_size=T, num_params=num_params, flops_per_token=fpt, peak_flops=peak,
+        run_dir=run_dir, checkpoint_dir=checkpoint_dir, resolved_config=resolved,
+        model_config=dataclasses.asdict(mcfg), summary=summary, start_step=start["step"],
+        start_tokens=start["tokens"], start_best_val=start["best_val"], derived=derived,
+    )
+
+
+def write_sample(run: Run) -> Optional[str]:
+    """Generate train.sample_tokens of text from the trained model into samples.txt (rank 0)."""
+    if not run.dist.is_main or run.train.sample_tokens <= 0:
+        return None
+    prompt = run.tokenizer.encode(run.train.sample_prompt) or [0]
+    idx = torch.tensor([prompt], dtype=torch.long, device=run.dist.device)
+    gen = torch.Generator(device=run.dist.device).manual_seed(run.train.seed)
+    with run.autocast():
+        out = run.raw_model.generate(idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+    text = run.tokenizer.decode(out[0].tolist())
+    path = run.run_dir / "samples.txt"
+    path.write_text(text)
+    run.tracker.log_artifact(path)
+    return text

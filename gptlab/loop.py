@@ -1,0 +1,224 @@
+"""train(run): the one training loop. It sees built objects (``build.Run``), never the config tree.
+
+Per step: set lr -> accumulate gradients over micro-batches -> clip -> optimizer step -> log ->
+maybe evaluate -> maybe checkpoint. Host-device synchronisation happens only at logging, eval and
+checkpoint steps, so the accelerator can run ahead of Python everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+import numpy as np
+import torch
+
+from gptlab import checkpoint, distributed
+from gptlab.errors import GptlabError
+from gptlab.metrics import mfu
+
+if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
+    from gptlab.build import Run
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 5000
+    batch_size: int = 32  # global sequences per optimizer step (all processes, all micro-steps)
+    micro_batch_size: Optional[int] = None  # per process per forward; null: the hardware's choice
+    eval_every: int = 500  # steps between evaluations (0: only at the end)
+    eval_steps: int = 50  # validation batches per evaluation
+    eval_batch_size: Optional[int] = None  # null: the micro-batch size
+    log_every: int = 50
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    seed: int = 1337
+    resume: str = "auto"  # auto (newest checkpoint in the run folder) | never | a checkpoint path
+    sample_tokens: int = 500  # text generated at the end into samples.txt (0: none)
+    sample_prompt: str = "\n"
+
+
+class Console:
+    """Progress output on rank 0: a live bar on a terminal, plain lines in logs (SLURM, pipes)."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.enabled = enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def step(self, step: int, line: Optional[str], postfix: Optional[Dict[str, str]] = None) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
+            self.bar.refresh()
+        elif line:
+            print(line, flush=True)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@torch.no_grad()
+def evaluate(run: "Run") -> float:
+    """Mean validation loss over the fixed validation batches, averaged over all ranks."""
+    model = run.model
+    model.eval()
+    total = torch.zeros((), device=run.dist.device)
+    for x, y in run.val_batches:
+        x, y = x.to(run.dist.device, non_blocking=True), y.to(run.dist.device, non_blocking=True)
+        with run.autocast():
+            _, loss = model(x, y)
+        total += loss.float()
+    model.train()
+    count = torch.tensor(float(len(run.val_batches)), device=run.dist.device)
+    # sum of losses and of batch counts over ranks, so uneven splits still give the exact mean
+    stats = torch.stack([total, count])
+    if run.dist.world_size > 1:
+        torch.distributed.all_reduce(stats)
+    return (stats[0] / stats[1]).item()
+
+
+def rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save_checkpoint(run: "Run", step: int, tokens: int, best_val: float) -> None:
+    """Rank 0 writes the checkpoint; every rank waits so nobody races ahead of a slow save."""
+    if run.dist.is_main:
+        state = {
+            "step": step,
+            "tokens": tokens,
+            "best_val_loss": best_val,
+            "model": run.raw_model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scaler": run.scaler.state_dict(),
+            "loader": run.train_loader.state_dict(),
+            "rng": rng_state(),
+            "config": run.resolved_config,
+            "model_config": run.model_config,
+            "tokenizer": run.tokenizer.to_meta(),
+            "mlflow_run_id": run.tracker.run_id,
+        }
+        checkpoint.save(checkpoint.checkpoint_path(run.checkpoint_dir, step), state)
+        checkpoint.prune(run.checkpoint_dir, run.train.keep_checkpoints)
+    if run.dist.world_size > 1:
+        torch.distributed.barrier()
+
+
+def train(run: "Run") -> Dict[str, Any]:
+    """Run the training loop from run.start_step to train.max_steps; return the results dict."""
+    t = run.train
+    model, opt, scaler, dev = run.model, run.optimizer, run.scaler, run.dist.device
+    accum = run.train_loader.accum_steps
+    tokens_per_step = t.batch_size * run.block_size
+    step, tokens = run.start_step, run.start_tokens
+    best_val, last_val, train_loss = run.start_best_val, None, float("nan")
+    console = Console(run.dist.is_main, t.max_steps, step)
+    console.write(run.summary)
+    model.train()
+    wall0 = time.perf_counter()
+    train_time, window_t0, window_tokens = 0.0, time.perf_counter(), 0
+    loss_sum = torch.zeros((), device=dev)
+    loss_count = 0
+    grad_norm = torch.zeros((), device=dev)
+    while step < t.max_steps:
+        lr = run.lr_at(step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        micro = run.train_loader.next_step()
+        for i, (x, y) in enumerate(micro):
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            # DDP all-reduces gradients only on the last micro-step; earlier ones just accumulate.
+            with distributed.no_sync(model, i == accum - 1), run.autocast():
+                _, loss = model(x, y)
+                # Divide by the micro-steps so the summed gradients equal those of one big batch.
+                loss = loss / accum
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        if run.grad_clip > 0:
+            scaler.unscale_(opt)  # clip the true gradients, not the fp16-scaled ones
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.grad_clip)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        loss_count += 1
+        tokens += tokens_per_step
+        window_tokens += tokens_per_step
+        last = step == t.max_steps
+        do_log = step % t.log_every == 0 or last or step == run.start_step + 1
+        do_eval = bool(t.eval_every and step % t.eval_every == 0) or last
+        do_save = bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last
+        if not (do_log or do_eval or do_save):
+            console.step(step, None)
+            continue
+        # The one host sync of a logging step: close the timing window before eval / save run.
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        window_s = time.perf_counter() - window_t0
+        train_time += window_s
+        tok_s = window_tokens / window_s if window_s > 0 else 0.0
+        metrics: Dict[str, Any] = {"tokens": tokens}
+        if do_log:
+            train_loss = distributed.all_reduce_mean(loss_sum / loss_count).item()
+            if not math.isfinite(train_loss):
+                raise GptlabError(f"train loss is {train_loss} at step {step}: training diverged; "
+                                  f"lower optimizer.lr or use a more stable precision")
+            metrics.update({"train_loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
+                            "tokens_per_s": tok_s, "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops)})
+            loss_sum.zero_()
+            loss_count = 0
+        if do_eval:
+            last_val = evaluate(run)
+            best_val = min(best_val, last_val)
+            metrics["val_loss"] = last_val
+        if do_log or do_eval:
+            run.tracker.log_metrics(step, metrics)
+            eta = (t.max_steps - step) * train_time / max(1, step - run.start_step)
+            line = (f"step {step}/{t.max_steps} | loss {train_loss:.4f}"
+                    + (f" | val {last_val:.4f}" if do_eval else "")
+                    + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s"
+                    + f" | mfu {100 * mfu(tok_s, run.flops_per_token, run.peak_flops):.1f}% | eta {eta:,.0f}s")
+            console.step(step, line, {"loss": f"{train_loss:.4f}", "best_val": f"{best_val:.4f}",
+                                       "lr": f"{lr:.1e}", "tok/s": f"{tok_s:,.0f}", "eta": f"{eta:,.0f}s"})
+        if do_save:
+            save_checkpoint(run, step, tokens, best_val)
+        # evaluation, checkpointing and logging are not training throughput
+        window_t0, window_tokens = time.perf_counter(), 0
+    console.close()
+    session_tokens = tokens - run.start_tokens
+    results = {
+        "params": run.num_params,
+        "steps": step,
+        "tokens": tokens,
+        "train_loss": train_loss,
+        "val_loss": last_val,
+        "best_val_loss": best_val if math.isfinite(best_val) else None,
+        "tokens_per_s": session_tokens / train_time if train_time > 0 else None,
+        "mfu": mfu(session_tokens / train_time, run.flops_per_token, run.peak_flops) if train_time > 0 else None,
+        "wall_s": time.perf_counter() - wall0,
+        "mlflow_run_id": run.tracker.run_id,
+    }
+    return results

@@ -1,0 +1,291 @@
+"""A decoder-only GPT, readable top to bottom.
+
+Token embedding + positions -> dropout -> N pre-LayerNorm blocks -> final LayerNorm -> LM head
+(tied to the token embedding). Attention goes through ``F.scaled_dot_product_attention`` so that
+PyTorch picks the flash / memory-efficient kernels where the hardware has them.
+
+The module knows nothing about devices, ranks, precision or logging: those live in
+``distributed.py`` and ``loop.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+KVCache = List[Tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class GPTConfig:
+    """Shape and flavour of the model; ``vocab_size`` is filled in from the tokenizer when null."""
+
+    name: str = "gpt"
+    vocab_size: Optional[int] = None
+    vocab_multiple: int = 1  # pad the embedding/LM head to a multiple of this (64 for tensor cores)
+    block_size: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    ffn_dim: Optional[int] = None  # null: 4 * n_embd (GELU) or the usual 8/3 * n_embd rounded (SwiGLU)
+    dropout: float = 0.0
+    bias: bool = True
+    pos_emb: str = "learned"  # learned | sinusoidal | rotary
+    mlp: str = "gelu"  # gelu | swiglu
+    tie_weights: bool = True
+    rope_base: float = 10000.0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        assert self.vocab_size is not None, "vocab_size must be set before building the model"
+        m = max(1, self.vocab_multiple)
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        if self.mlp == "swiglu":
+            # 2/3 of 4d keeps the parameter count of a GELU MLP; rounded up to a multiple of 64
+            return (int(8 * self.n_embd / 3) + 63) // 64 * 64
+        return 4 * self.n_embd
+
+
+def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:
+    """Fixed sin/cos position table of shape (n_pos, dim), as in the original Transformer."""
+    pos = torch.arange(n_pos, dtype=torch.float32)[:, None]
+    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_pos, dim)
+    table[:, 0::2] = torch.sin(pos * inv)
+    table[:, 1::2] = torch.cos(pos * inv[: dim // 2])
+    return table
+
+
+def rotary_tables(n_pos: int, head_dim: int, base: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (n_pos, head_dim // 2) for rotary position embeddings."""
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(n_pos, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of x (B, nh, T, hs) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True  # marks the residual projection for the init rule
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if cache is not None:
+            k = torch.cat((cache[0], k), dim=2)
+            v = torch.cat((cache[1], v), dim=2)
+        # With a cache, the T new queries sit at the end of the key sequence; a single new query may
+        # see every cached key, so the causal mask is only needed when queries and keys line up.
+        if cache is None or T == k.size(2):
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            )
+        elif T == 1:
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:
+            past = k.size(2) - T
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        hidden = cfg.hidden_dim
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c_fc(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)  # exact erf GELU: measured faster than the tanh form on CPU
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache=None):
+        a, new_cache = self.attn(self.ln_1(x), rope, cache)
+        x = x + a
+        x = x + self.mlp(self.ln_2(x))
+        return x, new_cache
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("GPTConfig.vocab_size is null: set it from the tokenizer before building")
+        self.config = cfg
+        self.activation_checkpointing = False  # switched on by distributed.wrap_model for large models
+        V, C = cfg.padded_vocab_size, cfg.n_embd
+        self.wte = nn.Embedding(V, C)
+        if cfg.pos_emb == "learned":
+            self.wpe = nn.Embedding(cfg.block_size, C)
+        elif cfg.pos_emb == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(cfg.block_size, C), persistent=False)
+        elif cfg.pos_emb == "rotary":
+            cos, sin = rotary_tables(cfg.block_size, C // cfg.n_head, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            raise ValueError(f"unknown pos_emb {cfg.pos_emb!r}")
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(C, bias=cfg.bias)
+        self.lm_head = nn.Linear(C, V, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # GPT-2 initialisation: N(0, 0.02), with the projections that write into the residual stream
+        # scaled by 1/sqrt(2 * n_layer) so the residual's variance does not grow with depth.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                std /= math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self) -> int:
+        """Parameters counted once (the tied LM head shares the embedding)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: Optional[torch.Tensor] = None,
+        cache: Optional[KVCache] = None,
+    ):
+        """idx (B, T) token ids -> logits (B, T, vocab); with targets, also the mean cross-entropy.
+
+        With ``cache`` (one (k, v) per layer, possibly empty), positions continue after the cached
+        tokens and the updated cache is returned as a third value.
+        """
+        B, T = idx.shape
+        past = cache[0][0].size(2) if cache else 0
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}")
+        x = self.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.pos_emb == "learned":
+            x = x + self.wpe(torch.arange(past, past + T, device=idx.device))
+        elif self.config.pos_emb == "sinusoidal":
+            x = x + self.pos_table[past : past + T].to(x.dtype)
+        else:
+            rope = (self.rope_cos[past : past + T], self.rope_sin[past : past + T])
+        x = self.drop(x)
+        new_cache: KVCache = []
+        for i, block in enumerate(self.h):
+            layer_cache = cache[i] if cache else None
+            if self.activation_checkpointing and self.training and cache is None:
+                # recompute the block in backward instead of storing its activations
+                x, kv = checkpoint(block, x, rope, None, use_reentrant=False)
+            else:
+                x, kv = block(x, rope, layer_cache)
+            if cache is not None:
+                new_cache.append(kv)
+        x = self.ln_f(x)
+        # The head is padded for fast matmuls; the padded ids are never real tokens, so drop them.
+        logits = self.lm_head(x)[..., : self.config.vocab_size]
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        if cache is not None:
+            return logits, loss, new_cache
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """Sample max_new_tokens after idx (B, T) using a KV cache; returns (B, T + max_new_tokens).
+
+        temperature 0 means greedy decoding. When the context fills the block, the cache is rebuilt
+        from the last block_size // 2 tokens (learned positions cannot extrapolate).
+        """
+        was_training = self.training
+        self.eval()
+        block = self.config.block_size
+        out = idx
+        cache: KVCache = []
+        logits, _, cache = self(out[:, -block:], cache=cache)
+        for _ in range(max_new_tokens):
+            last = logits[:, -1, :].float()
+            if temperature <= 0:
+                nxt = last.argmax(dim=-1, keepdim=True)
+            else:
+                last = last / temperature
+                if top_k is not None and top_k > 0:
+                    kth = torch.topk(last, min(top_k, last.size(-1))).values[:, -1:]
+                    last = last.masked_fill(last < kth, float("-inf"))
+                probs = F.softmax(last, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)
+            out = torch.cat((out, nxt), dim=1)
+            if cache[0][0].size(2) + 1 > block:
+                cache = []
+                logits, _, cache = self(out[:, -(block // 2) :], cache=cache)
+            else:
+                logits, _, cache = self(nxt, cache=cache)
+        self.train(was_training)
+        return out

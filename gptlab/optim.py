@@ -1,0 +1,59 @@
+"""Optimizer: parameter groups, AdamW, and the learning-rate schedule lr_at(step)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1e-3  # peak learning rate (before lr_scaling)
+    min_lr_ratio: float = 0.1  # the cosine floor, as a fraction of the peak
+    betas: Tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm gains)
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    warmup_steps: int = 100
+    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    decay_steps: Optional[int] = None  # null: decay over train.max_steps
+    lr_scaling: str = "none"  # none | sqrt | linear: scale lr with the number of data-parallel ranks
+    fused: Optional[bool] = None  # null: fused kernels where the device supports them
+
+
+def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:
+    """The peak lr after the data-parallel scaling rule (sqrt as in the 1B reference run)."""
+    factor = {"none": 1.0, "sqrt": math.sqrt(world_size), "linear": float(world_size)}[cfg.lr_scaling]
+    return cfg.lr * factor
+
+
+def lr_at(step: int, peak: float, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Linear warmup over warmup_steps, then decay to min_lr_ratio * peak at decay_steps."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    floor = peak * cfg.min_lr_ratio
+    decay = cfg.decay_steps or total_steps
+    if cfg.schedule == "constant" or decay <= cfg.warmup_steps:
+        return peak
+    progress = min(1.0, (step - cfg.warmup_steps) / (decay - cfg.warmup_steps))
+    if cfg.schedule == "linear":
+        return peak - (peak - floor) * progress
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.AdamW:
+    """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    fused = cfg.fused if cfg.fused is not None else device_type == "cuda"
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

@@ -1,0 +1,54 @@
+"""python -m gptlab.train [overrides]: compose the config, build the run, train, record the results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.build import build, write_sample
+from gptlab.cli import run_entry
+from gptlab.config import to_config
+from gptlab.loop import train
+
+
+def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
+                 tags: Dict[str, str] | None = None) -> Dict[str, Any]:
+    """config -> build -> loop -> results; also used by tests through Hydra's compose API."""
+    config = to_config(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
+    status = "FAILED"
+    try:
+        results = train(run)
+        sample = write_sample(run)
+        if sample is not None:
+            print(f"--- sample ---\n{sample[:400]}\n--------------", flush=True)
+        run.tracker.write_results(results)
+        if run.dist.is_main:
+            print(f"results: best val loss {results['best_val_loss']:.4f} | "
+                  f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run_dir}", flush=True)
+        status = "FINISHED"
+        return results
+    finally:
+        run.tracker.finish(status)
+        from gptlab import distributed
+
+        distributed.teardown()
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> Dict[str, Any]:
+    hc = HydraConfig.get()
+    run_name = None
+    if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
+        run_name = f"{cfg.model.name}-{cfg.data.name}-{cfg.hardware.name}[{','.join(hc.overrides.task)}]"
+    return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
+
+
+if __name__ == "__main__":
+    run_entry(main, "gptlab.train")

@@ -58,6 +58,11 @@ class Run:
     start_best_val: float = math.inf
     derived: Dict[str, Any] = field(default_factory=dict)
 
+    def close(self, status: str) -> None:
+        """Finish the records (FINISHED / FAILED) and leave the process group."""
+        self.tracker.finish(status)
+        distributed.teardown()
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)

@@ -40,6 +40,12 @@ def condense(message: str) -> str:
     return text
 
 
+def fail(prog: str, error: Exception) -> None:
+    """Print a user error as one line and exit 2 (SystemExit passes Hydra's job logging silently)."""
+    print(f"{prog}: error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run_entry(main: Callable[[], Any], prog: str) -> None:
     """Call a Hydra main function; user errors become `prog: error: <one line>` and exit code 2."""
     from hydra.errors import HydraException
@@ -52,8 +58,7 @@ def run_entry(main: Callable[[], Any], prog: str) -> None:
     except GptlabError as e:
         if user_wants_traceback:
             raise
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        fail(prog, e)
     except (HydraException, OmegaConfBaseException) as e:
         if user_wants_traceback:
             raise

@@ -62,7 +62,9 @@ def _one_line(e: Exception) -> str:
 def to_config(cfg: DictConfig) -> Config:
     """Validate a composed DictConfig and convert it to the typed Config (raises GptlabError)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+        # Merge a plain copy: a DictConfig node already typed by Hydra would carry `+key=` extras along.
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise GptlabError(f"invalid config: {_one_line(e)}") from None

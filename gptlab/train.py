@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Dict
 
@@ -11,8 +12,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.build import build, write_sample
-from gptlab.cli import run_entry
+from gptlab.cli import fail, run_entry
 from gptlab.config import to_config
+from gptlab.errors import GptlabError
 from gptlab.loop import train
 
 
@@ -35,10 +37,7 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
         status = "FINISHED"
         return results
     finally:
-        run.tracker.finish(status)
-        from gptlab import distributed
-
-        distributed.teardown()
+        run.close(status)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -47,7 +46,12 @@ def main(cfg: DictConfig) -> Dict[str, Any]:
     run_name = None
     if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
         run_name = f"{cfg.model.name}-{cfg.data.name}-{cfg.hardware.name}[{','.join(hc.overrides.task)}]"
-    return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
+    try:
+        return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
+    except GptlabError as e:
+        if hc.mode == RunMode.RUN and os.environ.get("GPTLAB_TRACEBACK") != "1":
+            fail("gptlab.train", e)  # one line, before Hydra logs the job as failed
+        raise
 
 
 if __name__ == "__main__":

@@ -1,0 +1,42 @@
+# The two commands of the README:
+#   make train   set up .venv and train the default model (character GPT on Tiny Shakespeare, CPU)
+#   make test    set up .venv and run the whole test suite (what CI runs)
+# Extra arguments: make train ARGS="model=gpt_nano train.max_steps=200"   make test PYTEST_ARGS="-m 'not slow'"
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup train test clean
+
+setup: $(VENV)/.installed
+
+# torch first, so that pip never picks a multi-GB CUDA build on a machine without a GPU:
+# a wheel already on this machine (pip's find-links) wins, then CUDA where nvidia-smi works,
+# else PyTorch's CPU-only index.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+		echo "torch already installed"; \
+	elif $(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+		echo "torch $(TORCH_VERSION) installed from a local wheel"; \
+	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/pip install "torch==$(TORCH_VERSION)"; \
+	else \
+		$(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
+			--extra-index-url https://pypi.org/simple; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+train: setup
+	$(BIN)/python -m gptlab.train $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,63 @@
+"""Guards on the design: imports flow one way, and the command-line names stay stable."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import compose_config
+from gptlab.config import to_config
+
+PKG = Path(__file__).resolve().parents[1] / "gptlab"
+LEAVES = ["model", "optim", "tracking", "metrics", "checkpoint", "data"]
+ALLOWED_FOR_LEAVES = {"gptlab.errors"}
+
+
+def gptlab_imports(path: Path):
+    """gptlab modules imported at run time (imports under `if TYPE_CHECKING:` are for hints only)."""
+    tree = ast.parse(path.read_text())
+    hints_only = {id(n) for node in ast.walk(tree)
+                  if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+                  for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in hints_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptlab"):
+            yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("gptlab"))
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_leaf_modules_import_no_other_gptlab_module(leaf):
+    files = [PKG / f"{leaf}.py"] if (PKG / f"{leaf}.py").exists() else sorted((PKG / leaf).glob("*.py"))
+    for f in files:
+        for mod in gptlab_imports(f):
+            assert mod in ALLOWED_FOR_LEAVES or mod.startswith(f"gptlab.{leaf}"), f"{f.name} imports {mod}"
+
+
+def test_loop_and_train_stay_thin():
+    loop = set(gptlab_imports(PKG / "loop.py"))
+    assert "gptlab.config" not in loop and "gptlab.build" not in loop  # the loop sees built objects
+    train = set(gptlab_imports(PKG / "train.py"))
+    assert train <= {"gptlab.config", "gptlab.build", "gptlab.loop", "gptlab.cli", "gptlab.errors", "gptlab"}
+
+
+FROZEN_OVERRIDES = {
+    "train.max_steps": 7, "train.batch_size": 16, "train.micro_batch_size": 4, "train.eval_every": 3,
+    "train.eval_steps": 2, "train.log_every": 1, "train.checkpoint_every": 5, "train.seed": 1,
+    "train.resume": "never", "model.block_size": 16, "model.n_layer": 1, "model.n_head": 2,
+    "model.n_embd": 8, "model.dropout": 0.1, "data.path": "/tmp/x.txt", "optimizer.lr": 0.01,
+    "optimizer.warmup_steps": 2, "tracking.uri": "http://127.0.0.1:5000", "tracking.experiment": "e",
+}
+
+
+def test_command_line_override_names_are_frozen():
+    cfg = to_config(compose_config([f"{k}={v}" for k, v in FROZEN_OVERRIDES.items()]))
+    for key, value in FROZEN_OVERRIDES.items():
+        group, name = key.split(".")
+        assert getattr(getattr(cfg, group), name) == value, key
+
+
+def test_entry_point_modules_exist():
+    assert (PKG / "train.py").is_file()

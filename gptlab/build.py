@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from gptlab import checkpoint, distributed
 from gptlab.config import Config
-from gptlab.data import PreparedData, RandomWindowLoader, Tokenizer, eval_batches, prepare_data
+from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
 from gptlab.metrics import flops_per_token, measured_cpu_peak
@@ -57,6 +57,7 @@ class Run:
     start_tokens: int = 0
     start_best_val: float = math.inf
     derived: Dict[str, Any] = field(default_factory=dict)
+    timings: List[Any] = field(default_factory=list)  # (step, seconds, tokens) per logged window
 
     def close(self, status: str) -> None:
         """Finish the records (FINISHED / FAILED) and leave the process group."""
@@ -123,7 +124,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     peak_lr = scaled_lr(cfg.optimizer, world)
     optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = RandomWindowLoader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
+    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
     eval_bs = cfg.train.eval_batch_size or mb
     val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
 

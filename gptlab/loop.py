@@ -40,6 +40,7 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest checkpoint in the run folder) | never | a checkpoint path
     sample_tokens: int = 500  # text generated at the end into samples.txt (0: none)
     sample_prompt: str = "\n"
+    save_checkpoints: bool = True  # false: no checkpoints at all (benchmarks)
 
 
 class Console:
@@ -170,7 +171,7 @@ def train(run: "Run") -> Dict[str, Any]:
         last = step == t.max_steps
         do_log = step % t.log_every == 0 or last or step == run.start_step + 1
         do_eval = bool(t.eval_every and step % t.eval_every == 0) or last
-        do_save = bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last
+        do_save = t.save_checkpoints and (bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last)
         if not (do_log or do_eval or do_save):
             console.step(step, None)
             continue
@@ -179,6 +180,7 @@ def train(run: "Run") -> Dict[str, Any]:
             torch.cuda.synchronize(dev)
         window_s = time.perf_counter() - window_t0
         train_time += window_s
+        run.timings.append((step, window_s, window_tokens))  # per-window timings for gptlab.bench
         tok_s = window_tokens / window_s if window_s > 0 else 0.0
         metrics: Dict[str, Any] = {"tokens": tokens}
         if do_log:
@@ -202,7 +204,9 @@ def train(run: "Run") -> Dict[str, Any]:
                     + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s"
                     + f" | mfu {100 * mfu(tok_s, run.flops_per_token, run.peak_flops):.1f}% | eta {eta:,.0f}s")
             console.step(step, line, {"loss": f"{train_loss:.4f}", "best_val": f"{best_val:.4f}",
-                                       "lr": f"{lr:.1e}", "tok/s": f"{tok_s:,.0f}", "eta": f"{eta:,.0f}s"})
+                                       "lr": f"{lr:.1e}", "tok/s": f"{tok_s:,.0f}",
+                                       "mfu": f"{100 * mfu(tok_s, run.flops_per_token, run.peak_flops):.1f}%",
+                                       "eta": f"{eta:,.0f}s"})
         if do_save:
             save_checkpoint(run, step, tokens, best_val)
         # evaluation, checkpointing and logging are not training throughput

@@ -84,6 +84,8 @@ class NullTracker:
 
     def log_artifact(self, path: Path) -> None: ...
 
+    def write_config(self, resolved: Dict[str, Any]) -> None: ...
+
     def write_results(self, results: Dict[str, Any]) -> None: ...
 
     def finish(self, status: str = "FINISHED") -> None: ...
@@ -219,6 +221,14 @@ class Tracker:
     def log_artifact(self, path: Path) -> None:
         if self.mlflow:
             self.mlflow.log_artifact(path)
+
+    def write_config(self, resolved: Dict[str, Any]) -> None:
+        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact."""
+        import yaml
+
+        path = self.run_dir / "config_resolved.yaml"
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        self.log_artifact(path)
 
     def write_results(self, results: Dict[str, Any]) -> None:
         path = self.run_dir / "results.json"

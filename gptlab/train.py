@@ -26,6 +26,7 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
     run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
     status = "FAILED"
     try:
+        run.tracker.write_config(resolved)
         results = train(run)
         sample = write_sample(run)
         if sample is not None:

@@ -28,7 +28,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     for name in ("opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/mfu", "tokens"):
         assert client.get_metric_history(run.info.run_id, name), name
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"results.json", "samples.txt"} <= artifacts
+    assert {"results.json", "samples.txt", "config_resolved.yaml"} <= artifacts
     assert json.loads((run_dir / "results.json").read_text())["mlflow_run_id"] == run.info.run_id
 
 

@@ -4,7 +4,7 @@ The public surface is ``DataConfig``, ``prepare_data(cfg)`` and the loaders; ``b
 """
 
 from gptlab.data.config import DataConfig
-from gptlab.data.loader import RandomWindowLoader, eval_batches
+from gptlab.data.loader import RandomWindowLoader, build_train_loader, eval_batches
 from gptlab.data.prepare import PreparedData, prepare_data
 from gptlab.data.tokenizers import CharTokenizer, Tokenizer, load_tokenizer
 
@@ -13,6 +13,7 @@ __all__ = [
     "PreparedData",
     "prepare_data",
     "RandomWindowLoader",
+    "build_train_loader",
     "eval_batches",
     "CharTokenizer",
     "Tokenizer",

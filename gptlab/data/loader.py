@@ -72,3 +72,9 @@ def eval_batches(tokens: np.ndarray, block_size: int, batch_size: int, n_batches
         starts = window_starts(len(tokens), block_size, batch_size, seed, i, 1)
         out.append(_windows(tokens, starts, block_size))
     return out
+
+
+def build_train_loader(tokens: np.ndarray, block_size: int, batch_size: int, micro_batch_size: int,
+                       rank: int, world_size: int, seed: int) -> RandomWindowLoader:
+    """The training loader for a prepared split (random windows)."""
+    return RandomWindowLoader(tokens, block_size, batch_size, micro_batch_size, rank, world_size, seed)

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -94,9 +95,12 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
           run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
           log: Callable[[str], None] = print) -> Run:
     """Build every object of a training run from a validated Config."""
-    run_dir = Path(run_dir)
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     say = log if d.is_main else (lambda *_: None)
+    # Every rank uses rank 0's run folder (under torchrun each rank's Hydra picked its own timestamp).
+    own_dir, run_dir = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
+    if own_dir != run_dir and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(own_dir, ignore_errors=True)  # this rank's unused, empty Hydra folder
 
     # Data: rank 0 prepares the token files first so the others only read them.
     if d.is_main:
@@ -124,7 +128,8 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     peak_lr = scaled_lr(cfg.optimizer, world)
     optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
+    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed,
+                                sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda")
     eval_bs = cfg.train.eval_batch_size or mb
     val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
 

@@ -58,25 +58,80 @@ class Dist:
         return self.rank == 0
 
 
+def launched_world() -> int:
+    """How many processes were started for this job by something outside gptlab (torchrun, SLURM)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if slurm_task():
+        return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return 1
+
+
+def slurm_task() -> bool:
+    """True inside an `srun` step (which is how submitit starts each task of a job)."""
+    return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
+
+
+def role(hw: HardwareConfig) -> str:
+    """plain | torchrun | slurm | parent (gptlab must start hw.nproc_per_node workers itself)."""
+    expected = hw.nproc_per_node * hw.nodes
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "torchrun"  # also our own spawned workers, which get the same variables
+    if slurm_task() and int(os.environ["SLURM_STEP_NUM_TASKS"]) > 1:
+        return "slurm"
+    if expected > 1:
+        if hw.nodes > 1:
+            from gptlab.errors import GptlabError
+
+            raise GptlabError(f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
+                              "(hydra/launcher=slurm_a100x8) or torchrun on every node")
+        return "parent"
+    return "plain"
+
+
+def _export_slurm_env() -> None:
+    """Turn a SLURM task's identity into torch.distributed's env:// variables."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit
+
+        # keep every GPU visible: the device is picked from the local rank below
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return
+    import subprocess
+
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
+    os.environ.setdefault("MASTER_ADDR", first)
+    # the port is a function of the job id, so it is the same on every node and across requeues
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
+                      LOCAL_RANK=os.environ["SLURM_LOCALID"])
+
+
 def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     """Decide who this process is, pick its device, and join the process group if there is one."""
+    from gptlab.errors import GptlabError
+
+    if role(hw) == "slurm":
+        _export_slurm_env()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     expected = hw.nproc_per_node * hw.nodes
     if world != expected:
-        from gptlab.errors import GptlabError
-
         raise GptlabError(
-            f"hardware={hw.name} asks for {expected} process(es) but this job has {world}: start it with "
-            f"`torchrun --nproc_per_node={hw.nproc_per_node} -m gptlab.train hardware={hw.name} ...`"
+            f"hardware={hw.name} asks for {expected} process(es) but this job has {world}: set "
+            f"hardware.nproc_per_node / hardware.nodes to match the launcher (torchrun --nproc_per_node, "
+            f"SLURM tasks)"
         )
     if hw.threads:
         torch.set_num_threads(hw.threads)
+    elif hw.device == "cpu" and world > 1:
+        # processes on one host share its cores: avoid oversubscribing them
+        per_node = max(1, world // hw.nodes)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     if hw.device == "cuda":
         if not torch.cuda.is_available():
-            from gptlab.errors import GptlabError
-
             raise GptlabError(f"hardware={hw.name} needs CUDA, but no GPU is visible; use hardware=cpu")
         n_visible = torch.cuda.device_count()
         device = torch.device("cuda", local_rank % n_visible)
@@ -92,6 +147,53 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
             device_id=device if device.type == "cuda" else None,
         )
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank src's obj on every rank (identity without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(local_rank: int, nprocs: int, port: int, fn, args) -> None:
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(*args)
+
+
+def spawn(fn, nprocs: int, args: tuple) -> None:
+    """Start nprocs local workers running fn(*args) as ranks 0..nprocs-1, and wait for all of them.
+
+    When one worker fails, the others are stopped at once (torch.multiprocessing does this), and the
+    failure is raised here as one GptlabError naming the rank; the worker's own traceback has
+    already been printed on this console. A worker that exits with code 2 reported a user error itself.
+    """
+    import torch.multiprocessing as mp
+
+    from gptlab.errors import GptlabError
+
+    try:
+        mp.start_processes(_worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs,
+                           start_method="spawn", join=True)
+    except mp.ProcessExitedException as e:
+        if e.exit_code == 2:
+            raise SystemExit(2) from None
+        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
+        raise GptlabError(f"worker rank {e.error_index} (pid {e.error_pid}) {how}; all workers were stopped") from None
+    except mp.ProcessRaisedException as e:
+        print(str(e).rstrip(), file=__import__("sys").stderr)
+        raise GptlabError(f"worker rank {e.error_index} failed (traceback above); all workers were stopped") from None
 
 
 def teardown() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Dict
@@ -11,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from gptlab import distributed
 from gptlab.build import build, write_sample
 from gptlab.cli import fail, run_entry
 from gptlab.config import to_config
@@ -20,9 +22,16 @@ from gptlab.loop import train
 
 def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
                  tags: Dict[str, str] | None = None) -> Dict[str, Any]:
-    """config -> build -> loop -> results; also used by tests through Hydra's compose API."""
+    """config -> build -> loop -> results; also used by tests through Hydra's compose API.
+
+    When `hardware` asks for more processes than were launched (hardware=cpu_x2 from a plain
+    `python -m gptlab.train`), this process starts the workers, waits, and returns rank 0's results.
+    """
     config = to_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    if distributed.role(config.hardware) == "parent":
+        distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir), run_name, tags))
+        return json.loads((Path(run_dir) / "results.json").read_text())
     run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
     status = "FAILED"
     try:
@@ -39,6 +48,15 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
         return results
     finally:
         run.close(status)
+
+
+def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: Dict[str, str] | None) -> None:
+    """One locally spawned rank: the same run, with RANK / WORLD_SIZE set by distributed.spawn."""
+    try:
+        run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
+    except GptlabError as e:
+        rank = os.environ.get("RANK", "0")
+        fail("gptlab.train", e if rank == "0" else f"[rank {rank}] {e}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

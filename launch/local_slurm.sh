@@ -3,11 +3,13 @@
 #
 #   bash launch/local_slurm.sh up       install (if missing), configure, start; wait until the node is idle
 #   bash launch/local_slurm.sh status   daemons, node and queue; exit 0 when the cluster answers
-#   bash launch/local_slurm.sh down     cancel every job, stop slurmd, slurmctld and (if we started it) munged
+#   bash launch/local_slurm.sh down     cancel every job; stop slurmd, slurmctld, slurmdbd, MariaDB and
+#                                       (if this script started it) munged
 #
 # Run as root. No systemd and no cgroups: the daemons are started by hand, processes are tracked by
 # walking /proc (proctrack/linuxproc) and tasks are not confined (task/none). Everything the cluster
-# writes (config, state, spool, logs, pid files, fake GPU device files) lives in one folder:
+# writes (config, state, spool, logs, pid files, fake GPU device files, the accounting database)
+# lives in one folder:
 # $GPTLAB_SLURM_DIR (default /var/tmp/gptlab-slurm). The clients (sinfo, sbatch, srun, and submitit,
 # which calls them) find the config through /etc/slurm/slurm.conf, a symlink to that folder's file;
 # an /etc/slurm/slurm.conf that this script did not write is never touched (set SLURM_CONF instead).
@@ -26,14 +28,19 @@
 #     SelectTypeParameters=CR_Core: memory is not a consumable resource here, so --mem is only checked
 #     against the node's RealMemory (and --mem=0, "the whole node", is fine).
 #   - srun / sbatch --wait / job arrays (what submitit uses), --signal=USR2@N before the time limit.
+#   - Accounting, so that `sacct` works: slurmdbd on a private MariaDB (its own data folder, loopback
+#     port $GPTLAB_SLURM_DB_PORT, started as a plain process). submitit learns a job's state only from
+#     sacct: without it, a job that ends without writing its result file (scancel, time limit, a
+#     killed task) leaves the launcher polling forever, with a warning on every poll. Measured: the
+#     MariaDB + slurmdbd packages add ~30 s to a first install and ~5 s to a first `up`.
+#     GPTLAB_SLURM_ACCOUNTING=0 leaves them out (then sacct fails, with the behaviour above).
 # What does not (and is not attempted):
-#   - No accounting (no slurmdbd): `sacct` fails, so submitit logs a warning when it polls job state;
-#     it still collects results from its result files.
 #   - No cgroups: no memory or CPU enforcement, no GPU isolation (every task sees all 8 fake GPUs).
 #   - Plain files as GPU device files are rejected by slurmd, and a gres.conf without File= makes the
 #     node invalid; that is why the fake devices are symlinks to /dev/null.
 # Configuration knobs (environment): GPTLAB_SLURM_DIR, GPTLAB_SLURM_CPUS (16), GPTLAB_SLURM_GPUS (8),
-# GPTLAB_SLURM_PARTITION (local), GPTLAB_SLURM_WAIT_S (90: how long `up` waits for an idle node).
+# GPTLAB_SLURM_PARTITION (local), GPTLAB_SLURM_WAIT_S (90: how long `up` waits for an idle node),
+# GPTLAB_SLURM_ACCOUNTING (1), GPTLAB_SLURM_DB_PORT (6820).
 set -euo pipefail
 
 STATE_DIR="${GPTLAB_SLURM_DIR:-/var/tmp/gptlab-slurm}"
@@ -41,6 +48,10 @@ CPUS="${GPTLAB_SLURM_CPUS:-16}"
 GPUS="${GPTLAB_SLURM_GPUS:-8}"
 PARTITION="${GPTLAB_SLURM_PARTITION:-local}"
 WAIT_S="${GPTLAB_SLURM_WAIT_S:-90}"
+ACCOUNTING="${GPTLAB_SLURM_ACCOUNTING:-1}"
+DB_PORT="${GPTLAB_SLURM_DB_PORT:-6820}"
+DBD_PORT=6819
+DB_DIR="$STATE_DIR/mariadb"
 CONF="$STATE_DIR/slurm.conf"
 ETC_CONF=/etc/slurm/slurm.conf
 LOG="$STATE_DIR/log"
@@ -67,15 +78,17 @@ alive_pid() {
 
 install_packages() {
     local missing=()
-    for cmd in slurmctld slurmd sinfo sbatch srun scontrol munged; do
+    local cmds=(slurmctld slurmd sinfo sbatch srun scontrol munged) pkgs=(slurm-wlm munge)
+    if [ "$ACCOUNTING" = 1 ]; then cmds+=(slurmdbd sacctmgr mariadbd mariadb-install-db); pkgs+=(slurmdbd mariadb-server); fi
+    for cmd in "${cmds[@]}"; do
         command -v "$cmd" >/dev/null 2>&1 || [ -x "/usr/sbin/$cmd" ] || missing+=("$cmd")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
-    say "installing slurm-wlm and munge (missing: ${missing[*]})"
+    say "installing ${pkgs[*]} (missing: ${missing[*]})"
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
-    # policy-rc.d / no systemd: the packages' own service start is refused; we start the daemons below.
-    apt-get install -y -qq slurm-wlm munge >"$STATE_DIR/apt.log" 2>&1 \
+    # No systemd: the packages' own service starts are refused (policy-rc.d); the daemons start below.
+    apt-get install -y -qq "${pkgs[@]}" >"$STATE_DIR/apt.log" 2>&1 \
         || { tail -20 "$STATE_DIR/apt.log" >&2; die "apt-get install failed (log: $STATE_DIR/apt.log)"; }
 }
 
@@ -84,8 +97,14 @@ write_config() {
     # RealMemory as slurmd measures it, so that --mem requests are checked against the real machine.
     real_mem="$(/usr/sbin/slurmd -C 2>/dev/null | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')"
     [ -n "$real_mem" ] || real_mem=1024
-    local gres=""
+    local gres="" accounting="AccountingStorageType=accounting_storage/none"
     [ "$GPUS" -gt 0 ] && gres=" Gres=gpu:$GPUS"
+    if [ "$ACCOUNTING" = 1 ]; then
+        accounting="AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$DBD_PORT"
+        write_dbd_config
+    fi
     mkdir -p "$STATE_DIR/state" "$STATE_DIR/spool" "$LOG" "$RUN" "$STATE_DIR/dev"
     # Fake GPU device files: slurmd rejects plain files, a symlink to /dev/null is a character device.
     local i
@@ -108,7 +127,7 @@ SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 GresTypes=gpu
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$accounting
 JobCompType=jobcomp/none
 MailProg=/bin/true
 ReturnToService=2
@@ -135,10 +154,34 @@ EOF
     } >"$STATE_DIR/gres.conf.tmp"
     CONFIG_CHANGED=0
     local f
-    for f in "$CONF" "$STATE_DIR/gres.conf"; do
+    for f in "$CONF" "$STATE_DIR/gres.conf" "$STATE_DIR/slurmdbd.conf"; do
+        [ -e "$f.tmp" ] || continue
         if ! cmp -s "$f.tmp" "$f"; then CONFIG_CHANGED=1; mv "$f.tmp" "$f"; else rm -f "$f.tmp"; fi
     done
     link_etc_conf
+}
+
+write_dbd_config() {
+    # A password for the loopback-only database user, made once and kept with the state.
+    [ -s "$STATE_DIR/db.pass" ] || (umask 077 && head -c 18 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$STATE_DIR/db.pass")
+    (umask 077 && cat >"$STATE_DIR/slurmdbd.conf.tmp" <<EOF
+$MARK; regenerated by every \`up\`.
+AuthType=auth/munge
+DbdHost=$NODE
+DbdAddr=127.0.0.1
+DbdPort=$DBD_PORT
+SlurmUser=root
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$DB_PORT
+StorageUser=slurm
+StoragePass=$(cat "$STATE_DIR/db.pass")
+StorageLoc=slurm_acct_db
+PidFile=$RUN/slurmdbd.pid
+LogFile=$LOG/slurmdbd.log
+DebugLevel=info
+EOF
+)
 }
 
 link_etc_conf() {
@@ -174,6 +217,51 @@ start_munge() {
     local i
     for ((i = 0; i < 50; i++)); do munge_ok && { touch "$RUN/munged.ours"; return 0; }; sleep 0.2; done
     die "munged did not start (logs: $LOG/munged.out, /var/log/munge/munged.log)"
+}
+
+db_sql() { mariadb --no-defaults --socket="$RUN/mariadb.sock" -u root "$@"; }
+
+start_mariadb() {
+    if [ -n "$(alive_pid "$RUN/mariadb.pid" mariadbd)" ]; then return 0; fi
+    if [ ! -d "$DB_DIR/mysql" ]; then
+        say "creating the accounting database in $DB_DIR"
+        mkdir -p "$DB_DIR"
+        mariadb-install-db --no-defaults --user=root --datadir="$DB_DIR" --skip-test-db \
+            --auth-root-authentication-method=socket >"$LOG/mariadb-install.log" 2>&1 \
+            || die "mariadb-install-db failed (log: $LOG/mariadb-install.log)"
+    fi
+    # Our own server, not the system's: private data folder and socket, loopback TCP for slurmdbd.
+    setsid mariadbd --no-defaults --user=root --datadir="$DB_DIR" --socket="$RUN/mariadb.sock" \
+        --pid-file="$RUN/mariadb.pid" --bind-address=127.0.0.1 --port="$DB_PORT" --skip-name-resolve \
+        --innodb-buffer-pool-size=32M --log-error="$LOG/mariadb.log" >>"$LOG/mariadb.out" 2>&1 </dev/null &
+    local i
+    for ((i = 0; i < 150; i++)); do
+        mariadb-admin --no-defaults --socket="$RUN/mariadb.sock" -u root ping >/dev/null 2>&1 && break
+        sleep 0.2
+    done
+    mariadb-admin --no-defaults --socket="$RUN/mariadb.sock" -u root ping >/dev/null 2>&1 \
+        || die "MariaDB did not start (log: $LOG/mariadb.log)"
+    local pw
+    pw="$(cat "$STATE_DIR/db.pass")"
+    db_sql -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
+        ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$pw';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';" \
+        || die "could not create the slurm database user (log: $LOG/mariadb.log)"
+}
+
+start_slurmdbd() {
+    if [ -z "$(alive_pid "$RUN/slurmdbd.pid" slurmdbd)" ]; then
+        # slurmdbd reads slurmdbd.conf from the folder of $SLURM_CONF.
+        setsid /usr/sbin/slurmdbd -D >>"$LOG/slurmdbd.out" 2>&1 </dev/null &
+        echo $! >"$RUN/slurmdbd.launch.pid"
+    fi
+    local i
+    for ((i = 0; i < 150; i++)); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.2; done
+    sacctmgr -n list cluster >/dev/null 2>&1 || die "slurmdbd does not answer (logs: $LOG/slurmdbd.log $LOG/slurmdbd.out)"
+    if [ -z "$(sacctmgr -n -P list cluster format=cluster | grep -x gptlab)" ]; then
+        sacctmgr -i add cluster gptlab >/dev/null || die "sacctmgr add cluster failed (log: $LOG/slurmdbd.log)"
+    fi
 }
 
 start_slurmctld() {
@@ -223,6 +311,7 @@ cmd_up() {
         stop_slurm
     fi
     start_munge
+    if [ "$ACCOUNTING" = 1 ]; then start_mariadb; start_slurmdbd; fi
     start_slurmctld
     start_slurmd
     wait_idle
@@ -261,6 +350,9 @@ cmd_down() {
         fi
     fi
     stop_slurm
+    stop_pid "$RUN/slurmdbd.pid" slurmdbd
+    stop_pid "$RUN/slurmdbd.launch.pid" slurmdbd
+    stop_pid "$RUN/mariadb.pid" mariadbd
     if [ -e "$RUN/munged.ours" ]; then
         stop_pid "$RUN/munged.launch.pid" munged
         stop_pid /run/munge/munged.pid munged
@@ -274,10 +366,11 @@ cmd_down() {
 
 cmd_status() {
     local d pid rc=0
-    for d in munged slurmctld slurmd; do
+    for d in munged mariadb slurmdbd slurmctld slurmd; do
         pid="$(alive_pid "$RUN/$d.pid" "$d")"
         [ -n "$pid" ] || pid="$(alive_pid "$RUN/$d.launch.pid" "$d")"
         [ -n "$pid" ] || pid="$(alive_pid /run/munge/$d.pid "$d")"
+        [ "$d" = mariadb ] && [ -z "$pid" ] && pid="$(alive_pid "$RUN/mariadb.pid" mariadbd)"
         if [ -n "$pid" ]; then echo "$d: running (pid $pid)"; else echo "$d: not running"; fi
     done
     if sinfo -h >/dev/null 2>&1; then

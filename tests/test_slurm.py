@@ -1,0 +1,169 @@
+"""The local SLURM cluster (launch/local_slurm.sh) and the Hydra launcher presets, end to end.
+
+These tests need a running cluster: `bash launch/local_slurm.sh up` (.ci/run starts one). Without one
+they are skipped, except in CI (CI=true), where a missing cluster is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+PARTITION = os.environ.get("GPTLAB_SLURM_PARTITION", "local")  # as launch/local_slurm.sh names it
+
+
+def _cluster_problem() -> str | None:
+    """Why the local cluster can't be used, or None when sinfo shows a usable node."""
+    if shutil.which("sinfo") is None:
+        return "sinfo is not installed"
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer in 30 s"
+    if r.returncode != 0:
+        return f"sinfo failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+    states = r.stdout.split()
+    if not any(s.rstrip("*~#").startswith(("idle", "mixed", "allocated", "completing")) for s in states):
+        return f"no usable node (sinfo states: {states})"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_cluster():
+    problem = _cluster_problem()
+    if problem:
+        message = f"no local SLURM cluster ({problem}); start one with `bash launch/local_slurm.sh up`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message + " (.ci/run should have)")
+        pytest.skip(message)
+
+
+def _run(cmd: List[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def test_cluster_runs_srun_and_sbatch_with_fake_gpus(tmp_path):
+    # 8 tasks on the 16 declared CPUs (2 real cores), each seeing the 8 fake GPUs.
+    r = _run(["srun", f"--partition={PARTITION}", "--ntasks=8", "--gpus-per-node=8", "--time=2",
+              "bash", "-c", 'echo "$SLURM_PROCID $SLURM_NTASKS $CUDA_VISIBLE_DEVICES"'], tmp_path)
+    rows = sorted(line.split() for line in r.stdout.strip().splitlines())
+    assert [int(rank) for rank, _, _ in rows] == list(range(8)), r.stdout
+    assert {(n, gpus) for _, n, gpus in rows} == {("8", "0,1,2,3,4,5,6,7")}, r.stdout
+
+    out = tmp_path / "batch.out"
+    _run(["sbatch", "--wait", f"--partition={PARTITION}", "--time=2", f"--output={out}",
+          "--wrap", "echo batch job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"], tmp_path)
+    assert re.match(r"batch job \d+ on \S+", out.read_text()), out.read_text()
+
+
+def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path):
+    r = run_cli(["gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano",
+                 f"data.path={shakespeare}", "train.max_steps=10", "train.batch_size=4",
+                 "train.eval_every=10", "train.eval_steps=2", "train.sample_tokens=0",
+                 "tracking.mlflow=false", "optimizer.lr=1e-3,3e-3"], cwd=tmp_path, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    sweeps = list((tmp_path / "outputs" / "sweeps").iterdir())
+    assert len(sweeps) == 1, sweeps
+    sweep = sweeps[0]
+    for num in ("0", "1"):
+        assert (sweep / num / "results.json").is_file(), sorted(p.name for p in (sweep / num).iterdir())
+    # One array job of two tasks, on the local partition, one task each (hardware=cpu); its logs sit
+    # next to the job folders.
+    (submission,) = sweep.glob(".submitit/*/*_submission.sh")
+    script = submission.read_text()
+    for flag in ("--array=0-1", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1",
+                 "--signal=USR2@"):
+        assert flag in script, script
+    job_id = submission.parent.name
+    for num in ("0", "1"):
+        assert (sweep / ".submitit" / f"{job_id}_{num}" / f"{job_id}_{num}_0_log.out").is_file()
+
+
+def _submit_held(args: List[str], sweep: Path, cwd: Path) -> tuple[subprocess.Popen, str, str]:
+    """Start `python -m gptlab.train -m ...` with the job held in the queue, so that it never runs;
+    return the launcher process, the job id and the submission script submitit wrote."""
+    cmd = [sys.executable, "-m", "gptlab.train", "-m", *args, f"hydra.sweep.dir={sweep}",
+           "+hydra.launcher.additional_parameters.hold=true"]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        found = list(sweep.glob(".submitit/*/*_submission.sh"))
+        if found:
+            return proc, found[0].parent.name, found[0].read_text()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    _stop(proc)
+    out = proc.communicate(timeout=30)[0]
+    pytest.fail(f"no submission appeared under {sweep}/.submitit (launcher exit {proc.returncode}):\n{out[-4000:]}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def _job_field(job_id: str, field: str, cwd: Path) -> str:
+    out = _run(["scontrol", "show", "job", job_id], cwd).stdout
+    match = re.search(rf"\b{field}=(\S+)", out)
+    assert match, f"{field} not in:\n{out}"
+    return match.group(1)
+
+
+def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
+    # The real preset, submitted to the local cluster. Only cpus_per_task is lowered: 8 tasks x 8 CPUs
+    # would not fit the 16 CPUs declared here. The job is held, checked, cancelled; it never runs.
+    sweep = tmp_path / "sweep"
+    proc, job_id, script = _submit_held(["hydra/launcher=slurm_a100x8", "hardware=a100x8", "model=gpt_nano",
+                                         "hydra.launcher.cpus_per_task=2"], sweep, tmp_path)
+    try:
+        for flag in ("--nodes=1", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR2@300",
+                     "--time=1440", f"--output={sweep}/.submitit/%j/%j_0_log.out"):
+            assert flag in script, script
+        assert "--partition" not in script and "--account" not in script, script
+        # What the scheduler accepted, not only what was asked.
+        assert _job_field(job_id, "NumNodes", tmp_path).startswith("1")
+        assert _job_field(job_id, "NumTasks", tmp_path) == "8"
+        assert "gpu:8" in _job_field(job_id, "TresPerNode", tmp_path)
+        _run(["scancel", job_id], tmp_path)
+        # With accounting (sacct) up, submitit sees the cancellation and the launcher ends with an error
+        # instead of polling forever.
+        out = proc.communicate(timeout=90)[0]
+        assert proc.returncode != 0 and "CANCELLED" in out, out[-4000:]
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+        _stop(proc)
+
+
+def test_slurm_local_tasks_per_node_follow_hardware(tmp_path):
+    # `tasks_per_node: ${hardware.nproc_per_node}` resolves against the composed config.
+    sweep = tmp_path / "sweep"
+    proc, job_id, script = _submit_held(["hydra/launcher=slurm_local", "hardware=cpu_x2", "model=gpt_nano"],
+                                        sweep, tmp_path)
+    try:
+        assert "--ntasks-per-node=2" in script and "--gpus-per-node=0" in script, script
+        assert _job_field(job_id, "NumTasks", tmp_path) == "2"
+    finally:
+        subprocess.run(["scancel", job_id], capture_output=True)
+        _stop(proc)

@@ -20,7 +20,7 @@ def test_char_tokenizer_round_trip(shakespeare):
 
 
 def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
-    cfg = DataConfig(path=str(shakespeare), cache_dir=str(tmp_path))
+    cfg = DataConfig(path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False)
     logs = []
     data = prepare_data(cfg, log=logs.append)
     assert len(logs) == 1
@@ -32,10 +32,10 @@ def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
     assert len(train) + len(val) == 1_115_394
     assert abs(len(val) / 1_115_394 - 0.1) < 1e-5
     assert data.tokenizer.decode(train[:12].tolist()) == "First Citize"
-    mtime = (data.root / "train.bin").stat().st_mtime_ns
+    mtime = (data.root / "train" / "shard_00000.bin").stat().st_mtime_ns
     again = prepare_data(cfg, log=logs.append)  # second call: nothing rebuilt, nothing logged
     assert again.root == data.root and len(logs) == 1
-    assert (data.root / "train.bin").stat().st_mtime_ns == mtime
+    assert (data.root / "train" / "shard_00000.bin").stat().st_mtime_ns == mtime
 
 
 def test_prepare_leaves_no_half_written_folder(shakespeare, tmp_path):

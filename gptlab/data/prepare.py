@@ -1,113 +1,443 @@
-"""Text -> token files: ``train.bin`` / ``val.bin`` (flat uint16 arrays) plus ``meta.json``.
+"""Text -> token shards, once per (source, tokenizer, split settings).
 
-The output folder is keyed by (dataset, tokenizer, source hash, split), is written into a temporary
-folder and renamed into place, so a second call is free and an interrupted one leaves nothing that
-looks complete.
+The pipeline, with memory bounded whatever the corpus size:
+
+1. Tokenizer: ``char`` is fitted on the corpus's characters, ``bpe`` trained on the first
+   ``tokenizer.train_bytes`` of training text (or read from ``tokenizer.path``), ``gpt2`` loaded.
+2. Encode: documents stream to worker processes in small batches (at most a few in flight), come
+   back in order, and are appended to one flat token file per split plus a (start, length) table.
+   With ``split=documents`` each document goes to train or val by a seeded hash of its index.
+3. Shard: per split, documents are written in a seeded shuffled order (``split=documents``) into
+   equal shards whose number is a multiple of ``shard_divisor``; the remainder (fewer tokens than
+   there are shards) is dropped.
+
+Everything is written into ``<key>.tmp<pid>/`` and renamed to ``<key>/`` at the end, ``meta.json``
+last, so an interrupted run leaves nothing that looks complete and a second run finds the folder
+and does nothing. The output is a pure function of the inputs, so a rerun after a crash writes
+byte-identical shards.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+import sys
+import time
+import types
+from collections import deque
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
 from gptlab.data.config import DataConfig
-from gptlab.data.sources import cache_root, fetch_text_file, sha256_file
-from gptlab.data.tokenizers import CharTokenizer, Tokenizer, load_tokenizer
+from gptlab.data.shards import (FORMAT_VERSION, ShardWriter, TokenShards, _write_json, open_shards, shard_plan,
+                                token_dtype)
+from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
+from gptlab.data.tokenizers import (CharTokenizer, Tokenizer, TiktokenTokenizer, bpe_from_ranks, gpt2_tokenizer,
+                                    load_tokenizer, train_bpe)
 from gptlab.errors import GptlabError
 
-FORMAT_VERSION = 1
-SOURCES = ("shakespeare",)
-TOKENIZERS = ("char",)
+SOURCES = ("shakespeare", "text_files", "hf")
+TOKENIZERS = ("char", "bpe", "gpt2")
+TOKENIZER_FILE = "tokenizer.tiktoken"
+BATCH_CHARS = 4 << 20  # text per worker task: big enough to amortise pickling, small enough to bound memory
 
 
 @dataclass
 class PreparedData:
-    """A prepared dataset: where its token files are and how to read them."""
+    """A prepared dataset: where its shards are and how to read them."""
 
     root: Path
     meta: Dict[str, Any]
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.meta["tokenizer"])
+        t = self.meta["tokenizer"]
+        if t["kind"] == "bpe":
+            return bpe_from_ranks((self.root / TOKENIZER_FILE).read_text())
+        return load_tokenizer(t)
 
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
-    def tokens(self, split: str) -> np.ndarray:
-        """The split's tokens as a read-only memory map (nothing is loaded into RAM)."""
-        return np.memmap(self.root / f"{split}.bin", dtype=np.dtype(self.meta["dtype"]), mode="r")
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.meta["tokenizer_sha256"]
+
+    def tokens(self, split: str):
+        """The split as one flat read-only token array: a memory map when it is one shard, else TokenShards."""
+        shards = open_shards(self.root / split, self.meta)
+        return shards[0] if len(shards) == 1 else TokenShards(shards)
+
+    def shards(self, split: str) -> TokenShards:
+        return TokenShards(open_shards(self.root / split, self.meta))
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+def _check_choices(cfg: DataConfig) -> None:
+    def choice(key, value, options):
+        if value not in options:
+            raise GptlabError(f"data.{key}={value}: must be one of {', '.join(options)}")
+
+    choice("source", cfg.source, SOURCES)
+    choice("tokenizer.kind", cfg.tokenizer.kind, TOKENIZERS)
+    choice("split", cfg.split, ("tail", "documents"))
+    choice("separator", cfg.separator, ("none", "eos", "bos"))
+    choice("cleaner", cfg.cleaner, tuple(CLEANERS))
+    choice("sampling", cfg.sampling, ("random", "sequential"))
+    if not 0.0 < cfg.val_fraction < 1.0:
+        raise GptlabError(f"data.val_fraction={cfg.val_fraction}: must be in (0, 1)")
+    if cfg.shard_divisor < 1 or cfg.shard_tokens < 1:
+        raise GptlabError("data.shard_divisor and data.shard_tokens must be positive")
+    if cfg.workers < 0:
+        raise GptlabError(f"data.workers={cfg.workers}: must be >= 0 (0 tokenizes in this process)")
 
 
-def _write_array(path: Path, arr: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        f.write(arr.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+def dataset_key(cfg: DataConfig, source: Source) -> Tuple[str, Dict[str, Any]]:
+    """The prepared folder's name: everything that changes the shards, and nothing else."""
+    tok = asdict(cfg.tokenizer)
+    if cfg.tokenizer.kind != "bpe":
+        tok = {"kind": cfg.tokenizer.kind}
+    elif cfg.tokenizer.path:
+        tok = {"kind": "bpe", "ranks_sha256": _read_ranks_file(cfg.tokenizer.path)[1]}
+    settings = {
+        "format_version": FORMAT_VERSION, "source": source.fingerprint, "tokenizer": tok,
+        "cleaner": cfg.cleaner, "dedup": cfg.dedup, "max_documents": cfg.max_documents,
+        "split": cfg.split, "val_fraction": cfg.val_fraction, "separator": cfg.separator,
+        "shard_divisor": cfg.shard_divisor, "shard_tokens": cfg.shard_tokens,
+    }
+    if cfg.split == "documents":
+        settings.update(seed=cfg.seed, shuffle=cfg.shuffle)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{cfg.name}-{cfg.tokenizer.kind}-{digest}-v{FORMAT_VERSION}", settings
 
 
-def prepare_data(cfg: DataConfig, log=print) -> PreparedData:
-    """Make sure the token files for cfg exist (building them if needed) and return them."""
-    if cfg.source not in SOURCES:
-        raise GptlabError(f"data.source={cfg.source}: unknown source (choose from {', '.join(SOURCES)})")
-    if cfg.tokenizer not in TOKENIZERS:
-        raise GptlabError(
-            f"data.tokenizer={cfg.tokenizer}: unknown tokenizer (choose from {', '.join(TOKENIZERS)})"
-        )
+def _read_ranks_file(path: str) -> Tuple[str, str]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GptlabError(f"data.tokenizer.path={path}: no such ranks file")
+    text = p.read_text()
+    return text, hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- worker side --------------------------------------------------------------------------------
+
+_W: Dict[str, Any] = {}
+
+
+def _worker_init(tok_meta: Dict[str, Any], cleaner: str, dedup: bool, sep: Optional[Tuple[str, int]],
+                 dtype: str) -> None:
+    _W.update(tok=load_tokenizer(tok_meta), clean=CLEANERS[cleaner], dedup=dedup, sep=sep,
+              dtype=np.dtype(dtype))
+
+
+def _encode_batch(docs: List[str]) -> Tuple[np.ndarray, np.ndarray, List[int], int]:
+    """Clean, hash and encode a batch: (tokens of the kept documents, their lengths, hashes, bytes read)."""
+    clean, tok, sep, dtype = _W["clean"], _W["tok"], _W["sep"], _W["dtype"]
+    nbytes = sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
+    texts = [clean(d) for d in docs] if clean else docs
+    hashes = [doc_hash(t) for t in texts] if _W["dedup"] else []
+    encoded = tok.encode_ordinary_batch(texts)
+    parts, lengths = [], np.zeros(len(texts), dtype=np.int64)
+    for i, (text, ids) in enumerate(zip(texts, encoded)):
+        if not text:  # an empty document (or one the cleaner emptied) adds nothing, not even a separator
+            continue
+        ids = np.asarray(ids, dtype=dtype)
+        if sep is not None:
+            one = np.array([sep[1]], dtype=dtype)
+            ids = np.concatenate([one, ids] if sep[0] == "bos" else [ids, one])
+        parts.append(ids)
+        lengths[i] = len(ids)
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    return tokens, lengths, hashes, nbytes
+
+
+def _batches(docs: Iterator[str]) -> Iterator[List[str]]:
+    batch, size = [], 0
+    for d in docs:
+        batch.append(d)
+        size += len(d)
+        if size >= BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _encoded(docs: Iterator[str], workers: int, init_args: tuple) -> Iterator[tuple]:
+    """Encode batches of documents in worker processes, yielding results in input order."""
+    if workers == 0:
+        _worker_init(*init_args)
+        for b in _batches(docs):
+            yield _encode_batch(b)
+        return
+    import multiprocessing as mp
+
+    # spawn, not fork: the parent may hold threads (torch, the BPE trainer's pool) that fork would copy
+    # mid-lock. A spawned child re-imports the parent's __main__ (here `gptlab.prepare` or `gptlab.train`,
+    # so Hydra and torch: seconds per worker); hiding __main__ while the workers start avoids that, and
+    # they import only this module when they unpickle their first task.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        pool = mp.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=init_args)
+    finally:
+        sys.modules["__main__"] = main
+    with pool:
+        pending: deque = deque()
+        for b in _batches(docs):
+            pending.append(pool.apply_async(_encode_batch, (b,)))
+            if len(pending) >= 2 * workers:  # bounded: at most 2 batches per worker in flight
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class _Progress:
+    def __init__(self, enabled: bool, total_bytes: Optional[int], total_docs: Optional[int], desc: str):
+        self.bar = None
+        self.docs, self.bytes, self.t0 = 0, 0, time.perf_counter()
+        if enabled:
+            from tqdm import tqdm
+
+            by_bytes = total_bytes is not None or total_docs is None
+            self.by_bytes = by_bytes
+            self.bar = tqdm(total=total_bytes if by_bytes else total_docs, unit="B" if by_bytes else "doc",
+                            unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, docs: int, nbytes: int) -> None:
+        self.docs += docs
+        self.bytes += nbytes
+        if self.bar is not None:
+            dt = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.update(nbytes if self.by_bytes else docs)
+            self.bar.set_postfix_str(f"{self.docs / dt:,.0f} docs/s {self.bytes / dt / 1e6:,.1f} MB/s",
+                                     refresh=False)
+
+    def close(self) -> float:
+        if self.bar is not None:
+            self.bar.close()
+        return time.perf_counter() - self.t0
+
+
+# --- the pipeline -------------------------------------------------------------------------------
+
+
+def _training_texts(cfg: DataConfig, source: Source) -> Iterator[str]:
+    """Cleaned training documents (never validation ones), up to tokenizer.train_bytes of text."""
+    clean = CLEANERS[cfg.cleaner]
+    budget = cfg.tokenizer.train_bytes
+    for i, d in enumerate(limited(source.documents(), cfg.max_documents)):
+        if cfg.split == "documents" and is_val_document(cfg.seed, i, cfg.val_fraction):
+            continue
+        t = clean(d) if clean else d
+        if budget <= 0:
+            return
+        if len(t) > budget:
+            t = t[:budget]
+        budget -= len(t.encode("utf-8", "surrogatepass"))
+        yield t
+
+
+def _build_tokenizer(cfg: DataConfig, source: Source, log: Callable[[str], None]):
+    """(tokenizer, ranks file text or None)."""
+    kind = cfg.tokenizer.kind
+    if kind == "gpt2":
+        return gpt2_tokenizer(), None
+    if kind == "char":
+        specials = {"eos": ["<|eos|>"], "bos": ["<|bos|>"], "none": []}[cfg.separator]
+        clean = CLEANERS[cfg.cleaner]
+        chars: set = set()
+        for d in limited(source.documents(), cfg.max_documents):
+            chars.update(clean(d) if clean else d)
+        return CharTokenizer("".join(sorted(chars)), specials), None
+    if cfg.tokenizer.path:
+        ranks = _read_ranks_file(cfg.tokenizer.path)[0]
+    else:
+        t0 = time.perf_counter()
+        ranks = train_bpe(_training_texts(cfg, source), cfg.tokenizer.vocab_size)
+        log(f"trained a byte-level BPE of {len(ranks.splitlines()):,} merges + 3 special tokens "
+            f"in {time.perf_counter() - t0:.1f}s")
+    return bpe_from_ranks(ranks), ranks
+
+
+def _separator(cfg: DataConfig, tok) -> Optional[Tuple[str, int]]:
+    if cfg.separator == "none":
+        return None
+    tid = tok.eos_id if cfg.separator == "eos" else tok.bos_id
+    return (cfg.separator, int(tid))
+
+
+def _sweep_stale(root: Path) -> None:
+    """Remove temporary folders left by killed runs (their process is gone)."""
+    for tmp in root.parent.glob(root.name + ".tmp*"):
+        try:
+            pid = int(tmp.name.rsplit(".tmp", 1)[1])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _open_prepared(root: Path) -> PreparedData:
+    meta = json.loads((root / "meta.json").read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise GptlabError(f"{root}: made by token-file format {meta.get('format_version')}, "
+                          f"this gptlab reads {FORMAT_VERSION}; delete the folder to rebuild it")
+    if meta["tokenizer"]["kind"] == "bpe":
+        got = hashlib.sha256((root / TOKENIZER_FILE).read_bytes()).hexdigest()
+        if got != meta["tokenizer_sha256"]:
+            raise GptlabError(f"{root / TOKENIZER_FILE}: SHA-256 {got[:12]} differs from the shards' "
+                              f"{meta['tokenizer_sha256'][:12]}; delete {root} to prepare it again")
+    return PreparedData(root, meta)
+
+
+def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
+    """Make sure the token shards for cfg exist (building them if needed) and return them."""
+    _check_choices(cfg)
     cache = cache_root(cfg.cache_dir)
-    text_path = fetch_text_file(cfg.path, cfg.url, cfg.sha256, cache, "tinyshakespeare.txt")
-    digest = sha256_file(text_path)
-    key = f"{cfg.name}-{cfg.tokenizer}-{digest[:12]}-val{cfg.val_fraction:g}-v{FORMAT_VERSION}"
+    source = open_source(cfg, cache)
+    key, settings = dataset_key(cfg, source)
     root = cache / "tokens" / key
-    meta_path = root / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            raise GptlabError(f"{root}: made by token-file format {meta.get('format_version')}, "
-                              f"this gptlab reads {FORMAT_VERSION}; delete the folder to rebuild it")
-        return PreparedData(root, meta)
-
-    text = text_path.read_text(encoding="utf-8")
-    tok = CharTokenizer.fit(text)
-    ids = tok.encode_array(text)
-    dtype = token_dtype(tok.vocab_size)
-    n_val = int(round(len(ids) * cfg.val_fraction))
-    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
-    if len(val) == 0 or len(train) == 0:
-        raise GptlabError(f"data.val_fraction={cfg.val_fraction} leaves an empty split of {text_path}")
+    if (root / "meta.json").is_file():
+        return _open_prepared(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(root)
     tmp = root.with_name(root.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write_array(tmp / "train.bin", train.astype(dtype))
-    _write_array(tmp / "val.bin", val.astype(dtype))
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "dataset": cfg.name,
-        "source": str(text_path),
-        "source_sha256": digest,
-        "tokenizer": tok.to_meta(),
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype.name,
-        "train_tokens": int(len(train)),
-        "val_tokens": int(len(val)),
-    }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        meta = _prepare_into(cfg, source, settings, tmp, log)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, root)
     except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
-        return PreparedData(root, json.loads(meta_path.read_text()))
-    log(f"prepared {cfg.name}: {len(train):,} train + {len(val):,} val tokens, "
-        f"vocab {tok.vocab_size} -> {root}")
+        return _open_prepared(root)
+    log(f"prepared {cfg.name}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
+        f"{meta['train_shards']}+{meta['val_shards']} shards, vocab {meta['vocab_size']:,} "
+        f"({meta['dtype']}), {meta['prepare_mb_per_s']:.1f} MB/s -> {root}")
     return PreparedData(root, meta)
+
+
+def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path,
+                  log: Callable[[str], None]) -> Dict[str, Any]:
+    tok, ranks = _build_tokenizer(cfg, source, log)
+    if ranks is not None:
+        (tmp / TOKENIZER_FILE).write_text(ranks)
+    tok_sha = tok.sha256()
+    dtype = token_dtype(tok.vocab_size)
+    tok_meta = tok.to_meta()
+
+    # Pass 1: encode every document, in order, into a flat file per split.
+    splits = ("train", "val") if cfg.split == "documents" else ("all",)
+    flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}
+    tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}
+    written = {s: 0 for s in splits}
+    seen: set = set()
+    index, dropped_dups, empty = 0, 0, 0
+    progress = _Progress(cfg.progress, source.total_bytes, source.total_docs, f"prepare {cfg.name}")
+    workers = 0 if isinstance(tok, CharTokenizer) else cfg.workers  # char encoding is one numpy call
+    init = (tok_meta, cfg.cleaner, cfg.dedup, _separator(cfg, tok), dtype.name)
+    docs = limited(source.documents(), cfg.max_documents)
+    try:
+        for tokens, lengths, hashes, nbytes in _encoded(docs, workers, init):
+            offset = 0
+            for j, n in enumerate(lengths.tolist()):
+                i, index = index, index + 1
+                if n == 0:
+                    empty += 1
+                    continue
+                piece = tokens[offset : offset + n]
+                offset += n
+                if cfg.dedup:
+                    if hashes[j] in seen:
+                        dropped_dups += 1
+                        continue
+                    seen.add(hashes[j])
+                s = splits[0] if len(splits) == 1 else ("val" if is_val_document(cfg.seed, i, cfg.val_fraction)
+                                                         else "train")
+                flat[s].write(piece.tobytes())
+                tables[s].write(np.array([written[s], n], dtype=np.int64).tobytes())
+                written[s] += n
+            progress.update(len(lengths), nbytes)
+    finally:
+        for f in (*flat.values(), *tables.values()):
+            f.close()
+    seconds = progress.close()
+
+    # Pass 2: per split, documents in (shuffled) order into equal shards.
+    header = {"format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok_sha}
+    counts: Dict[str, Tuple[int, int, int]] = {}
+    if cfg.split == "tail":
+        n = written["all"]
+        n_val = int(round(n * cfg.val_fraction))
+        ranges = {"train": (0, n - n_val), "val": (n - n_val, n)}
+        data = np.memmap(tmp / "all.flat", dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+        for split, (a, b) in ranges.items():
+            counts[split] = _write_split(tmp / split, cfg, dtype, header, b - a,
+                                         (data[k : min(k + (1 << 24), b)] for k in range(a, b, 1 << 24)))
+        del data
+    else:
+        for split in ("train", "val"):
+            n = written[split]
+            table = np.fromfile(tmp / f"{split}.docs", dtype=np.int64).reshape(-1, 2)
+            order = np.arange(len(table))
+            if cfg.shuffle:
+                order = np.random.default_rng([cfg.seed, 7]).permutation(len(table))
+            data = np.memmap(tmp / f"{split}.flat", dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+            counts[split] = _write_split(tmp / split, cfg, dtype, header, n, _gather(data, table, order))
+            del data
+    for s in splits:
+        (tmp / f"{s}.flat").unlink()
+        (tmp / f"{s}.docs").unlink()
+
+    meta = {
+        **header,
+        "dataset": cfg.name,
+        "settings": settings,
+        "tokenizer": tok_meta if ranks is None else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok_sha},
+        "dtype": dtype.name,
+        "documents": index,
+        "empty_documents": empty,
+        "duplicate_documents": dropped_dups,
+        "train_tokens": counts["train"][0] * counts["train"][1],
+        "val_tokens": counts["val"][0] * counts["val"][1],
+        "train_shards": counts["train"][0],
+        "val_shards": counts["val"][0],
+        "dropped_tokens": counts["train"][2] + counts["val"][2],
+        "prepare_seconds": round(seconds, 3),
+        "prepare_mb_per_s": progress.bytes / max(seconds, 1e-9) / 1e6,
+        "source_bytes": progress.bytes,
+    }
+    if "file_sha256" in settings["source"]:
+        meta["source_sha256"] = settings["source"]["file_sha256"]
+    _write_json(tmp / "meta.json", meta)  # last: its presence marks the folder complete
+    return meta
+
+
+def _gather(data: np.ndarray, table: np.ndarray, order: np.ndarray, chunk: int = 4096) -> Iterator[np.ndarray]:
+    for k in range(0, len(order), chunk):
+        rows = table[order[k : k + chunk]]
+        yield np.concatenate([data[s : s + n] for s, n in rows]) if len(rows) else np.zeros(0, data.dtype)
+
+
+def _write_split(folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int,
+                 pieces: Iterator[np.ndarray]) -> Tuple[int, int, int]:
+    n, per = shard_plan(n_tokens, cfg.shard_divisor, cfg.shard_tokens)
+    if per == 0:
+        raise GptlabError(
+            f"data.shard_divisor={cfg.shard_divisor}: the {folder.name} split has only {n_tokens} tokens, too few "
+            f"for {n} shards; use more text, a larger data.val_fraction or a smaller data.shard_divisor")
+    w = ShardWriter(folder, n, per, dtype, {**header, "split": folder.name})
+    for p in pieces:
+        w.write(p)
+    w.finish()
+    return n, per, w.dropped

@@ -36,6 +36,10 @@
 #     GPTLAB_SLURM_ACCOUNTING=0 leaves them out (then sacct fails, with the behaviour above).
 # What does not (and is not attempted):
 #   - No cgroups: no memory or CPU enforcement, no GPU isolation (every task sees all 8 fake GPUs).
+#   - One node only: a job asking for --nodes=2 is accepted but pends forever (PartitionNodeLimit);
+#     multi-node runs can only be checked on a real cluster.
+#   - Requeue works (submitit's USR2 handler calls `scontrol requeue`), but SLURM holds a requeued job
+#     ~2 minutes before it is eligible again (measured: 121 s + one scheduler pass).
 #   - Plain files as GPU device files are rejected by slurmd, and a gres.conf without File= makes the
 #     node invalid; that is why the fake devices are symlinks to /dev/null.
 # Configuration knobs (environment): GPTLAB_SLURM_DIR, GPTLAB_SLURM_CPUS (16), GPTLAB_SLURM_GPUS (8),
@@ -88,7 +92,9 @@ install_packages() {
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq
     # No systemd: the packages' own service starts are refused (policy-rc.d); the daemons start below.
-    apt-get install -y -qq "${pkgs[@]}" >"$STATE_DIR/apt.log" 2>&1 \
+    # Every plugin used here is in slurm-wlm-basic-plugins (a dependency); the recommended extras
+    # (hdf5, rrd, ipmi, ... plugins and their -dev packages) are not needed.
+    apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >"$STATE_DIR/apt.log" 2>&1 \
         || { tail -20 "$STATE_DIR/apt.log" >&2; die "apt-get install failed (log: $STATE_DIR/apt.log)"; }
 }
 

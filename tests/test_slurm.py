@@ -34,7 +34,8 @@ def _cluster_problem() -> str | None:
     except subprocess.TimeoutExpired:
         return "sinfo did not answer in 30 s"
     if r.returncode != 0:
-        return f"sinfo failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        return f"sinfo failed: {lines[-1] if lines else f'exit {r.returncode}'}"
     states = r.stdout.split()
     if not any(s.rstrip("*~#").startswith(("idle", "mixed", "allocated", "completing")) for s in states):
         return f"no usable node (sinfo states: {states})"

@@ -2,13 +2,18 @@
 
 Other ranks get ``NullTracker``, so the training loop calls the same methods everywhere and never
 branches on whether logging is on. A tracking store that is down or fails never stops training: the
-tracker warns once, stops using MLflow, and the run folder still gets everything.
+tracker warns once, stops using MLflow, and the run folder still gets everything. The optional parts
+(system metrics, TensorBoard, the loss plot) each say in one line what is missing and are skipped.
+
+A run folder inside a sweep folder that holds ``sweep.json`` (written by ``gptlab.sweep`` when a
+multirun starts) becomes a child of that sweep's MLflow parent run, whatever launcher ran it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -28,6 +33,17 @@ METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so run
     "mfu": "perf/mfu",
     "tokens": "tokens",
 }
+SUMMARY_METRICS = {  # results.json key -> MLflow metric logged once at the end (sortable in the runs table)
+    "best_val_loss": "summary/best_val_loss",
+    "val_loss": "summary/val_loss",
+    "train_loss": "summary/train_loss",
+    "tokens_per_s": "summary/tokens_per_s",
+    "mfu": "summary/mfu",
+    "wall_s": "summary/wall_s",
+}
+SWEEP_FILE = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs nest under
+PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
+LOSS_PLOT = "loss.png"
 
 
 @dataclass
@@ -35,23 +51,62 @@ class TrackingConfig:
     mlflow: bool = True  # false: only the run folder is written
     uri: Optional[str] = None  # null: the local store sqlite:///<cwd>/outputs/mlflow.db
     experiment: Optional[str] = None  # null: "<model>-<data>"
-    run_name: Optional[str] = None  # null: "<model>-<data>-<hardware>"
+    run_name: Optional[str] = None  # null: "<model>-<data>-<hardware>" (+ the job's overrides in a sweep)
     flush_every: int = 50  # metric points buffered before one batched MLflow call
+    system_metrics: bool = False  # CPU, memory, disk, network (+ GPU with nvidia-ml-py) as system/* metrics
+    tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
+    plots: bool = True  # loss.png (train/val loss and lr against tokens) at the end of the run
+
+
+def note(message: str) -> None:
+    """One line on stderr about an optional part that was skipped."""
+    print(f"gptlab: {message}", file=sys.stderr, flush=True)
 
 
 def default_uri(outputs: Path) -> str:
     return f"sqlite:///{outputs.resolve() / 'mlflow.db'}"
 
 
-def ui_command(uri: str) -> str:
-    """The command that opens the MLflow UI on the store at uri."""
-    if uri.startswith("http://") or uri.startswith("https://"):
-        return f"open {uri} (the server is already the UI)"
-    cmd = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+def artifact_root(uri: str) -> Optional[Path]:
+    """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by default)."""
     if uri.startswith("sqlite:///"):
-        artifacts = Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+        return Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+    return None  # a server stores (or proxies) its own artifacts
+
+
+def _hydra_value(value: str) -> str:
+    """A command-line override value, quoted for Hydra when it holds characters Hydra would parse."""
+    if re.fullmatch(r"[\w./:+@-]+", value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def ui_command(uri: str, experiment: Optional[str] = None) -> str:
+    """The `python -m gptlab.ui` command that opens the MLflow UI on the store at uri."""
+    cmd = "python -m gptlab.ui"
+    if uri != default_uri(Path("outputs")):
+        cmd += " " + shlex.quote(f"tracking.uri={_hydra_value(uri)}")
+    if experiment:
+        cmd += " " + shlex.quote(f"tracking.experiment={_hydra_value(experiment)}")
+    return cmd
+
+
+def mlflow_ui_command(uri: str) -> str:
+    """The same as plain `mlflow ui` (for machines without gptlab)."""
+    cmd = f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+    if (artifacts := artifact_root(uri)) is not None:
         cmd += f" --default-artifact-root {shlex.quote(str(artifacts))}"
     return cmd
+
+
+def runs_url(server: str, experiment_id: str, best_first: bool = False) -> str:
+    """The MLflow UI's runs table of one experiment, in its "Model training" mode (MLflow 3 opens an
+    experiment on a GenAI overview otherwise). best_first: sorted by best val loss, which also lists
+    a sweep's jobs flat instead of folded under their parent."""
+    url = f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    if best_first:
+        url += "&orderByKey=metrics.%60summary%2Fbest_val_loss%60&orderByAsc=true"
+    return url
 
 
 def git_commit() -> Optional[str]:
@@ -72,6 +127,107 @@ def flatten(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def error_text(e: BaseException) -> str:
+    """`Type: first line of the message`, short enough for an MLflow tag."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")[:5000]
+
+
+def get_or_create_experiment(client: Any, name: str, artifacts: Optional[Path]) -> str:
+    """The id of experiment `name`, creating it (with its artifacts under `artifacts`) if needed."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=(artifacts / name).as_uri() if artifacts else None)
+    except Exception:  # noqa: BLE001 - another job created it a moment ago
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def read_sweep(run_dir: Path) -> Optional[Dict[str, Any]]:
+    """The sweep.json of the sweep folder holding run_dir (sweep.dir/subdir), if any."""
+    for folder in list(Path(run_dir).resolve().parents)[:3]:
+        path = folder / SWEEP_FILE
+        if path.is_file():
+            try:
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+            return {**info, "sweep_dir": str(folder)}
+    return None
+
+
+def read_overrides(run_dir: Path) -> List[str]:
+    """The command-line overrides Hydra recorded for the run folder (.hydra/overrides.yaml)."""
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    import yaml
+
+    try:
+        return [str(o) for o in (yaml.safe_load(path.read_text()) or [])]
+    except (OSError, yaml.YAMLError):
+        return []
+
+
+def sweep_run_name(base: str, job_overrides: List[str], sweep_overrides: List[str]) -> str:
+    """A sweep job's name: the base name and the overrides that set it apart from the sweep's."""
+    own = [o for o in job_overrides if o not in sweep_overrides]
+    return f"{base} {' '.join(own)}" if own else base
+
+
+def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a killed run
+    return rows
+
+
+def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
+    """PNG of train and val loss against tokens, with lr on a second axis (needs matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def series(key: str):
+        pts = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None and r.get("tokens") is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, style in (("train_loss", dict(color="tab:blue", lw=1.5)),
+                       ("val_loss", dict(color="tab:orange", marker="o", ms=3, lw=1.5))):
+        x, y = series(key)
+        if x:
+            ax.plot(x, y, label=key.replace("_", " "), **style)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    x, y = series("lr")
+    handles, labels = ax.get_legend_handles_labels()
+    if x:
+        ax2 = ax.twinx()
+        ax2.plot(x, y, color="tab:gray", ls="--", lw=1, label="lr")
+        ax2.set_ylabel("lr")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, loc="upper right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 class NullTracker:
@@ -95,27 +251,25 @@ class MLflowRun:
     """A thin wrapper over MlflowClient that turns any failure into one warning and a no-op."""
 
     def __init__(self, cfg: TrackingConfig, uri: str, experiment: str, run_name: str,
-                 params: Dict[str, Any], tags: Dict[str, str], artifact_root: Optional[Path]):
+                 params: Dict[str, Any], tags: Dict[str, str], artifact_root: Optional[Path],
+                 experiment_id: Optional[str] = None):
         self.uri = uri
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
         self._buffer: List[Any] = []
         self._client = None
+        self._monitor = None
         # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         try:
             self._check_reachable(uri)
-            from mlflow.entities import Param, RunTag
+            from mlflow.entities import Param
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=uri)
-            exp = client.get_experiment_by_name(experiment)
-            if exp is None:
-                location = (artifact_root / experiment).as_uri() if artifact_root else None
-                exp_id = client.create_experiment(experiment, artifact_location=location)
-            else:
-                exp_id = exp.experiment_id
+            exp_id = experiment_id or get_or_create_experiment(client, experiment, artifact_root)
             run = client.create_run(exp_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in params.items()]
@@ -140,18 +294,54 @@ class MLflowRun:
                       "everything", RuntimeWarning, stacklevel=3)
         self._client = None
 
+    def start_system_metrics(self, gpu_expected: bool) -> None:
+        """MLflow's own sampler (a thread): system/* metrics every 10 s (MLFLOW_SYSTEM_METRICS_*)."""
+        if self._client is None:
+            return
+        try:
+            import psutil  # noqa: F401 - MLflow's CPU monitor needs it
+        except ImportError:
+            note("system metrics skipped: psutil is not installed (pip install psutil)")
+            return
+        try:
+            import logging
+
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
+            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri)
+            self._monitor.start()
+        except Exception as e:  # noqa: BLE001
+            note(f"system metrics skipped: {error_text(e)}")
+            self._monitor = None
+            return
+        if gpu_expected and not any(type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors):
+            note("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+
     def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
         if self._client is None:
             return
+        import time
+
         from mlflow.entities import Metric
 
-        import time as _time
-        now = int(_time.time() * 1000)
+        now = int(time.time() * 1000)
         for k, v in metrics.items():
             if k in METRIC_NAMES and v is not None:
                 self._buffer.append(Metric(METRIC_NAMES[k], float(v), now, step))
         if len(self._buffer) >= self.flush_every * 4:
             self.flush()
+
+    def log_summary(self, step: int, values: Dict[str, float]) -> None:
+        if self._client is None:
+            return
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+        self.flush()
 
     def flush(self) -> None:
         if self._client is None or not self._buffer:
@@ -179,6 +369,12 @@ class MLflowRun:
                 self._fail(e)
 
     def finish(self, status: str) -> None:
+        if self._monitor is not None:
+            try:
+                self._monitor.finish()
+            except Exception:  # noqa: BLE001
+                pass
+            self._monitor = None
         self.flush()
         if self._client is not None:
             try:
@@ -192,21 +388,51 @@ class MLflowRun:
 
 
 class Tracker:
-    """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow."""
+    """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
+    (and to TensorBoard when asked), and loss.png at the end."""
 
     def __init__(self, run_dir: Path, cfg: TrackingConfig, outputs: Path, experiment: str,
                  run_name: str, params: Dict[str, Any], tags: Dict[str, str]):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.run_name = run_name
+        self.experiment = experiment
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         self.uri = cfg.uri or default_uri(outputs)
         self.mlflow: Optional[MLflowRun] = None
+        self._tb = self._open_tensorboard() if cfg.tensorboard else None
         if cfg.mlflow:
-            artifacts = outputs.resolve() / "mlartifacts" if cfg.uri is None else None
-            tags = {**tags, "host": socket.gethostname()}
+            tags = dict(tags)
+            experiment_id = None
+            overrides = read_overrides(self.run_dir)
+            if overrides:
+                tags["overrides"] = " ".join(overrides)
+            sweep = read_sweep(self.run_dir)
+            if sweep and cfg.uri in (None, sweep.get("uri")):
+                # One experiment and store for the whole sweep, so the UI can nest the jobs.
+                self.uri, self.experiment = sweep["uri"], sweep["experiment"]
+                experiment_id = sweep["experiment_id"]
+                tags.update({PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"]})
+                base = cfg.run_name or "-".join(tags[k] for k in ("model", "data", "hardware") if k in tags)
+                self.run_name = sweep_run_name(base or run_name, overrides, sweep.get("overrides", []))
+            tags["host"] = socket.gethostname()
             if commit := git_commit():
                 tags["git_commit"] = commit
-            self.mlflow = MLflowRun(cfg, self.uri, experiment, run_name, params, tags, artifacts)
+            self.mlflow = MLflowRun(cfg, self.uri, self.experiment, self.run_name, params, tags,
+                                    artifact_root(self.uri), experiment_id)
+            if cfg.system_metrics:
+                self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
+        elif cfg.system_metrics:
+            note("system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false")
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            note("TensorBoard event files skipped: the tensorboard package is not installed (pip install tensorboard)")
+            return None
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
     @property
     def run_id(self) -> Optional[str]:
@@ -217,6 +443,10 @@ class Tracker:
         self._metrics.write(json.dumps(row) + "\n")
         if self.mlflow:
             self.mlflow.log_metrics(step, metrics)
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if k in METRIC_NAMES and v is not None:
+                    self._tb.add_scalar(METRIC_NAMES[k], float(v), step)
 
     def log_artifact(self, path: Path) -> None:
         if self.mlflow:
@@ -236,11 +466,49 @@ class Tracker:
         tmp.write_text(json.dumps(results, indent=2) + "\n")
         os.replace(tmp, path)
         self.log_artifact(path)
+        if self.mlflow:
+            self.mlflow.log_summary(int(results.get("steps") or 0), {
+                name: results[key] for key, name in SUMMARY_METRICS.items() if results.get(key) is not None})
+
+    def _plot(self) -> None:
+        rows = read_metrics(self.run_dir)
+        if not rows:
+            return
+        path = self.run_dir / LOSS_PLOT
+        try:
+            plot_loss(rows, path, self.run_name)
+        except ImportError:
+            note(f"{LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)")
+            return
+        except Exception as e:  # noqa: BLE001 - a plot must never fail a run
+            note(f"{LOSS_PLOT} skipped: {error_text(e)}")
+            return
+        self.log_artifact(path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        # Called from a `finally:` block: on a failure the exception is still in flight here.
+        error = sys.exc_info()[1] if status != "FINISHED" else None
         self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self.cfg.plots:
+            self._plot()
         if self.mlflow:
+            if error is not None:
+                self.mlflow.set_tag("error", error_text(error))
             self.mlflow.finish(status)
             if self.mlflow.active:
-                print(f"MLflow run {self.mlflow.run_id} in {self.uri}\n"
-                      f"  open the UI with: {ui_command(self.uri)}", flush=True)
+                how = (f"open {runs_url(self.uri, self.mlflow.experiment_id)}"
+                       if self.uri.startswith(("http://", "https://")) else
+                       f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
+                       f"  (or {mlflow_ui_command(self.uri)})")
+                print(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}", flush=True)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False

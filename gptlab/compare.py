@@ -1,0 +1,261 @@
+"""python -m gptlab.compare TARGET [tracking.uri=...] [--out PNG]: a sweep's runs side by side.
+
+TARGET is a sweep folder (outputs/sweeps/<date>_<time>; any folder of run folders works), an MLflow
+run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name (its
+runs, sweep parents left out). Prints a table of the runs (the overrides that differ between them,
+status, best val loss, tokens/s, MFU, wall time) sorted by best val loss, and writes a PNG of their
+validation loss against tokens (<sweep folder>/compare_val_loss.png, or outputs/compare/<target>.png).
+
+A sweep folder is read from its run folders (metrics.jsonl, results.json, .hydra/overrides.yaml),
+which are written whether or not MLflow was reachable; when it records an MLflow parent run
+(sweep.json), the jobs' statuses and errors come from MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from gptlab.cli import run_entry
+from gptlab.errors import GptlabError
+from gptlab.tracking import (PARENT_TAG, default_uri, error_text, note, read_metrics, read_overrides,
+                             read_sweep)
+
+VAL_PNG = "compare_val_loss.png"
+
+
+@dataclass
+class RunRecord:
+    name: str  # a sweep's job number, or the MLflow run name
+    overrides: Dict[str, str]
+    status: str
+    best_val_loss: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+    wall_s: Optional[float] = None
+    val_curve: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, val loss)
+    error: Optional[str] = None
+    run_id: Optional[str] = None
+    run_dir: Optional[str] = None
+
+
+def parse_overrides(items: List[str]) -> Dict[str, str]:
+    out = {}
+    for o in items:
+        key, sep, value = o.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def _finite(x: Any) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+# ---- reading runs ---------------------------------------------------------------------------
+
+
+def from_folder(folder: Path) -> List[RunRecord]:
+    """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs)."""
+    run_dirs = [d for d in folder.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "metrics.jsonl").is_file())]
+    if not run_dirs:
+        if (folder / "metrics.jsonl").is_file():
+            raise GptlabError(f"{folder} is one run folder: give the sweep folder that holds it (or an experiment)")
+        raise GptlabError(f"{folder} holds no run folders (a sweep folder holds 0/, 1/, ...)")
+    records = []
+    for d in sorted(run_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+        rows = read_metrics(d)
+        results = json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else {}
+        curve = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "tokens" in r]
+        best = _finite(results.get("best_val_loss"))
+        if best is None and curve:
+            best = min(v for _, v in curve)
+        records.append(RunRecord(
+            name=d.name, overrides=parse_overrides(read_overrides(d)),
+            status="FINISHED" if results else "INCOMPLETE", best_val_loss=best,
+            tokens_per_s=_finite(results.get("tokens_per_s")), mfu=_finite(results.get("mfu")),
+            wall_s=_finite(results.get("wall_s")), val_curve=curve, run_id=results.get("mlflow_run_id"),
+            run_dir=str(d.resolve())))
+    sweep = read_sweep(run_dirs[0])
+    if sweep is not None and Path(sweep["sweep_dir"]) == folder.resolve():
+        _statuses_from_mlflow(records, sweep)
+    return records
+
+
+def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> None:
+    """FAILED / RUNNING and the error, from the sweep's MLflow children (when the store answers)."""
+    uri = sweep["uri"]
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        return
+    try:
+        client = _client(uri)
+        runs = client.search_runs([sweep["experiment_id"]], max_results=10000,
+                                  filter_string=f"tags.`{PARENT_TAG}` = '{sweep['parent_run_id']}'")
+    except Exception as e:  # noqa: BLE001 - the folders alone still make the table
+        note(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
+        return
+    by_dir = {r.data.tags.get("run_dir"): r for r in runs}
+    for rec in records:
+        run = by_dir.get(rec.run_dir)
+        if run is not None:
+            rec.status, rec.error, rec.run_id = run.info.status, run.data.tags.get("error"), run.info.run_id
+
+
+def _client(uri: str):
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    return MlflowClient(tracking_uri=uri)
+
+
+def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
+    m, tags = run.data.metrics, run.data.tags
+    tokens_at = {p.step: p.value for p in client.get_metric_history(run.info.run_id, "tokens")}
+    curve = [(tokens_at.get(p.step, float(p.step)), p.value)
+             for p in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step)]
+    best = _finite(m.get("summary/best_val_loss"))
+    if best is None and curve:
+        best = min(v for _, v in curve)
+    wall = _finite(m.get("summary/wall_s"))
+    if wall is None and run.info.end_time and run.info.start_time:
+        wall = (run.info.end_time - run.info.start_time) / 1000
+    name = Path(tags["run_dir"]).name if job_names and "run_dir" in tags else run.info.run_name
+    overrides = tags.get("overrides")
+    return RunRecord(
+        name=name, overrides=parse_overrides(overrides.split(" ")) if overrides else {},
+        status=run.info.status, best_val_loss=best, tokens_per_s=_finite(m.get("summary/tokens_per_s")),
+        mfu=_finite(m.get("summary/mfu")), wall_s=wall, val_curve=curve, error=tags.get("error"),
+        run_id=run.info.run_id, run_dir=tags.get("run_dir"))
+
+
+def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
+    """(records, a title) for a run id or an experiment name in the store at uri."""
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise GptlabError(f"{target}: not a folder, and there is no MLflow store at {uri[len('sqlite:///'):]} "
+                          "(pass tracking.uri=... or run from the folder holding outputs/)")
+    client = _client(uri)
+    runs, title, job_names = None, target, False
+    if re.fullmatch(r"[0-9a-f]{32}", target):
+        try:
+            run = client.get_run(target)
+        except Exception:  # noqa: BLE001 - not a run id: maybe an experiment named like one
+            run = None
+        if run is not None:
+            kids = client.search_runs([run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{target}'",
+                                      max_results=10000)
+            runs, title, job_names = (kids or [run]), run.info.run_name, bool(kids)
+    if runs is None:
+        exp = client.get_experiment_by_name(target)
+        if exp is None:
+            names = ", ".join(e.name for e in client.search_experiments()) or "none"
+            raise GptlabError(f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})")
+        runs = [r for r in client.search_runs([exp.experiment_id], max_results=10000)
+                if r.data.tags.get("run_type") != "sweep"]
+        if not runs:
+            raise GptlabError(f"experiment {target} in {uri} has no runs yet")
+    return [_record_from_run(client, r, job_names) for r in runs], title
+
+
+# ---- the table and the plot ------------------------------------------------------------------
+
+
+def differing_keys(records: List[RunRecord]) -> List[str]:
+    """Override keys whose value is not the same in every run, in first-seen order."""
+    keys: List[str] = []
+    for r in records:
+        keys += [k for k in r.overrides if k not in keys]
+    return [k for k in keys if len({r.overrides.get(k) for r in records}) > 1]
+
+
+def sort_key(r: RunRecord):
+    return (r.best_val_loss is None, r.best_val_loss if r.best_val_loss is not None else 0.0)
+
+
+def label(r: RunRecord, keys: List[str]) -> str:
+    return " ".join(f"{k}={r.overrides.get(k, '-')}" for k in keys) or r.name
+
+
+def table(records: List[RunRecord]) -> str:
+    """Plain-text table, best val loss first."""
+    keys = differing_keys(records)
+    head = ["run", *keys, "status", "best val loss", "tokens/s", "MFU", "wall"]
+    rows = []
+    for r in sorted(records, key=sort_key):
+        rows.append([r.name[:60], *[r.overrides.get(k, "-") for k in keys], r.status,
+                     f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-",
+                     f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
+                     f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-",
+                     f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-"])
+    right = {"best val loss", "tokens/s", "MFU", "wall"}
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) if h in right else str(c).ljust(w)  # noqa: E731
+                                  for c, w, h in zip(cells, widths, head)).rstrip()
+    lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
+    errors = [f"  {r.name}: {r.error}" for r in sorted(records, key=sort_key) if r.error]
+    return "\n".join(lines + (["errors:", *errors] if errors else []))
+
+
+def plot_val_curves(records: List[RunRecord], path: Path, title: str) -> None:
+    """PNG overlaying the runs' validation loss against tokens (needs matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = differing_keys(records)
+    fig = Figure(figsize=(8, 4.8), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in sorted(records, key=sort_key):
+        if r.val_curve:
+            x, y = zip(*r.val_curve)
+            best = f" (best {r.best_val_loss:.4f})" if r.best_val_loss is not None else ""
+            ax.plot(x, y, marker="o", ms=3, lw=1.5, label=f"{label(r, keys)}{best}")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("val loss")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+def compose_uri(overrides: List[str]) -> str:
+    from gptlab.ui import compose_tracking
+
+    return compose_tracking(overrides).uri or default_uri(Path("outputs"))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gptlab.compare", description=__doc__.split("\n\n")[0])
+    p.add_argument("target", help="a sweep folder, an MLflow (parent) run id, or an experiment name")
+    p.add_argument("overrides", nargs="*", help="tracking.uri=... (for a run id or an experiment)")
+    p.add_argument("--out", type=Path, default=None, help="where to write the val-loss PNG")
+    args = p.parse_intermixed_args(argv)
+
+    folder = Path(args.target).expanduser()
+    if folder.is_dir():
+        records, title = from_folder(folder), str(folder)
+        out = args.out or folder / VAL_PNG
+    else:
+        records, title = from_mlflow(compose_uri(args.overrides), args.target)
+        safe = re.sub(r"[^\w.-]+", "_", args.target)
+        out = args.out or Path("outputs") / "compare" / f"{safe}.png"
+    print(table(records), flush=True)
+    try:
+        plot_val_curves(records, out, title)
+        print(f"val loss curves: {out}", flush=True)
+    except ImportError:
+        note("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
+
+
+if __name__ == "__main__":
+    run_entry(main, "gptlab.compare")

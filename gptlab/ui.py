@@ -1,0 +1,191 @@
+"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...]: the MLflow UI on the runs' store.
+
+Starts `mlflow server` on the store the runs used (the default local store outputs/mlflow.db with its
+artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when free),
+waits until it answers, and prints the URL of the experiment's runs table (MLflow 3 otherwise opens an
+experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the server already
+runs: the URL is printed and nothing is started.
+
+On a cluster node, serve on the node's address and let MLflow accept its name as Host header:
+`python -m gptlab.ui --host 0.0.0.0 --allowed-hosts "$(hostname),$(hostname):5000" --port 5000`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from gptlab.cli import run_entry
+from gptlab.errors import GptlabError
+from gptlab.tracking import artifact_root, default_uri, runs_url
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def compose_tracking(overrides: List[str]):
+    """The `tracking` section as the runs saw it: conf/ plus the same command-line overrides."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import gptlab.config  # noqa: F401 - registers the schema
+    from gptlab.config import to_config
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise GptlabError(f"{bad[0]}: expected an override such as tracking.uri=..., or an --option")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
+        cfg = compose(config_name="config", overrides=overrides)
+    return to_config(cfg).tracking
+
+
+def store_uri(uri: Optional[str]) -> str:
+    """The store to open; a SQLite store must exist already (no run has been recorded otherwise)."""
+    uri = uri or default_uri(Path("outputs"))
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise GptlabError(f"no MLflow store at {uri[len('sqlite:///'):]}: no run has been recorded there yet "
+                          "(train one from this folder, or pass tracking.uri=...)")
+    return uri
+
+
+def find_experiment(uri: str, name: Optional[str]) -> Tuple[str, str]:
+    """(id, name) of experiment `name`, or of the experiment with the newest run."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    if name:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            names = ", ".join(e.name for e in client.search_experiments()) or "none"
+            raise GptlabError(f"tracking.experiment={name}: no such experiment in {uri} (there are: {names})")
+        return exp.experiment_id, exp.name
+    exps = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
+    if not exps:
+        raise GptlabError(f"{uri} holds no experiment yet")
+    newest = client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"],
+                                max_results=1)
+    exp = client.get_experiment(newest[0].info.experiment_id) if newest else exps[0]
+    return exp.experiment_id, exp.name
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", preferred: int = 5000) -> int:
+    if port_is_free(host, preferred):
+        return preferred
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_command(uri: str, host: str, port: int, workers: int, allowed_hosts: Optional[str]) -> List[str]:
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
+           "--port", str(port), "--workers", str(workers)]
+    if (artifacts := artifact_root(uri)) is not None:
+        cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", str(artifacts)]
+    if allowed_hosts:
+        cmd += ["--allowed-hosts", allowed_hosts]
+    return cmd + ["--uvicorn-opts", "--log-level warning"]  # no line per request
+
+
+def server_env() -> dict:
+    """MLflow's background job runner (a dozen processes, for GenAI judges) is not needed for runs."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise GptlabError(f"mlflow server exited with code {proc.returncode} before answering (see above)")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise GptlabError(f"mlflow server did not answer at {url} within {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The server and its workers share a process group of their own: end the whole group."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gptlab.ui", description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="tracking.uri=..., tracking.experiment=..., experiment=...")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=None, help="port (default 5000 if free, else any free port)")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="Host headers MLflow accepts besides localhost and private IPs, e.g. node01,node01:5000")
+    p.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
+    args = p.parse_args(argv)
+
+    tracking = compose_tracking(args.overrides)
+    uri = store_uri(tracking.uri)
+    if uri.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
+        except OSError as e:
+            raise GptlabError(f"tracking.uri={uri}: the tracking server does not answer ({e})") from None
+    exp_id, exp_name = find_experiment(uri, tracking.experiment)
+    if uri.startswith(("http://", "https://")):
+        print(f"experiment {exp_name!r} on the running server {uri}:\n  {runs_url(uri, exp_id)}\n"
+              f"  best val loss first, sweeps unfolded: {runs_url(uri, exp_id, best_first=True)}", flush=True)
+        return
+    port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "::") else "0.0.0.0")
+    if args.port and not port_is_free(args.host, port):
+        raise GptlabError(f"--port {port}: already in use on {args.host}; pick another or leave it out")
+    shown = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
+    local = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
+    proc = subprocess.Popen(server_command(uri, args.host, port, args.workers, args.allowed_hosts),
+                            env=server_env(), start_new_session=True)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    try:
+        wait_until_up(proc, local, timeout=120)
+        server = f"http://{shown}:{port}"
+        print(f"MLflow UI for {uri}\n"
+              f"  runs of experiment {exp_name!r}: {runs_url(server, exp_id)}\n"
+              f"  best val loss first, sweeps unfolded: {runs_url(server, exp_id, best_first=True)}\n"
+              f"  (server pid {proc.pid}; Ctrl-C stops it)", flush=True)
+        proc.wait()
+        raise GptlabError(f"mlflow server exited with code {proc.returncode}")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop(proc)
+
+
+if __name__ == "__main__":
+    run_entry(main, "gptlab.ui")

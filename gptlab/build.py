@@ -72,16 +72,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def resume_path(resume: str, checkpoint_dir: Path) -> Optional[Path]:
-    """The checkpoint to continue from: train.resume=auto|never|<path>."""
+def load_resume_state(resume: str, checkpoint_dir: Path, warn) -> Optional[Dict[str, Any]]:
+    """The checkpoint state to continue from: train.resume=auto|never|<path>.
+
+    auto takes the newest checkpoint in the run folder that loads, naming and skipping broken ones.
+    """
     if resume == "never":
         return None
     if resume == "auto":
-        return checkpoint.latest(checkpoint_dir)
-    path = Path(resume).expanduser()
-    if not path.is_file():
-        raise GptlabError(f"train.resume={resume}: no such checkpoint file")
-    return path
+        found = checkpoint.load_latest_good(checkpoint_dir, warn=warn)
+        if found is None:
+            return None
+        path, state = found
+    else:
+        path = Path(resume).expanduser()
+        state = checkpoint.load(path)
+    warn(f"resuming from {path} (step {state['step']})")
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def autocast_factory(device_type: str, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -128,8 +144,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     peak_lr = scaled_lr(cfg.optimizer, world)
     optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed,
-                                sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda")
+    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
     eval_bs = cfg.train.eval_batch_size or mb
     val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
 
@@ -159,16 +174,16 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     checkpoint_dir = run_dir / "checkpoints"
     start = {"step": 0, "tokens": 0, "best_val": math.inf}
     mlflow_run_id = None
-    ckpt = resume_path(cfg.train.resume, checkpoint_dir)
-    if ckpt is not None:
-        state = checkpoint.load(ckpt)
+    state = load_resume_state(cfg.train.resume, checkpoint_dir, say)
+    if state is not None:
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         loader.load_state_dict(state["loader"])
+        restore_rng(state["rng"])
         start = {"step": state["step"], "tokens": state["tokens"], "best_val": state["best_val_loss"]}
         mlflow_run_id = state.get("mlflow_run_id")
-        say(f"resumed from {ckpt} at step {state['step']}")
+        del state
 
     model_name = f"{cfg.model.name}-{cfg.data.name}"
     if d.is_main:

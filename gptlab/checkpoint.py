@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,7 +68,42 @@ def latest(folder: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def load_latest_good(folder: Path, warn=print) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The newest checkpoint in folder that loads, skipping (and naming) unreadable ones."""
+    for path in reversed(list_checkpoints(folder)):
+        try:
+            return path, load(path)
+        except GptlabError as e:
+            warn(f"warning: {e}; trying the previous checkpoint")
+    return None
+
+
+def _best_marker(folder: Path) -> Path:
+    return Path(folder) / "best.json"
+
+
+def mark_best(folder: Path, path: Path, val_loss: float) -> None:
+    """Remember which checkpoint has the best validation loss so pruning keeps it."""
+    marker = _best_marker(folder)
+    tmp = marker.with_name(".best.json.tmp")
+    tmp.write_text(json.dumps({"checkpoint": Path(path).name, "val_loss": val_loss}) + "\n")
+    os.replace(tmp, marker)
+
+
+def best(folder: Path) -> Optional[Path]:
+    marker = _best_marker(folder)
+    if not marker.is_file():
+        return None
+    path = Path(folder) / json.loads(marker.read_text())["checkpoint"]
+    return path if path.is_file() else None
+
+
 def prune(folder: Path, keep: int) -> None:
-    """Delete all but the newest `keep` checkpoints."""
+    """Delete all but the newest `keep` checkpoints and the best one by validation loss."""
+    keep_best = best(folder)
     for p in list_checkpoints(folder)[:-keep] if keep > 0 else []:
-        p.unlink(missing_ok=True)
+        if p != keep_best:
+            p.unlink(missing_ok=True)
+    for stale in Path(folder).glob(".ckpt_*.pt.tmp*"):  # left by a process killed mid-save
+        if not stale.name.endswith(f".tmp{os.getpid()}"):
+            stale.unlink(missing_ok=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -42,6 +44,9 @@ class ParallelismConfig:
     activation_checkpointing: bool = False
     compile: Optional[bool] = None  # null: the hardware's default
     timeout_s: int = 600  # a collective waiting longer than this ends the job
+
+
+_CONTROL_GROUP = None  # a gloo group for CPU-side control messages when the main backend is NCCL
 
 
 @dataclass
@@ -140,12 +145,16 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
         torch.backends.cudnn.allow_tf32 = hw.tf32
     else:
         device = torch.device("cpu")
+    global _CONTROL_GROUP
     if world > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=par.timeout_s)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=par.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
+        # small CPU-side agreements (stop signals) go over gloo so they never sync the GPU stream
+        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
@@ -183,22 +192,36 @@ def spawn(fn, nprocs: int, args: tuple) -> None:
 
     from gptlab.errors import GptlabError
 
+    ctx = mp.start_processes(_worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs,
+                             start_method="spawn", join=False)
+
+    def forward(signum, frame):  # a scheduler's SIGTERM / SIGUSR2 to this parent reaches every worker
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR2)}
     try:
-        mp.start_processes(_worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs,
-                           start_method="spawn", join=True)
+        while not ctx.join():
+            pass
     except mp.ProcessExitedException as e:
         if e.exit_code == 2:
             raise SystemExit(2) from None
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
         raise GptlabError(f"worker rank {e.error_index} (pid {e.error_pid}) {how}; all workers were stopped") from None
     except mp.ProcessRaisedException as e:
-        print(str(e).rstrip(), file=__import__("sys").stderr)
+        print(str(e).rstrip(), file=sys.stderr)
         raise GptlabError(f"worker rank {e.error_index} failed (traceback above); all workers were stopped") from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def teardown() -> None:
+    global _CONTROL_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
+    _CONTROL_GROUP = None
 
 
 def wrap_model(model: nn.Module, d: Dist, checkpointing: bool, compile: bool) -> nn.Module:
@@ -226,6 +249,17 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t /= dist.get_world_size()
     return t
+
+
+def agree_on_signal(received: Optional[str], device: torch.device) -> Optional[str]:
+    """The stop signal if any rank received one (every rank gets the same answer)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return received
+    codes = {None: 0, "SIGTERM": 1, "SIGUSR2": 2}
+    # a CPU tensor over the gloo control group: no host-device synchronisation on GPUs
+    flag = torch.tensor([codes.get(received, 1)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
+    return {v: k for k, v in codes.items()}[int(flag.item())]
 
 
 def attention_context(backend: str):

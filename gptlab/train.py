@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any, Dict
 
@@ -37,17 +38,21 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
     try:
         run.tracker.write_config(resolved)
         results = train(run)
-        sample = write_sample(run)
+        sample = write_sample(run) if not results["stopped_by"] else None
         if sample is not None:
             print(f"--- sample ---\n{sample[:400]}\n--------------", flush=True)
         run.tracker.write_results(results)
         if run.dist.is_main:
-            print(f"results: best val loss {results['best_val_loss']:.4f} | "
-                  f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run_dir}", flush=True)
-        status = "FINISHED"
+            best = results["best_val_loss"]
+            print(f"results: best val loss {best if best is None else f'{best:.4f}'} | "
+                  f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}", flush=True)
+        status = "KILLED" if results["stopped_by"] else "FINISHED"
         return results
     finally:
         run.close(status)
+        if status == "KILLED" and results["stopped_by"] == "SIGUSR2" and callable(signal.getsignal(signal.SIGUSR2)):
+            # our handler is gone again: re-deliver so the job's own handler (submitit's) requeues it
+            os.kill(os.getpid(), signal.SIGUSR2)
 
 
 def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: Dict[str, str] | None) -> None:

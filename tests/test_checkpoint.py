@@ -1,0 +1,209 @@
+"""Checkpoints: atomic, safe to load, and a resumed run continues exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, compose_config, nano_overrides
+from gptlab import checkpoint
+from gptlab.errors import GptlabError
+from gptlab.train import run_training
+
+
+def test_save_is_atomic_and_load_round_trips(tmp_path):
+    path = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 7), {"step": 7, "w": torch.arange(3)})
+    assert path.name == "ckpt_00000007.pt" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    state = checkpoint.load(path)
+    assert state["step"] == 7 and state["w"].tolist() == [0, 1, 2]
+
+
+def test_corrupt_checkpoint_is_named_and_auto_falls_back(tmp_path):
+    good = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 5), {"step": 5})
+    bad = checkpoint.checkpoint_path(tmp_path, 10)
+    bad.write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])  # a truncated file
+    with pytest.raises(GptlabError, match="ckpt_00000010.pt"):
+        checkpoint.load(bad)
+    warnings = []
+    path, state = checkpoint.load_latest_good(tmp_path, warn=warnings.append)
+    assert path == good and state["step"] == 5
+    assert len(warnings) == 1 and "ckpt_00000010.pt" in warnings[0]
+
+
+def test_pruning_keeps_the_newest_and_the_best(tmp_path):
+    paths = [checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3, 4)]
+    checkpoint.mark_best(tmp_path, paths[0], 1.23)
+    checkpoint.prune(tmp_path, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [paths[0].name, paths[2].name, paths[3].name]
+    assert checkpoint.best(tmp_path) == paths[0]
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {Exploit.marker}",))
+
+
+def test_a_checkpoint_that_runs_code_on_unpickling_is_refused(tmp_path):
+    Exploit.marker = tmp_path / "pwned"
+    evil = tmp_path / "ckpt_00000001.pt"
+    torch.save({"format_version": checkpoint.FORMAT_VERSION, "step": 1, "x": Exploit()}, evil)
+    with pytest.raises(GptlabError, match="unreadable or unsafe"):
+        checkpoint.load(evil)
+    assert not Exploit.marker.exists()
+
+
+def resume_overrides(shakespeare, *extra):
+    # the lr schedule is pinned to 20 steps so a 10-step first leg follows the same curve
+    return nano_overrides(shakespeare, "train.log_every=1", "train.sample_tokens=0", "optimizer.decay_steps=20",
+                          "model.dropout=0.1", *extra)
+
+
+def final_params(run_dir: Path):
+    return checkpoint.load(checkpoint.latest(run_dir / "checkpoints"))["model"]
+
+
+def logged_losses(run_dir: Path):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
+
+
+def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20")), straight)
+    first = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), split)
+    assert first["steps"] == 10
+    second = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20")), split)
+    assert second["steps"] == 20 and second["tokens"] == 20 * 8 * 32
+    a, b = final_params(straight), final_params(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert logged_losses(straight) == logged_losses(split)  # includes the dropout draws after resume
+
+
+def test_resume_never_starts_fresh_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
+    run_dir = tmp_path / "r"
+    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), run_dir)
+    again = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", "train.resume=never")),
+                         tmp_path / "fresh")
+    assert again["steps"] == 10
+    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    other = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=12", f"train.resume={ckpt}")),
+                         tmp_path / "from_path")
+    assert other["steps"] == 12 and other["tokens"] == 12 * 8 * 32
+
+
+def cli(args, cwd, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "gptlab.train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+@pytest.mark.slow
+def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, shakespeare):
+    base = [*resume_overrides(shakespeare), "model.dropout=0.0", "train.micro_batch_size=4"]
+    straight, split, moved = tmp_path / "straight", tmp_path / "split", tmp_path / "moved"
+    assert cli([*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={straight}"], tmp_path).returncode == 0
+    for run_dir in (split, moved):
+        r = cli([*base, "hardware=cpu_x2", "train.max_steps=10", f"hydra.run.dir={run_dir}"], tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+    r = cli([*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={split}"], tmp_path)
+    assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-2000:]
+    # the same global batch of 8 on one process: 4 x 2 accumulation steps
+    r = cli([*base, "hardware=cpu", "train.max_steps=20", f"hydra.run.dir={moved}"], tmp_path)
+    assert r.returncode == 0 and "= 4 x 2 accum x 1 ranks" in r.stdout, r.stderr[-2000:]
+    a, b = final_params(straight), final_params(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ref = logged_losses(straight)
+    assert logged_losses(split) == ref
+    moved_losses = logged_losses(moved)
+    assert sorted(moved_losses) == list(range(1, 21))
+    assert [moved_losses[s] for s in range(11, 21)] == pytest.approx([ref[s] for s in range(11, 21)], abs=1e-5)
+    # the windows drawn over the whole run are those of the uninterrupted run: step s's global batch
+    # is a function of (seed, s) only, and the resumed run continued at step 11
+    assert json.loads((moved / "results.json").read_text())["tokens"] == 20 * 8 * 32
+
+
+KILL_DURING_SAVE = textwrap.dedent("""
+    import sys, time, pathlib, torch
+    sys.path.insert(0, {tests!r})
+    from conftest import compose_config
+    from gptlab import checkpoint
+    from gptlab.train import run_training
+    real_save, calls = torch.save, []
+    def slow_save(obj, f, *a, **k):  # the second save writes part of its bytes, then hangs
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"PK partial checkpoint")
+            f.flush()
+            pathlib.Path({marker!r}).touch()
+            time.sleep(600)
+        return real_save(obj, f, *a, **k)
+    checkpoint.torch.save = slow_save
+    run_training(compose_config({overrides!r}), pathlib.Path({run_dir!r}))
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare):
+    run_dir, marker = tmp_path / "run", tmp_path / "saving"
+    overrides = resume_overrides(shakespeare, "train.max_steps=20", "train.checkpoint_every=5")
+    script = KILL_DURING_SAVE.format(tests=str(REPO / "tests"), marker=str(marker), overrides=overrides,
+                                     run_dir=str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, "never reached the second checkpoint"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # the half-written file never took a checkpoint's name; the step-5 checkpoint is intact
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir / "checkpoints")] == ["ckpt_00000005.pt"]
+    assert checkpoint.load(run_dir / "checkpoints" / "ckpt_00000005.pt")["step"] == 5
+    assert list((run_dir / "checkpoints").glob(".ckpt_*.tmp*"))  # the killed save's temporary file
+    results = run_training(compose_config(overrides), run_dir)  # resume=auto
+    assert results["steps"] == 20
+    assert not list((run_dir / "checkpoints").glob(".ckpt_*.tmp*"))  # cleaned up by the next save
+    straight = tmp_path / "straight"
+    run_training(compose_config(overrides), straight)
+    a, b = final_params(straight), final_params(run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(tmp_path, shakespeare):
+    run_dir = tmp_path / "run"
+    args = [*nano_overrides(shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0"),
+            f"hydra.run.dir={run_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen([sys.executable, "-m", "gptlab.train", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "SIGTERM received: stopped at step" in out
+    stopped = json.loads((run_dir / "results.json").read_text())
+    assert stopped["stopped_by"] == "SIGTERM"
+    step = stopped["steps"]
+    assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{step:08d}.pt"
+    # the same command continues from there
+    args = [a for a in args if not a.startswith("train.max_steps=")]
+    r = subprocess.run([sys.executable, "-m", "gptlab.train", *args, f"train.max_steps={step + 5}"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and f"step {step}" in r.stdout, r.stderr[-2000:]
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "train_loss" in x]
+    assert steps == sorted(set(steps)) and steps[-1] == step + 5  # no step logged twice

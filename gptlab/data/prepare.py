@@ -432,6 +432,9 @@ def _gather(data: np.ndarray, table: np.ndarray, order: np.ndarray, chunk: int =
 def _write_split(folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int,
                  pieces: Iterator[np.ndarray]) -> Tuple[int, int, int]:
     n, per = shard_plan(n_tokens, cfg.shard_divisor, cfg.shard_tokens)
+    if n_tokens == 0:
+        raise GptlabError(f"data.val_fraction={cfg.val_fraction}: the {folder.name} split got no documents; "
+                          f"use more documents or change data.val_fraction")
     if per == 0:
         raise GptlabError(
             f"data.shard_divisor={cfg.shard_divisor}: the {folder.name} split has only {n_tokens} tokens, too few "

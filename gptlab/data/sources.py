@@ -116,7 +116,7 @@ def _expand(path: str, pattern: str, key: str = "data.path") -> List[Path]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_bytes().decode("utf-8")  # not read_text: its universal newlines would eat \r\n
     except UnicodeDecodeError as e:
         raise GptlabError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert or remove it") from None
 

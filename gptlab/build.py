@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import shutil
@@ -196,6 +197,11 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     else:
         tracker = NullTracker()
     del mlflow_run_id  # reopening the same MLflow run on resume arrives with the checkpoint work
+
+    if d.is_main and (job := distributed.slurm_job_info()) is not None:
+        # the job's logs live in submitit's folder: say where from the run folder
+        (run_dir / "slurm.json").write_text(json.dumps(job, indent=1) + "\n")
+        say(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
 
     summary = (f"{cfg.model.name}: {num_params / 1e6:.2f}M params | data {cfg.data.name} "
                f"({len(train_tokens):,} train tokens, vocab {data.vocab_size}) | {cfg.hardware.name} "

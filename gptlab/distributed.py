@@ -35,6 +35,9 @@ class HardwareConfig:
     compile: bool = False  # torch.compile by default on this hardware
     attention_backend: str = "auto"  # auto | flash | efficient | math
     threads: Optional[int] = None  # CPU threads per process; null: torch's default
+    peak_tflops_tf32: Optional[float] = None  # per device, fp32 matmuls as TF32 (when tf32 is on)
+    peak_tflops_fp32: Optional[float] = None  # per device, plain fp32 (peak_tflops is bf16/fp16)
+    memory_gb: Optional[float] = None  # per device (GiB), for gptlab.plan; null: this machine's RAM on cpu
 
 
 @dataclass
@@ -111,6 +114,17 @@ def _export_slurm_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
     os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
                       LOCAL_RANK=os.environ["SLURM_LOCALID"])
+
+
+def slurm_job_info() -> Optional[dict]:
+    """For a job started by submitit on SLURM: its id and where its stdout/stderr go."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return {"job_id": env.job_id, "nodes": env.hostnames, "stdout": str(env.paths.stdout),
+            "stderr": str(env.paths.stderr), "submitit_folder": str(env.paths.folder)}
 
 
 def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:

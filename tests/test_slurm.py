@@ -6,6 +6,7 @@ they are skipped, except in CI (CI=true), where a missing cluster is a failure.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -83,6 +84,9 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
     sweep = sweeps[0]
     for num in ("0", "1"):
         assert (sweep / num / "results.json").is_file(), sorted(p.name for p in (sweep / num).iterdir())
+        # the run folder says which SLURM job it was and where that job's logs are
+        job = json.loads((sweep / num / "slurm.json").read_text())
+        assert Path(job["stdout"]).is_file() and job["job_id"]
     # One array job of two tasks, on the local partition, one task each (hardware=cpu); its logs sit
     # next to the job folders.
     (submission,) = sweep.glob(".submitit/*/*_submission.sh")

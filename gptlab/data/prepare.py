@@ -380,11 +380,10 @@ def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp
         n = written["all"]
         n_val = int(round(n * cfg.val_fraction))
         ranges = {"train": (0, n - n_val), "val": (n - n_val, n)}
-        data = np.memmap(tmp / "all.flat", dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-        for split, (a, b) in ranges.items():
-            counts[split] = _write_split(tmp / split, cfg, dtype, header, b - a,
-                                         (data[k : min(k + (1 << 24), b)] for k in range(a, b, 1 << 24)))
-        del data
+        with open(tmp / "all.flat", "rb") as data:
+            for split, (a, b) in ranges.items():
+                pieces = (_pread(data, dtype, k, min(1 << 24, b - k)) for k in range(a, b, 1 << 24))
+                counts[split] = _write_split(tmp / split, cfg, dtype, header, b - a, pieces)
     else:
         for split in ("train", "val"):
             n = written[split]
@@ -392,9 +391,8 @@ def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp
             order = np.arange(len(table))
             if cfg.shuffle:
                 order = np.random.default_rng([cfg.seed, 7]).permutation(len(table))
-            data = np.memmap(tmp / f"{split}.flat", dtype=dtype, mode="r") if n else np.zeros(0, dtype)
-            counts[split] = _write_split(tmp / split, cfg, dtype, header, n, _gather(data, table, order))
-            del data
+            with open(tmp / f"{split}.flat", "rb") as data:
+                counts[split] = _write_split(tmp / split, cfg, dtype, header, n, _gather(data, dtype, table, order))
     for s in splits:
         (tmp / f"{s}.flat").unlink()
         (tmp / f"{s}.docs").unlink()
@@ -423,10 +421,17 @@ def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp
     return meta
 
 
-def _gather(data: np.ndarray, table: np.ndarray, order: np.ndarray, chunk: int = 4096) -> Iterator[np.ndarray]:
+# Reads, not a memory map: mapped pages of a 20 GB flat file would count as this process's memory.
+def _pread(f, dtype: np.dtype, start: int, count: int) -> np.ndarray:
+    data = os.pread(f.fileno(), count * dtype.itemsize, start * dtype.itemsize)
+    return np.frombuffer(data, dtype=dtype)
+
+
+def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 4096) -> Iterator[np.ndarray]:
+    """The documents of `table` (start, length rows) in `order`, a chunk of documents at a time."""
     for k in range(0, len(order), chunk):
         rows = table[order[k : k + chunk]]
-        yield np.concatenate([data[s : s + n] for s, n in rows]) if len(rows) else np.zeros(0, data.dtype)
+        yield np.concatenate([_pread(f, dtype, s, n) for s, n in rows]) if len(rows) else np.zeros(0, dtype)
 
 
 def _write_split(folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int,

@@ -171,6 +171,10 @@ def _saved_docs(path: Path, split: str, column: str) -> Iterator[str]:
 
 
 def _hub_docs(cfg) -> Iterator[str]:
+    # Checked here, when documents are first needed, so that shards prepared earlier open offline.
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        raise GptlabError(f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
+                          f"pass a local copy (parquet files or a save_to_disk folder) with data.path=")
     import datasets
 
     try:
@@ -207,9 +211,6 @@ def hf_source(cfg) -> Source:
                       lambda: _parquet_docs(files, cfg.text_column), total_docs=rows)
     if not cfg.hf_dataset:
         raise GptlabError("data.hf_dataset: source=hf needs a Hub dataset id or a local copy in data.path")
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        raise GptlabError(f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
-                          f"pass a local copy (parquet files or a save_to_disk folder) with data.path=")
     return Source({"kind": "hf_hub", "dataset": cfg.hf_dataset, "config": cfg.hf_config,
                    "split": cfg.hf_split, "column": cfg.text_column}, lambda: _hub_docs(cfg))
 

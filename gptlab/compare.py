@@ -104,6 +104,8 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
         run = by_dir.get(rec.run_dir)
         if run is not None:
             rec.status, rec.error, rec.run_id = run.info.status, run.data.tags.get("error"), run.info.run_id
+            if rec.wall_s is None and run.info.end_time and run.info.start_time:
+                rec.wall_s = (run.info.end_time - run.info.start_time) / 1000
 
 
 def _client(uri: str):

@@ -80,7 +80,8 @@ class SweepCallback(Callback):
             experiment = t.experiment or f"{config.model.name}-{config.data.name}"
             client = _client(uri)  # for SQLite: creates and migrates the store, once, before any job
             exp_id = get_or_create_experiment(client, experiment, artifact_root(uri))
-            name = f"{_base_name(config)} sweep {' '.join(swept(overrides))}".rstrip()
+            sweeping = swept(overrides)
+            name = f"{_base_name(config)} sweep {' '.join(sweeping)}".rstrip()
             run = client.create_run(exp_id, run_name=name, tags={
                 "run_type": "sweep", "sweep_dir": str(sweep_dir), "launcher": launcher,
                 "overrides": " ".join(overrides)})
@@ -94,7 +95,8 @@ class SweepCallback(Callback):
             for i in range(0, len(items), 100):
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
             self.parent = {"parent_run_id": run.info.run_id, "experiment_id": exp_id, "experiment": experiment,
-                           "uri": uri, "overrides": overrides, "launcher": launcher, "run_name": name}
+                           "uri": uri, "overrides": overrides, "swept": [o.partition("=")[0] for o in sweeping],
+                           "launcher": launcher, "run_name": name}
             sweep_dir.mkdir(parents=True, exist_ok=True)
             tmp = sweep_dir / (SWEEP_FILE + ".tmp")
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
@@ -147,7 +149,7 @@ class SweepCallback(Callback):
             if any(r.data.tags.get("run_dir") == str(run_dir) for r in runs):
                 return  # the tracker made the run and marked it FAILED with the error
             job_overrides = [str(o) for o in config.hydra.overrides.task]
-            name = sweep_run_name(_base_name(config), job_overrides, sweep.get("overrides", []))
+            name = sweep_run_name(_base_name(config), job_overrides, sweep)
             run = client.create_run(sweep["experiment_id"], run_name=name, tags={
                 PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"], "run_dir": str(run_dir),
                 "overrides": " ".join(job_overrides), "error": error_text(job_return._return_value)})

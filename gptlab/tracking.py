@@ -175,9 +175,14 @@ def read_overrides(run_dir: Path) -> List[str]:
         return []
 
 
-def sweep_run_name(base: str, job_overrides: List[str], sweep_overrides: List[str]) -> str:
-    """A sweep job's name: the base name and the overrides that set it apart from the sweep's."""
-    own = [o for o in job_overrides if o not in sweep_overrides]
+def sweep_run_name(base: str, job_overrides: List[str], sweep: Dict[str, Any]) -> str:
+    """A sweep job's name: the base name and the job's values of the swept keys (Hydra rewrites the
+    job's other overrides, `x=false` becomes `x=False`, so only the keys are compared)."""
+    swept = set(sweep.get("swept") or [])
+    if swept:
+        own = [o for o in job_overrides if o.partition("=")[0] in swept]
+    else:  # a sweeper that generates the values (no `a,b` on the command line)
+        own = [o for o in job_overrides if o not in sweep.get("overrides", [])]
     return f"{base} {' '.join(own)}" if own else base
 
 
@@ -415,7 +420,7 @@ class Tracker:
                 experiment_id = sweep["experiment_id"]
                 tags.update({PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"]})
                 base = cfg.run_name or "-".join(tags[k] for k in ("model", "data", "hardware") if k in tags)
-                self.run_name = sweep_run_name(base or run_name, overrides, sweep.get("overrides", []))
+                self.run_name = sweep_run_name(base or run_name, overrides, sweep)
             tags["host"] = socket.gethostname()
             if commit := git_commit():
                 tags["git_commit"] = commit

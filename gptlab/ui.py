@@ -86,7 +86,8 @@ def port_is_free(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1", preferred: int = 5000) -> int:
-    if port_is_free(host, preferred):
+    """`preferred` when it is free, else a port the system picks (preferred=0: always that)."""
+    if preferred and port_is_free(host, preferred):
         return preferred
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -1,23 +1,39 @@
-"""MLflow records, on a real local store, and a dead tracking server that must not stop training."""
+"""MLflow records, on a real local store, and a dead tracking server that must not stop training;
+the optional records (loss plot, system metrics, TensorBoard) and what a run does without them."""
 
+import importlib.util
 import json
+import shlex
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from conftest import compose_config, nano_overrides
+from gptlab.errors import GptlabError
+from gptlab.tracking import default_uri, runs_url, sweep_run_name, ui_command
 from gptlab.train import run_training
 
 
-def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default store is ./outputs/mlflow.db
-    run_dir = tmp_path / "outputs" / "runs" / "r1"
-    results = run_training(compose_config(nano_overrides(shakespeare, "tracking.mlflow=true")), run_dir)
+def client_for(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+
+
+def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default store is ./outputs/mlflow.db
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    run_dir = tmp_path / "outputs" / "runs" / "r1"
+    results = run_training(compose_config(nano_overrides(
+        shakespeare, "tracking.mlflow=true", "tracking.system_metrics=true", f"tracking.tensorboard={tensorboard}")),
+        run_dir)
+    client = client_for(tmp_path)
     run = client.get_run(results["mlflow_run_id"])
     assert run.info.status == "FINISHED"
+    assert run.info.run_name == "gpt_nano-shakespeare_char-cpu"
     assert run.data.params["model.n_layer"] == "2" and run.data.params["derived.accum_steps"] == "1"
     assert run.data.tags["hardware"] == "cpu" and "host" in run.data.tags
     exp = client.get_experiment(run.info.experiment_id)
@@ -27,9 +43,25 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [10, 20]
     for name in ("opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/mfu", "tokens"):
         assert client.get_metric_history(run.info.run_id, name), name
+    # the results again, once, as sortable summary/* metrics
+    assert run.data.metrics["summary/best_val_loss"] == pytest.approx(results["best_val_loss"])
+    assert run.data.metrics["summary/wall_s"] == pytest.approx(results["wall_s"])
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"results.json", "samples.txt", "config_resolved.yaml"} <= artifacts
+    assert {"results.json", "samples.txt", "config_resolved.yaml", "loss.png"} <= artifacts
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "results.json").read_text())["mlflow_run_id"] == run.info.run_id
+    out = capsys.readouterr().out
+    assert "open the UI with: python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char" in out
+    # opt-in system metrics, sampled by MLflow's own monitor
+    assert "system/cpu_utilization_percentage" in run.data.metrics
+    assert "system/system_memory_usage_megabytes" in run.data.metrics
+    if tensorboard:  # the same metric names in TensorBoard event files
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run_dir / "tensorboard"))
+        events.Reload()
+        assert {"train/loss", "val/loss", "opt/lr", "perf/tokens_per_s"} <= set(events.Tags()["scalars"])
+        assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
 
 
 def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespeare):
@@ -42,3 +74,51 @@ def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespea
     assert results["steps"] == 20 and results["mlflow_run_id"] is None
     assert (run_dir / "results.json").is_file()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(tmp_path, shakespeare, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "outputs" / "runs" / "diverged"
+    cfg = compose_config(nano_overrides(shakespeare, "tracking.mlflow=true", "optimizer.lr=1e7"))
+    with pytest.raises(GptlabError, match="diverged"):
+        run_training(cfg, run_dir)
+    (run,) = client_for(tmp_path).search_runs(["1"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["error"].startswith("GptlabError: train loss is nan")
+    assert (run_dir / "loss.png").is_file()  # what there was of the curves, for the post-mortem
+
+
+def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_missing(
+        tmp_path, shakespeare, monkeypatch, capsys):
+    for name in ("matplotlib", "torch.utils.tensorboard"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` now raises ImportError, as if not installed
+    run_dir = tmp_path / "run"
+    results = run_training(compose_config(nano_overrides(
+        shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")), run_dir)
+    assert results["steps"] == 20 and (run_dir / "results.json").is_file()
+    assert not (run_dir / "loss.png").exists() and not (run_dir / "tensorboard").exists()
+    err = capsys.readouterr().err
+    assert "loss.png skipped: matplotlib is not installed (pip install matplotlib)" in err
+    assert "TensorBoard event files skipped: the tensorboard package is not installed" in err
+    assert "system metrics skipped" in err  # they live in MLflow, which this run has off
+
+
+def test_ui_command_names_the_store_and_the_experiment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert ui_command(default_uri(Path("outputs")), "gpt_nano-shakespeare_char") == \
+        "python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char"
+    # quoted for the shell, and the values for Hydra
+    assert shlex.split(ui_command("sqlite:////data/my runs/mlflow.db", "lr sweep")) == [
+        "python", "-m", "gptlab.ui", "tracking.uri='sqlite:////data/my runs/mlflow.db'", "tracking.experiment='lr sweep'"]
+    assert runs_url("http://127.0.0.1:5000", "3").startswith("http://127.0.0.1:5000/#/experiments/3/runs?")
+    assert "orderByKey=metrics.%60summary%2Fbest_val_loss%60" in runs_url("http://h:1", "3", best_first=True)
+
+
+def test_a_sweep_job_is_named_after_its_own_overrides():
+    sweep = {"overrides": ["model=gpt_nano", "train.save_checkpoints=false", "optimizer.lr=1e-3,3e-3"],
+             "swept": ["optimizer.lr"]}
+    job = ["model=gpt_nano", "train.save_checkpoints=False", "optimizer.lr=0.003"]  # as Hydra passes it on
+    assert sweep_run_name("gpt_nano-shakespeare_char-cpu", job, sweep) == "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003"
+    # a sweeper that makes the values itself (Optuna, ...): whatever the job has that the sweep had not
+    assert sweep_run_name("b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]}) == \
+        "b optimizer.lr=0.0042"

@@ -1,0 +1,128 @@
+"""A real sweep made by `python -m gptlab.train -m`: one MLflow parent run with a child per job (a
+failing job included), and `python -m gptlab.compare` on its folder, its parent run id and its experiment.
+
+The sweep is made once per session (tests/test_browser.py and tests/test_ui.py reuse it)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from gptlab.compare import RunRecord, differing_keys, main as compare_main, table
+from gptlab.errors import GptlabError
+
+_MADE = {}
+
+
+def make_sweep(tmp_path_factory, shakespeare):
+    """(cwd, the sweep folder, sweep.json, the command's result) of a 3-job lr sweep of gpt_nano whose
+    third job (lr=-1) fails its config check before it trains."""
+    if "sweep" not in _MADE:
+        cwd = tmp_path_factory.mktemp("sweep")
+        r = run_cli(["gptlab.train", "-m", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=12",
+                     "train.eval_every=6", "train.eval_steps=2", "train.log_every=3", "train.batch_size=8",
+                     "train.sample_tokens=0", "train.save_checkpoints=false", "optimizer.warmup_steps=2",
+                     "optimizer.lr=1e-3,3e-3,-1"], cwd=cwd, timeout=600)
+        sweeps = list((cwd / "outputs" / "sweeps").glob("*/sweep.json"))
+        assert len(sweeps) == 1, r.stdout[-3000:] + r.stderr[-3000:]
+        _MADE["sweep"] = (cwd, sweeps[0].parent, json.loads(sweeps[0].read_text()), r)
+    return _MADE["sweep"]
+
+
+@pytest.fixture(scope="session")
+def sweep(tmp_path_factory, shakespeare):
+    return make_sweep(tmp_path_factory, shakespeare)
+
+
+def client_for(cwd: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_parent_run_with_a_child_per_job(sweep):
+    cwd, sweep_dir, info, r = sweep
+    # the failed job is reported at the end, after the other jobs ran
+    assert r.returncode == 2 and "optimizer.lr: must be > 0" in r.stderr
+    assert all((sweep_dir / j / "results.json").is_file() for j in ("0", "1"))
+    client = client_for(cwd)
+    parent = client.get_run(info["parent_run_id"])
+    assert parent.info.run_name == "gpt_nano-shakespeare_char-cpu sweep optimizer.lr=1e-3,3e-3,-1"
+    assert parent.data.params["optimizer.lr"] == "1e-3,3e-3,-1" and parent.data.params["train.max_steps"] == "12"
+    assert parent.data.tags["launcher"] == "basic" and parent.data.tags["sweep_dir"] == str(sweep_dir)
+    assert parent.info.status == "FAILED" and parent.data.tags["error"] == "1 of 3 jobs failed"
+    kids = {k.info.run_name: k for k in client.search_runs(
+        [info["experiment_id"]], filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")}
+    base = "gpt_nano-shakespeare_char-cpu optimizer.lr="
+    assert set(kids) == {base + "0.001", base + "0.003", base + "-1"}
+    assert kids[base + "0.001"].info.status == kids[base + "0.003"].info.status == "FINISHED"
+    failed = kids[base + "-1"]
+    assert failed.info.status == "FAILED" and failed.data.tags["error"].startswith("GptlabError: optimizer.lr")
+    assert kids[base + "0.003"].data.tags["run_dir"] == str(sweep_dir / "1")
+    best = min(kids[base + v].data.metrics["summary/best_val_loss"] for v in ("0.001", "0.003"))
+    assert parent.data.metrics["summary/best_val_loss"] == best
+
+
+@pytest.mark.slow
+def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
+    cwd, sweep_dir, info, _ = sweep
+    r = run_cli(["gptlab.compare", str(sweep_dir)], cwd=cwd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["run", "optimizer.lr", "status", "best", "val", "loss", "tokens/s", "MFU", "wall"]
+    rows = [ln.split() for ln in lines[2:5]]
+    best = {j: json.loads((sweep_dir / j / "results.json").read_text())["best_val_loss"] for j in ("0", "1")}
+    order = sorted(best, key=best.get)
+    assert [row[0] for row in rows] == [*order, "2"]  # best val loss first, the failed job last
+    assert rows[0][1:4] == [{"0": "0.001", "1": "0.003"}[order[0]], "FINISHED", f"{best[order[0]]:.4f}"]
+    assert rows[2][1:5] == ["-1", "FAILED", "-", "-"]  # status and error from the sweep's MLflow children
+    assert rows[0][5].endswith("%") and rows[0][6].endswith("s")
+    assert "errors:" in lines and any("2: GptlabError: optimizer.lr" in ln for ln in lines)
+    png = sweep_dir / "compare_val_loss.png"
+    assert f"val loss curves: {png}" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_compare_a_parent_run_id_or_an_experiment_gives_the_same_table(sweep, monkeypatch, capsys):
+    cwd, sweep_dir, info, _ = sweep
+    monkeypatch.chdir(cwd)
+    compare_main([str(sweep_dir)])
+    from_folder = capsys.readouterr().out.splitlines()[:5]
+    compare_main([info["parent_run_id"]])
+    out = capsys.readouterr().out
+    assert out.splitlines()[:5] == from_folder
+    png = cwd / "outputs" / "compare" / f"{info['parent_run_id']}.png"
+    assert png.is_file() and f"val loss curves: {Path('outputs') / 'compare' / png.name}" in out
+    compare_main(["gpt_nano-shakespeare_char", "--out", str(cwd / "exp.png")])
+    rows = capsys.readouterr().out.splitlines()[2:5]  # by experiment: the runs by name, the sweep parent left out
+    assert [r.split()[0] for r in rows] == ["gpt_nano-shakespeare_char-cpu"] * 3
+    assert (cwd / "exp.png").is_file()
+
+
+def test_compare_says_what_a_target_is_not(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(GptlabError, match="no MLflow store at .*outputs/mlflow.db"):
+        compare_main(["no-such-thing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(GptlabError, match="holds no run folders"):
+        compare_main([str(tmp_path / "empty")])
+
+
+def test_table_shows_only_differing_overrides_best_first():
+    common = {"model": "gpt_nano", "train.max_steps": "100"}
+    records = [
+        RunRecord("0", {**common, "optimizer.lr": "1e-3"}, "FINISHED", 2.5, 1000.0, 0.01, 30.0),
+        RunRecord("1", {**common, "optimizer.lr": "3e-3"}, "FINISHED", 2.1, 1200.0, 0.012, 28.0),
+        RunRecord("2", {**common, "optimizer.lr": "1e-2"}, "FAILED", None, error="GptlabError: diverged"),
+    ]
+    assert differing_keys(records) == ["optimizer.lr"]
+    lines = table(records).splitlines()
+    assert lines[0].split()[:3] == ["run", "optimizer.lr", "status"]
+    assert [ln.split()[:4] for ln in lines[2:5]] == [["1", "3e-3", "FINISHED", "2.1000"],
+                                                     ["0", "1e-3", "FINISHED", "2.5000"],
+                                                     ["2", "1e-2", "FAILED", "-"]]
+    assert lines[2].split()[4:] == ["1,200", "1.20%", "28s"]
+    assert lines[-2:] == ["errors:", "  2: GptlabError: diverged"]

@@ -21,7 +21,8 @@ from gptlab.config import Config
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
-from gptlab.metrics import flops_per_token, measured_cpu_peak
+from gptlab.metrics import (flops_per_token, measured_cpu_peak, peak_tflops_for, recompute_flops_per_token,
+                            recomputed_matmul_params)
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
 from gptlab.tracking import NullTracker, Tracker, flatten
@@ -151,12 +152,19 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
 
     matmul_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, nn.Linear))
     fpt = flops_per_token(mcfg.n_layer, mcfg.n_embd, T, matmul_params)
-    if cfg.hardware.peak_tflops:
-        peak = cfg.hardware.peak_tflops * 1e12
+    # activation checkpointing runs every block's forward twice: hardware FLOPs (HFU) count it
+    recomputed = recomputed_matmul_params(mcfg.n_layer, mcfg.n_embd, mcfg.hidden_dim, mcfg.mlp == "swiglu")
+    hfpt = fpt + (recompute_flops_per_token(mcfg.n_layer, mcfg.n_embd, T, recomputed)
+                  if cfg.parallelism.activation_checkpointing else 0.0)
+    hw = cfg.hardware
+    peak_tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
+    if peak_tflops:
+        peak = peak_tflops * 1e12
     elif d.device.type == "cpu":
         peak = measured_cpu_peak("bfloat16" if cfg.hardware.precision == "bf16" else "float32")
     else:
         peak = 0.0
+    peak *= world  # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
     num_params = raw_model.num_params()
     derived = {
         "params": num_params,
@@ -166,6 +174,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         "tokens_per_step": cfg.train.batch_size * T,
         "peak_lr": peak_lr,
         "flops_per_token": fpt,
+        "hardware_flops_per_token": hfpt,
         "peak_flops": peak,
         "data_dir": str(data.root),
         "train_tokens": len(train_tokens),

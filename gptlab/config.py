@@ -8,7 +8,7 @@ Hydra's own checks) and then checks the combinations no type can express.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, Dict, List
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +32,8 @@ class Config:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
+    expected: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -40,9 +42,16 @@ class Config:
     @property
     def micro_batch_size(self) -> int:
         """Per-process sequences per forward: train's override, else the hardware's, else all of it."""
+        setting = self.train.micro_batch_size
+        if setting == "auto":
+            from gptlab.plan import auto_micro_batch  # the memory planner (imports this module)
+
+            return auto_micro_batch(self)
+        if setting is not None and (isinstance(setting, bool) or not isinstance(setting, int)):
+            raise GptlabError(f"train.micro_batch_size={setting}: must be a positive integer, null or auto")
         per_rank = self.train.batch_size // self.world_size
-        mb = self.train.micro_batch_size or self.hardware.micro_batch_size or per_rank
-        return min(mb, per_rank) if self.train.micro_batch_size is None else mb
+        mb = setting or self.hardware.micro_batch_size or per_rank
+        return min(mb, per_rank) if setting is None else mb
 
     @property
     def accum_steps(self) -> int:

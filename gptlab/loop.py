@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
 class TrainConfig:
     max_steps: int = 5000
     batch_size: int = 32  # global sequences per optimizer step (all processes, all micro-steps)
-    micro_batch_size: Optional[int] = None  # per process per forward; null: the hardware's choice
+    micro_batch_size: Any = None  # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
     eval_every: int = 500  # steps between evaluations (0: only at the end)
     eval_steps: int = 50  # validation batches per evaluation
     eval_batch_size: Optional[int] = None  # null: the micro-batch size

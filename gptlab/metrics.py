@@ -1,28 +1,91 @@
-"""Pure functions for throughput figures: FLOPs per token, MFU, a measured CPU peak."""
+"""Pure functions for throughput and memory figures: FLOPs per token, MFU / HFU, peaks, memory.
+
+Model FLOPs (MFU) count the work the model needs: every matmul of every layer and the LM head,
+plus attention's T x T products, forward once and backward twice. Hardware FLOPs (HFU) add what
+activation checkpointing recomputes (one more forward of every block). Both are checked against
+``torch.utils.flop_counter.FlopCounterMode`` in tests/test_metrics.py.
+
+Only torch, numpy and the standard library are imported here (a leaf module).
+"""
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, Dict, Optional
 
 import torch
 
 
+# ---------------------------------------------------------------------------------------------- FLOPs
+
+def matmul_params(n_layer: int, n_embd: int, hidden: int, vocab: int, swiglu: bool = False) -> int:
+    """Weights that take part in matmuls: q/k/v and output projections, the MLP, and the LM head.
+
+    ``vocab`` is the padded vocabulary (the head multiplies by all of it). Embedding lookups and
+    LayerNorms are not matmuls. A tied head still costs its matmul, so it is counted here.
+    """
+    per_layer = 4 * n_embd * n_embd + (3 if swiglu else 2) * n_embd * hidden
+    return n_layer * per_layer + vocab * n_embd
+
+
 def flops_per_token(n_layer: int, n_embd: int, block_size: int, matmul_params: int) -> float:
-    """Training FLOPs per token: 6 * matmul weights, plus attention's scores and weighted sum.
+    """Training (model) FLOPs per token: 6 * matmul weights, plus attention's scores and weighted sum.
 
     Forward is 2 FLOPs per weight per token plus 2 * 2 * T * d per layer for QK^T and AV (counted
-    over the full T x T square, as PaLM's appendix does); backward is twice the forward.
+    over the full T x T square, as PaLM's appendix and FlopCounterMode do; causal kernels skip about
+    half of it, which MFU conventionally ignores); backward is twice the forward.
     """
     forward = 2 * matmul_params + 4 * n_layer * block_size * n_embd
     return 3.0 * forward
 
 
+def recomputed_matmul_params(n_layer: int, n_embd: int, hidden: int, swiglu: bool = False) -> int:
+    """Matmul weights that activation checkpointing runs again in backward.
+
+    Every block's matmuls except its last one: PyTorch's non-reentrant checkpoint stops recomputing
+    as soon as the last tensor backward needs has been saved, and the MLP output projection's input
+    is saved before that matmul would run (FlopCounterMode confirms it). The LM head is not
+    checkpointed.
+    """
+    return n_layer * (4 * n_embd * n_embd + (2 if swiglu else 1) * n_embd * hidden)
+
+
+def recompute_flops_per_token(n_layer: int, n_embd: int, block_size: int, recomputed_params: int) -> float:
+    """Extra FLOPs per token that activation checkpointing spends in its second forward of the blocks.
+
+    ``recomputed_params`` from recomputed_matmul_params(). Add this to flops_per_token for hardware
+    FLOPs (HFU).
+    """
+    return 2.0 * recomputed_params + 4.0 * n_layer * block_size * n_embd
+
+
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s as a fraction of the hardware peak."""
+    """Model FLOPs utilisation: achieved model FLOP/s as a fraction of the hardware peak.
+
+    Pass hardware FLOPs per token (with recomputation) to get HFU instead.
+    """
     if peak_flops <= 0:
         return 0.0
     return tokens_per_s * flops_per_tok / peak_flops
+
+
+def peak_tflops_for(precision: str, tf32: bool, half: Optional[float], tf32_tflops: Optional[float],
+                    fp32: Optional[float]) -> Optional[float]:
+    """The dense peak TFLOP/s that applies to a precision, from a hardware preset's figures.
+
+    bf16 / fp16 autocast runs the matmuls on the half-precision units (``half``, the preset's
+    ``peak_tflops``); fp32 runs them as TF32 when TF32 is on and a TF32 rate is given, else at the
+    fp32 rate; a preset that gives only ``half`` uses it for every precision. None when the preset
+    gives nothing (the CPU: measure instead).
+    """
+    if precision in ("bf16", "fp16"):
+        return half
+    if tf32 and tf32_tflops:
+        return tf32_tflops
+    return fp32 or half
 
 
 @lru_cache(maxsize=None)
@@ -37,3 +100,148 @@ def measured_cpu_peak(dtype_name: str = "float32", n: int = 1024, seconds: float
         a @ b
         count += 1
     return 2 * n**3 * count / elapsed
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class Shape:
+    """What the memory model needs to know about a run, as plain numbers."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    hidden: int  # MLP hidden width
+    vocab: int  # padded vocabulary (the LM head's rows)
+    block_size: int
+    params: int  # every parameter, counted once
+    matmul_params: int  # see matmul_params()
+    swiglu: bool = False
+    dropout: float = 0.0
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast: weights stay fp32)
+    flash: bool = True  # attention keeps no T x T matrix (SDPA flash / memory-efficient kernels)
+    device: str = "cuda"  # cuda keeps dropout masks as bytes; the CPU as the tensor's own dtype
+    world_size: int = 1
+
+
+def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
+    """Bytes one transformer block keeps for backward, per token.
+
+    Without checkpointing, counted tensor by tensor for gptlab's block (checked against autograd's
+    saved tensors in tests/test_plan.py). c is the compute dtype's size; the residual stream and
+    LayerNorm inputs stay fp32 under autocast:
+      ln_1 input 4d + c_attn input c*d + q,k,v 3c*d + attention output c*d (c_proj's input) +
+      ln_2 input 4d + c_fc input c*d + the MLP hidden before and after the activation 2c*h (3c*h
+      for SwiGLU's gate, up and product) + two residual dropout masks when dropout > 0 + the
+      T x T attention probabilities (and dropout mask and dropped copy) when attention is not fused.
+    With checkpointing a block keeps only its fp32 input (4d); one block is recomputed at a time
+    during backward, which memory_estimate adds once.
+    """
+    d, h, c = s.n_embd, s.hidden, _BYTES[s.precision]
+    if checkpointing:
+        return 4.0 * d
+    mask = 1 if s.device == "cuda" else c
+    per = 8 * d + 6 * c * d + (3 if s.swiglu else 2) * c * h
+    if s.dropout > 0:
+        per += 2 * mask * d
+    if not s.flash:
+        per += s.n_head * s.block_size * (c + (mask + c if s.dropout > 0 else 0))
+    return float(per)
+
+
+def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str, float]:
+    """Peak memory per device in bytes, by part, for one training step at this micro-batch.
+
+    Static: weights (fp32 master weights), optimizer (AdamW's two fp32 moments), ddp (DDP's
+    gradient buckets, a second gradient copy, when world_size > 1). Then two moments of a step can
+    be the peak: the start of backward, holding every saved activation, autocast's half-precision
+    weight copies and the LM head's logits, log-softmax and their gradient (transient); and the end
+    of backward, holding every gradient (grads) plus, with checkpointing, one recomputed block.
+    Between them activations are freed as gradients fill in, so the peak is the larger of the two.
+    """
+    c = _BYTES[s.precision]
+    tokens = micro_batch * s.block_size
+    mask = 1 if s.device == "cuda" else 4
+    embed = 16 + (mask * s.n_embd if s.dropout > 0 else 0)  # ids and targets (+ embedding dropout mask)
+    head = 4 * s.n_embd + c * s.n_embd + 4 * s.vocab  # ln_f input, head input, kept log-softmax
+    layer = activation_bytes_per_layer_token(s, checkpointing=False)
+    recompute = tokens * layer if checkpointing else 0.0
+    parts = {
+        "weights": 4.0 * s.params,
+        "optimizer": 8.0 * s.params,
+        "ddp": 4.0 * s.params if s.world_size > 1 else 0.0,
+        "grads": 4.0 * s.params,
+        "autocast": float(c * s.matmul_params) if c < 4 else 0.0,
+        "activations": tokens * (s.n_layer * activation_bytes_per_layer_token(s, checkpointing) + embed + head),
+        # logits in the compute dtype, the log-softmax's gradient and the logits' gradient
+        "transient": max(tokens * (c + 4 + 4) * s.vocab, recompute),
+    }
+    start_of_backward = parts["autocast"] + parts["activations"] + parts["transient"]
+    end_of_backward = parts["grads"] + recompute
+    parts["total"] = parts["weights"] + parts["optimizer"] + parts["ddp"] + max(start_of_backward, end_of_backward)
+    return parts
+
+
+def current_rss_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 where unavailable)."""
+    return _proc_status_kb("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since start or since reset_peak_rss()."""
+    kb = _proc_status_kb("VmHWM")
+    if kb:
+        return kb * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux: /proc/self/clear_refs 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory of this machine (the CPU 'device' memory)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _proc_status_kb(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+# ---------------------------------------------------------------------------------- expected results
+
+def expectation_met(expected: Dict[str, Any], results: Dict[str, Any]) -> Optional[bool]:
+    """Whether a run's results meet a recipe's ``expected`` figures; None when nothing is comparable.
+
+    Keys: best_val_loss / val_loss (at most this + val_loss_tolerance, default 0.05), tokens_per_s
+    (at least this), and free text (source, note) that is not compared.
+    """
+    tol = float(expected.get("val_loss_tolerance", 0.05))
+    checks = []
+    for key in ("best_val_loss", "val_loss"):
+        if expected.get(key) is not None and results.get(key) is not None:
+            checks.append(results[key] <= expected[key] + tol)
+    if expected.get("tokens_per_s") is not None and results.get("tokens_per_s") is not None:
+        checks.append(results["tokens_per_s"] >= expected["tokens_per_s"])
+    return all(checks) if checks else None

@@ -1,0 +1,216 @@
+"""python -m gptlab.bench [--warmup N] [--steps N] [--mlflow] [overrides]: time the real training loop.
+
+Builds the run exactly as ``gptlab.train`` does, runs warm-up + timed steps of ``loop.train``
+(logging every step, no checkpoints, no evaluation until the end, no sample), and prints ONE JSON
+line: tokens_per_s, step_ms (median), mfu, hfu, peak_mem_bytes (CUDA max allocated, or the peak
+RSS on the CPU), the planner's memory and speed prediction beside them, and a config summary.
+A sweep over settings is Hydra's ``-m``: one JSON line per job, e.g.
+    python -m gptlab.bench -m train.micro_batch_size=1,2,4 hardware.compile=false,true
+With ``--mlflow`` the figures are also recorded as an MLflow run (tag kind=bench).
+Multi-process benchmarks are started by torchrun (every rank times; rank 0 prints).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from gptlab import distributed, metrics
+from gptlab.build import build
+from gptlab.cli import fail, run_entry
+from gptlab.config import to_config
+from gptlab.errors import GptlabError
+from gptlab.loop import train
+
+FLAGS: Dict[str, Any] = {"warmup": 3, "steps": 10, "mlflow": False}
+
+# What a benchmark changes in the run: time steps, not evaluation, checkpoints or text samples.
+BENCH_OVERRIDES = {
+    "train.log_every": 1,  # one timing window per step (run.timings)
+    "train.save_checkpoints": False,
+    "train.eval_every": 10**9,  # the loop still evaluates once after the last step, outside the timings
+    "train.eval_steps": 1,
+    "train.sample_tokens": 0,
+    "train.resume": "never",
+    "tracking.plots": False,
+    "tracking.system_metrics": False,
+}
+
+
+def parse_flags(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """--warmup N, --steps N and --mlflow, taken out of argv before Hydra parses it."""
+    flags, rest, i = dict(FLAGS), [], 0
+    while i < len(argv):
+        a = argv[i]
+        name = a[2:].split("=", 1)[0] if a.startswith("--") else None
+        if name == "mlflow":
+            flags["mlflow"] = True
+        elif name in ("warmup", "steps"):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in a else 1
+            if not value.isdigit() or (name == "steps" and int(value) < 1):
+                raise GptlabError(f"--{name} {value!r}: give a whole number of steps"
+                                  + (" (at least 1)" if name == "steps" else ""))
+            flags[name] = int(value)
+        else:
+            rest.append(a)
+        i += 1
+    return flags, rest
+
+
+def bench_config(cfg: DictConfig, flags: Dict[str, Any]) -> DictConfig:
+    """The composed config with the benchmark's settings (warm-up + timed steps, nothing else)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        for key, value in BENCH_OVERRIDES.items():
+            OmegaConf.update(cfg, key, value)
+        cfg.train.max_steps = flags["warmup"] + flags["steps"]
+        cfg.tracking.mlflow = bool(flags["mlflow"])
+    return cfg
+
+
+def summarise(run, timings: List[Tuple[int, float, int]], warmup: int, peak_mem: int, mem_source: str,
+              base_mem: int, plan: Dict[str, Any], cfg) -> Dict[str, Any]:
+    """The benchmark's figures from the loop's per-step timings (the warm-up steps dropped)."""
+    timed = [(s, sec, tok) for s, sec, tok in timings if s > warmup]
+    seconds = sum(sec for _, sec, _ in timed)
+    tokens = sum(tok for _, _, tok in timed)
+    tok_s = tokens / seconds if seconds > 0 else 0.0
+    step_ms = [1e3 * sec for _, sec, _ in timed]
+    fpt, hfpt, peak = run.flops_per_token, run.derived["hardware_flops_per_token"], run.peak_flops
+    hw, m = cfg.hardware, cfg.model
+    compiled = cfg.parallelism.compile if cfg.parallelism.compile is not None else hw.compile
+    return {
+        "tokens_per_s": round(tok_s, 1),
+        "step_ms": round(statistics.median(step_ms), 2) if step_ms else None,
+        "mfu": round(metrics.mfu(tok_s, fpt, peak), 4),
+        "hfu": round(metrics.mfu(tok_s, hfpt, peak), 4),
+        "peak_mem_bytes": peak_mem,
+        "peak_mem_source": mem_source,
+        "peak_mem_step_bytes": peak_mem - base_mem,  # above the memory held when the loop started
+        "plan_mem_bytes": int(plan["memory"]["total"]),
+        "plan_tokens_per_s": plan.get("expected_tokens_per_s"),
+        "plan_mfu": plan.get("expected_mfu"),
+        "step_ms_min": round(min(step_ms), 2) if step_ms else None,
+        "step_ms_max": round(max(step_ms), 2) if step_ms else None,
+        "warmup_steps": warmup,
+        "timed_steps": len(timed),
+        "model": m.name, "params": run.num_params, "n_layer": m.n_layer, "n_head": m.n_head,
+        "n_embd": m.n_embd, "block_size": m.block_size, "vocab_size": run.model_config["vocab_size"],
+        "data": cfg.data.name, "hardware": hw.name, "device": str(run.dist.device),
+        "world_size": run.dist.world_size, "precision": hw.precision, "compile": bool(compiled),
+        "activation_checkpointing": cfg.parallelism.activation_checkpointing,
+        "attention_backend": hw.attention_backend, "threads": torch.get_num_threads(),
+        "batch_size": cfg.train.batch_size, "micro_batch_size": run.derived["micro_batch_size"],
+        "accum_steps": run.derived["accum_steps"], "tokens_per_step": run.derived["tokens_per_step"],
+        "flops_per_token": fpt, "hardware_flops_per_token": hfpt, "peak_flops": peak,
+        "peak_flops_source": "measured" if run.dist.device.type == "cpu" and not _configured_peak(hw) else "config",
+        "torch": torch.__version__,
+    }
+
+
+def _configured_peak(hw) -> bool:
+    return bool(metrics.peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32,
+                                        hw.peak_tflops_fp32))
+
+
+def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str, Any]:
+    """Build, time, and print one JSON line (rank 0). Also used by tests through compose."""
+    from gptlab.plan import make_plan, plan_json, step_estimate, DEFAULT_MFU
+
+    cfg = bench_config(cfg, flags)
+    config = to_config(cfg)
+    if distributed.role(config.hardware) == "parent":
+        n = config.hardware.nproc_per_node
+        raise GptlabError(f"hardware={config.hardware.name} asks for {n} processes: start the benchmark with "
+                          f"torchrun --nproc_per_node={n} -m gptlab.bench ...")
+    plan = make_plan(config)
+    plan_figures = plan_json(config, plan, step_estimate(plan, config, DEFAULT_MFU[config.hardware.device]))
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    run = build(config, run_dir, resolved, run_name=f"bench-{config.model.name}-{config.hardware.name}",
+                tags={"kind": "bench"}, log=lambda *_: None)
+    status = "FAILED"
+    try:
+        cuda = run.dist.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(run.dist.device)
+            torch.cuda.reset_peak_memory_stats(run.dist.device)
+            base = torch.cuda.memory_allocated(run.dist.device)
+        else:
+            metrics.reset_peak_rss()
+            base = metrics.current_rss_bytes()
+        with open(os.devnull, "w") as quiet, _redirect_stdout(quiet):
+            train(run)  # the loop's progress lines are not the benchmark's output
+        if cuda:
+            peak, source = torch.cuda.max_memory_allocated(run.dist.device), "cuda_max_allocated"
+        else:
+            peak, source = metrics.peak_rss_bytes(), "peak_rss"
+        result = summarise(run, run.timings, flags["warmup"], peak, source, base, plan_figures, config)
+        if run.dist.is_main:
+            (Path(run.run_dir) / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+            mlflow_run = getattr(run.tracker, "mlflow", None)
+            if mlflow_run is not None:
+                mlflow_run.log_summary(config.train.max_steps, {
+                    f"bench/{k}": float(v) for k, v in result.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                run.tracker.log_artifact(Path(run.run_dir) / "bench.json")
+            print(json.dumps(result), flush=True)
+        status = "FINISHED"
+        return result
+    finally:
+        run.close(status)
+
+
+class _redirect_stdout:
+    """Send sys.stdout to a file while the loop runs (the one JSON line is all bench prints)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __enter__(self):
+        self.saved, sys.stdout = sys.stdout, self.target
+
+    def __exit__(self, *exc):
+        sys.stdout = self.saved
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> Dict[str, Any]:
+    hc = HydraConfig.get()
+    try:
+        return run_bench(cfg, Path(hc.runtime.output_dir), FLAGS)
+    except GptlabError as e:
+        fail("gptlab.bench", e)  # one line, before Hydra reports the job as failed
+        raise
+
+
+def _defaults(argv: List[str]) -> List[str]:
+    """Benchmarks keep their run folders apart from training runs."""
+    extra = []
+    if not any(a.startswith("hydra.run.dir=") for a in argv):
+        extra.append("hydra.run.dir=outputs/bench/${now:%Y-%m-%d_%H-%M-%S.%f}")
+    if not any(a.startswith("hydra.sweep.dir=") for a in argv):
+        extra.append("hydra.sweep.dir=outputs/bench_sweeps/${now:%Y-%m-%d_%H-%M-%S.%f}")
+    if "--mlflow" not in sys.argv:  # (checked before the flags are taken out)
+        extra.append("~hydra.callbacks.mlflow_sweep")  # no MLflow parent run for a plain sweep
+    return [*extra, "hydra/job_logging=disabled", "hydra/hydra_logging=disabled", *argv]
+
+
+if __name__ == "__main__":
+    try:
+        flags, args = parse_flags(sys.argv[1:])
+    except GptlabError as e:
+        print(f"gptlab.bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    FLAGS.update(flags)
+    sys.argv[1:] = _defaults(args)
+    run_entry(main, "gptlab.bench")

@@ -1,0 +1,352 @@
+"""python -m gptlab.plan [overrides]: will this run fit, and how long will it take? Nothing is allocated.
+
+Prints the parameters, FLOPs per token, memory per device by part (weights, gradients, optimizer
+state, activations with and without activation checkpointing), the largest micro-batch that fits
+the device, the accumulation steps that follow, and the step time, tokens/s and time to
+train.max_steps at a stated MFU (``--mfu 0.4``; ``--json`` prints one JSON object instead).
+A run whose micro-batch does not fit ends with one line saying what would.
+
+``train.micro_batch_size=auto`` asks ``auto_micro_batch`` for the largest micro-batch that fits.
+The memory model is in ``metrics.memory_estimate``; tests/test_plan.py checks it against measured
+allocations on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from gptlab.config import Config
+from gptlab.errors import GptlabError
+from gptlab.metrics import (Shape, flops_per_token, machine_memory_bytes, matmul_params, memory_estimate,
+                            peak_tflops_for, recompute_flops_per_token,
+                            recomputed_matmul_params)
+
+GiB = 2**30
+# Not every byte of a device is the program's: the CUDA context, cuBLAS / NCCL workspaces and the
+# caching allocator's fragmentation take a few GB of a GPU; the OS, Python and the data take RAM.
+USABLE_FRACTION = {"cuda": 0.92, "cpu": 0.80}
+# The MFU a plan assumes unless --mfu says otherwise: a well-tuned GPT step with bf16, flash attention
+# and compile reaches about this on A100/H100; the CPU figure is against the measured fp32 matmul rate.
+DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.60}
+_KNOWN_VOCAB = {"gpt2": 50257}
+
+
+@dataclass
+class Plan:
+    shape: Shape
+    params: int
+    vocab_assumed: bool
+    flops_per_token: float
+    hardware_flops_per_token: float  # with the recomputation of activation checkpointing, if on
+    device_bytes: float  # per device
+    usable_bytes: float
+    micro_batch: int  # as configured (or chosen by auto)
+    checkpointing: bool
+    memory: Dict[str, float]  # memory_estimate at micro_batch with the configured checkpointing
+    memory_ckpt: Dict[str, float]  # ... with activation checkpointing on
+    memory_no_ckpt: Dict[str, float]  # ... and off
+    largest_fit: Optional[int]  # largest micro-batch dividing the per-rank batch that fits (configured ckpt)
+    largest_fit_other: Optional[int]  # the same with checkpointing flipped
+    per_rank_batch: int
+    world_size: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.usable_bytes
+
+
+def vocab_for(cfg: Config) -> Tuple[int, bool]:
+    """The vocabulary the model will have (model.vocab_size, else the tokenizer's); True if assumed.
+
+    A character vocabulary is only known once the text is read: 65 for Tiny Shakespeare, else 256.
+    """
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size, False
+    tok = cfg.data.tokenizer
+    if tok.kind in _KNOWN_VOCAB:
+        return _KNOWN_VOCAB[tok.kind], False
+    if tok.kind == "bpe":
+        return tok.vocab_size, False
+    return (65 if cfg.data.source == "shakespeare" else 256), True
+
+
+def param_count(cfg: Config, vocab: int) -> int:
+    """Parameters of gptlab.model.GPT for this config, without building it."""
+    m = cfg.model
+    d, V = m.n_embd, _padded(vocab, m.vocab_multiple)
+    h, b = m.hidden_dim, 1 if m.bias else 0
+    fc_out = (2 if m.mlp == "swiglu" else 1) * h
+    layer = (2 * (d + b * d)  # two LayerNorms
+             + 3 * d * d + b * 3 * d + d * d + b * d  # c_attn, c_proj
+             + d * fc_out + b * fc_out + h * d + b * d)  # c_fc, c_proj
+    total = V * d + m.n_layer * layer + (d + b * d)  # wte, blocks, ln_f
+    if m.pos_emb == "learned":
+        total += m.block_size * d
+    if not m.tie_weights:
+        total += V * d
+    return total
+
+
+def _padded(vocab: int, multiple: int) -> int:
+    k = max(1, multiple)
+    return (vocab + k - 1) // k * k
+
+
+def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
+    m, hw = cfg.model, cfg.hardware
+    vocab, assumed = vocab_for(cfg)
+    V = _padded(vocab, m.vocab_multiple)
+    hidden = m.hidden_dim
+    swiglu = m.mlp == "swiglu"
+    params = param_count(cfg, vocab)
+    # SDPA's fused kernels keep no T x T matrix; on the CPU they take no dropout, so the math path does
+    fused = hw.attention_backend != "math" and (hw.device == "cuda" or m.dropout == 0)
+    shape = Shape(n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, hidden=hidden, vocab=V,
+                  block_size=m.block_size, params=params,
+                  matmul_params=matmul_params(m.n_layer, m.n_embd, hidden, V, swiglu), swiglu=swiglu,
+                  dropout=m.dropout, precision=hw.precision, flash=fused, device=hw.device,
+                  world_size=cfg.world_size)
+    return shape, params, assumed
+
+
+def device_memory_bytes(cfg: Config) -> float:
+    """Memory of one device: hardware.memory_gb, else this machine's RAM (shared by its processes)
+    on the CPU, else the visible GPU's."""
+    hw = cfg.hardware
+    if hw.memory_gb:
+        return hw.memory_gb * GiB
+    if hw.device == "cpu":
+        return machine_memory_bytes() / max(1, hw.nproc_per_node)
+    import torch
+
+    if torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    raise GptlabError(f"hardware.memory_gb: unknown for hardware={hw.name} without a visible GPU; "
+                      f"set it, e.g. hardware.memory_gb=80")
+
+
+def _divisors(n: int) -> List[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def largest_fit(shape: Shape, per_rank: int, checkpointing: bool, usable: float) -> Optional[int]:
+    fitting = [k for k in _divisors(per_rank) if memory_estimate(shape, k, checkpointing)["total"] <= usable]
+    return max(fitting) if fitting else None
+
+
+def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
+    """The plan for a validated Config (micro_batch: the one to evaluate; default: the config's)."""
+    shape, params, assumed = shape_for(cfg)
+    m = cfg.model
+    ckpt = cfg.parallelism.activation_checkpointing
+    fpt = flops_per_token(m.n_layer, m.n_embd, m.block_size, shape.matmul_params)
+    recomputed = recomputed_matmul_params(m.n_layer, m.n_embd, shape.hidden, shape.swiglu)
+    hfpt = fpt + (recompute_flops_per_token(m.n_layer, m.n_embd, m.block_size, recomputed) if ckpt else 0.0)
+    device = device_memory_bytes(cfg)
+    usable = device * USABLE_FRACTION[cfg.hardware.device]
+    per_rank = cfg.train.batch_size // cfg.world_size
+    mb = micro_batch if micro_batch is not None else cfg.micro_batch_size
+    return Plan(shape=shape, params=params, vocab_assumed=assumed, flops_per_token=fpt,
+                hardware_flops_per_token=hfpt, device_bytes=device, usable_bytes=usable, micro_batch=mb,
+                checkpointing=ckpt, memory=memory_estimate(shape, mb, ckpt),
+                memory_ckpt=memory_estimate(shape, mb, True), memory_no_ckpt=memory_estimate(shape, mb, False),
+                largest_fit=largest_fit(shape, per_rank, ckpt, usable),
+                largest_fit_other=largest_fit(shape, per_rank, not ckpt, usable),
+                per_rank_batch=per_rank, world_size=cfg.world_size)
+
+
+def auto_micro_batch(cfg: Config) -> int:
+    """train.micro_batch_size=auto: the largest micro-batch that divides the per-process batch and fits."""
+    shape, _, _ = shape_for(cfg)
+    per_rank = cfg.train.batch_size // cfg.world_size
+    if per_rank < 1:
+        raise GptlabError(f"train.batch_size={cfg.train.batch_size}: fewer sequences than the "
+                          f"{cfg.world_size} processes")
+    usable = device_memory_bytes(cfg) * USABLE_FRACTION[cfg.hardware.device]
+    ckpt = cfg.parallelism.activation_checkpointing
+    mb = largest_fit(shape, per_rank, ckpt, usable)
+    if mb is None:
+        raise GptlabError(what_would_fit(cfg, shape, per_rank, ckpt, usable, 1))
+    return mb
+
+
+def what_would_fit(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable: float, mb: int) -> str:
+    """One line: how much this needs, how much there is, and what change would fit."""
+    need = memory_estimate(shape, mb, ckpt)["total"]
+    head = (f"train.micro_batch_size={mb}: needs {need / GiB:.1f} GiB per device, more than the "
+            f"{usable / GiB:.1f} GiB usable of hardware={cfg.hardware.name}")
+    options = []
+    if not ckpt and memory_estimate(shape, mb, True)["total"] <= usable:
+        options.append(f"parallelism.activation_checkpointing=true "
+                       f"({memory_estimate(shape, mb, True)['total'] / GiB:.1f} GiB)")
+    own, other = largest_fit(shape, per_rank, ckpt, usable), largest_fit(shape, per_rank, not ckpt, usable)
+    if own is not None and own < mb:
+        options.append(f"train.micro_batch_size={own} with {per_rank // own} accumulation steps")
+    elif not ckpt and other is not None and other < mb:
+        options.append(f"activation checkpointing with train.micro_batch_size={other}")
+    if not options:
+        static = sum(memory_estimate(shape, 1, True)[k] for k in ("weights", "grads", "optimizer", "ddp"))
+        options.append(f"a device with more memory (hardware.memory_gb): weights, gradients and optimizer "
+                       f"state alone take {static / GiB:.1f} GiB, which more data-parallel GPUs do not "
+                       f"shrink; a smaller model.n_layer / model.n_embd")
+    return f"{head}; would fit: " + ", or ".join(options)
+
+
+def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
+    """Step time, tokens/s and time to train.max_steps at the given MFU of the job's peak."""
+    from gptlab.metrics import measured_cpu_peak
+
+    hw = cfg.hardware
+    tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
+    if tflops:
+        peak, source = tflops * 1e12, "config"
+    elif hw.device == "cpu":
+        peak, source = measured_cpu_peak("bfloat16" if hw.precision == "bf16" else "float32"), "measured"
+    else:
+        return {}
+    job_peak = peak * cfg.world_size
+    tokens_per_step = cfg.train.batch_size * cfg.model.block_size
+    tok_s = mfu_value * job_peak / plan.flops_per_token
+    step_s = tokens_per_step / tok_s
+    return {"mfu": mfu_value, "peak_flops_per_device": peak, "peak_source": source, "tokens_per_step": tokens_per_step,
+            "tokens_per_s": tok_s, "step_s": step_s, "train_s": step_s * cfg.train.max_steps}
+
+
+def _steps(n: int) -> str:
+    return f"{n} accumulation step{'s' if n != 1 else ''}"
+
+
+def _gb(x: float) -> str:
+    return f"{x / GiB:8.2f} GiB"
+
+
+def _duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.2f} h"
+
+
+def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
+    s, m, hw = plan.shape, cfg.model, cfg.hardware
+    lines = [
+        f"{m.name} on {hw.name} ({plan.world_size} x {hw.device}, {hw.precision}): "
+        f"{plan.params:,} parameters ({plan.params / 1e6:.1f}M), vocab {s.vocab}"
+        + (" (assumed until the data is read)" if plan.vocab_assumed else ""),
+        f"FLOPs per token: {plan.flops_per_token / 1e9:.3f} GFLOP (6N + attention)"
+        + (f"; {plan.hardware_flops_per_token / 1e9:.3f} GFLOP with checkpointing's recomputation"
+           if plan.checkpointing else ""),
+        f"batch: {cfg.train.batch_size} sequences x {m.block_size} tokens = "
+        f"{cfg.train.batch_size * m.block_size:,} tokens per step; per device {plan.per_rank_batch} "
+        f"= micro-batch {plan.micro_batch} x {_steps(plan.per_rank_batch // plan.micro_batch)}",
+        f"memory per device at micro-batch {plan.micro_batch}:   {'checkpointing':>14} {'no checkpointing':>17}",
+    ]
+    for key, label in (("weights", "weights (fp32)"), ("grads", "gradients (fp32)"),
+                       ("optimizer", "AdamW state (fp32 x2)"), ("ddp", "DDP gradient buckets"),
+                       ("autocast", "autocast weight copies"), ("activations", "activations"),
+                       ("transient", "logits / recompute peak"), ("total", "peak (estimate)")):
+        lines.append(f"  {label:<40} {_gb(plan.memory_ckpt[key]):>14} {_gb(plan.memory_no_ckpt[key]):>17}")
+    lines.append(f"  device memory {plan.device_bytes / GiB:.1f} GiB, usable "
+                 f"{plan.usable_bytes / GiB:.1f} GiB ({USABLE_FRACTION[hw.device]:.0%})")
+    for ckpt, mem, fit in ((True, plan.memory_ckpt, plan.largest_fit if plan.checkpointing else plan.largest_fit_other),
+                           (False, plan.memory_no_ckpt, plan.largest_fit_other if plan.checkpointing else plan.largest_fit)):
+        ok = mem["total"] <= plan.usable_bytes
+        tail = (f"largest micro-batch that fits: {fit} ({_steps(plan.per_rank_batch // fit)})"
+                if fit else "no micro-batch fits")
+        lines.append(f"  {'with' if ckpt else 'without':>7} activation checkpointing: "
+                     f"{'fits' if ok else 'does not fit'} at micro-batch {plan.micro_batch}; {tail}")
+    if est:
+        lines.append(f"expected at {est['mfu']:.0%} MFU of {est['peak_flops_per_device'] / 1e12:.3g} TFLOP/s per device "
+                     f"({est['peak_source']}): {est['step_s'] * 1e3:,.0f} ms per step, "
+                     f"{est['tokens_per_s']:,.0f} tokens/s, {cfg.train.max_steps:,} steps in {_duration(est['train_s'])}")
+    lines.append(f"configured (activation checkpointing {'on' if plan.checkpointing else 'off'}): "
+                 + ("FITS" if plan.fits else "DOES NOT FIT"))
+    return "\n".join(lines)
+
+
+def plan_json(cfg: Config, plan: Plan, est: Dict[str, float]) -> Dict[str, Any]:
+    return {
+        "model": cfg.model.name, "hardware": cfg.hardware.name, "world_size": plan.world_size,
+        "params": plan.params, "flops_per_token": plan.flops_per_token,
+        "hardware_flops_per_token": plan.hardware_flops_per_token,
+        "micro_batch_size": plan.micro_batch, "accum_steps": plan.per_rank_batch // plan.micro_batch,
+        "activation_checkpointing": plan.checkpointing, "device_bytes": plan.device_bytes,
+        "usable_bytes": plan.usable_bytes, "memory": plan.memory, "memory_ckpt": plan.memory_ckpt,
+        "memory_no_ckpt": plan.memory_no_ckpt, "fits": plan.fits,
+        "fits_ckpt": plan.memory_ckpt["total"] <= plan.usable_bytes,
+        "fits_no_ckpt": plan.memory_no_ckpt["total"] <= plan.usable_bytes,
+        "largest_micro_batch": plan.largest_fit, **{f"expected_{k}": v for k, v in est.items()},
+    }
+
+
+def _flags(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """--mfu X and --json, taken out of argv before Hydra sees it."""
+    flags: Dict[str, Any] = {"mfu": None, "json": False}
+    rest, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--json":
+            flags["json"] = True
+        elif a == "--mfu" or a.startswith("--mfu="):
+            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 0 if "=" in a else 1
+            try:
+                flags["mfu"] = float(value)
+            except ValueError:
+                raise GptlabError(f"--mfu {value!r}: give a fraction such as 0.4") from None
+        else:
+            rest.append(a)
+        i += 1
+    return flags, rest
+
+
+_FLAGS: Dict[str, Any] = {"mfu": None, "json": False}
+
+
+def run_plan(cfg_dict, flags: Dict[str, Any]) -> Dict[str, Any]:
+    from gptlab.config import to_config
+
+    cfg = to_config(cfg_dict)
+    plan = make_plan(cfg)
+    mfu_value = flags.get("mfu") or DEFAULT_MFU[cfg.hardware.device]
+    est = step_estimate(plan, cfg, mfu_value)
+    out = plan_json(cfg, plan, est)
+    print(json.dumps(out) if flags.get("json") else report(cfg, plan, est), flush=True)
+    if not plan.fits:
+        raise GptlabError(what_would_fit(cfg, plan.shape, plan.per_rank_batch, plan.checkpointing,
+                                         plan.usable_bytes, plan.micro_batch))
+    return out
+
+
+def main() -> None:
+    import hydra
+    from omegaconf import DictConfig
+
+    from gptlab.cli import fail, run_entry
+
+    flags, sys.argv[1:] = _flags(sys.argv[1:])
+    _FLAGS.update(flags)
+    # the planner writes nothing: no Hydra run folder or log file
+    sys.argv[1:] = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                    "hydra/hydra_logging=disabled", *sys.argv[1:]]
+
+    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+    def _main(cfg: DictConfig) -> None:
+        try:
+            run_plan(cfg, _FLAGS)
+        except GptlabError as e:
+            fail("gptlab.plan", e)  # one line, before Hydra reports the job as failed
+
+    run_entry(_main, "gptlab.plan")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except GptlabError as e:  # a bad flag, before Hydra runs
+        print(f"gptlab.plan: error: {e}", file=sys.stderr)
+        sys.exit(2)

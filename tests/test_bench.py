@@ -1,0 +1,52 @@
+"""gptlab.bench: the real loop timed, one JSON line out."""
+
+import json
+
+import pytest
+
+from conftest import REPO, compose_config, run_cli
+from gptlab.bench import parse_flags, run_bench
+from gptlab.errors import GptlabError
+
+KEYS = {"tokens_per_s", "step_ms", "mfu", "hfu", "peak_mem_bytes", "plan_mem_bytes", "model", "params",
+        "hardware", "precision", "compile", "micro_batch_size", "accum_steps", "threads", "timed_steps"}
+
+
+def tiny(shakespeare):
+    return ["model=gpt_nano", f"data.path={shakespeare}", "train.batch_size=4", "tracking.mlflow=false"]
+
+
+def test_flags():
+    flags, rest = parse_flags(["--steps", "4", "model=gpt_nano", "--warmup=0", "--mlflow"])
+    assert flags == {"warmup": 0, "steps": 4, "mlflow": True} and rest == ["model=gpt_nano"]
+    with pytest.raises(GptlabError, match="--steps"):
+        parse_flags(["--steps", "x"])
+
+
+def test_bench_in_process(shakespeare, tmp_path, capsys):
+    cfg = compose_config([*tiny(shakespeare), "parallelism.activation_checkpointing=true"])
+    result = run_bench(cfg, tmp_path, {"warmup": 1, "steps": 3, "mlflow": False})
+    line = capsys.readouterr().out.strip().splitlines()
+    assert len(line) == 1 and json.loads(line[0]) == result
+    assert KEYS <= result.keys() and result["timed_steps"] == 3
+    assert result["tokens_per_s"] > 0 and result["step_ms"] > 0 and result["peak_mem_bytes"] > 0
+    assert result["hfu"] > result["mfu"] > 0  # checkpointing's recomputation is hardware work
+    assert (tmp_path / "bench.json").is_file() and not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_bench_cli_prints_one_json_line(shakespeare, tmp_path):
+    out = run_cli(["gptlab.bench", "--warmup", "1", "--steps", "2", *tiny(shakespeare),
+                   f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, timeout=240)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1, out.stdout
+    result = json.loads(lines[0])
+    assert KEYS <= result.keys() and result["timed_steps"] == 2 and result["peak_mem_source"] == "peak_rss"
+
+
+@pytest.mark.slow
+def test_bench_cli_user_error_is_one_line(tmp_path):
+    out = run_cli(["gptlab.bench", "model.n_embd=33", f"hydra.run.dir={tmp_path}"], cwd=REPO, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "model.n_embd" in out.stderr

@@ -1,0 +1,134 @@
+"""gptlab.plan: parameter count, the memory model against measured allocations, fit decisions."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import REPO, compose_config, run_cli
+from gptlab import metrics
+from gptlab.config import to_config
+from gptlab.errors import GptlabError
+from gptlab.model import GPT
+from gptlab.plan import make_plan, param_count, shape_for
+
+
+def cfg_for(*overrides):
+    return to_config(compose_config(list(overrides)))
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=gpt_char"], ["model=gpt_nano"], ["model=gpt1b", "model.n_layer=1", "model.n_embd=64", "model.n_head=4",
+                                             "model.ffn_dim=100"],
+    ["model=gpt_nano", "model.mlp=swiglu", "model.pos_emb=sinusoidal", "model.tie_weights=false",
+     "model.bias=false", "model.vocab_multiple=64"],
+])
+def test_param_count_matches_the_model(overrides):
+    cfg = cfg_for(*overrides)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    assert param_count(cfg, 65) == model.num_params()
+
+
+def measured_peak_bytes(cfg, checkpointing: bool) -> float:
+    """Weights + AdamW state + the allocator's peak during one training step (after a first step)."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    model.activation_checkpointing = checkpointing
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 65, (cfg.micro_batch_size, cfg.model.block_size))
+
+    def step():
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer state
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    current = peak = 0
+    for e in events:
+        current += e.self_cpu_memory_usage
+        peak = max(peak, current)
+    static = sum(p.numel() * p.element_size() for p in model.parameters())
+    static += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    return static + peak
+
+
+@pytest.mark.parametrize("model", ["gpt_char", "gpt_nano"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_memory_estimate_within_25_percent_of_measured(model, checkpointing):
+    cfg = cfg_for(f"model={model}", f"parallelism.activation_checkpointing={str(checkpointing).lower()}")
+    predicted = make_plan(cfg).memory["total"]
+    measured = measured_peak_bytes(cfg, checkpointing)
+    print(f"{model} ckpt={checkpointing}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+    assert predicted == pytest.approx(measured, rel=0.25)
+
+
+def test_activations_per_layer_match_autograds_saved_tensors():
+    """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast."""
+    for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+        cfg = cfg_for("model=gpt_char", "model.n_layer=1", f"hardware.precision={precision}")
+        model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+        B, T = 4, cfg.model.block_size
+        x = torch.randint(0, 65, (B, T))
+        saved = {}
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params and t.dim() >= 2:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            model(x, x)
+        shape, _, _ = shape_for(cfg)
+        d, V = cfg.model.n_embd, shape.vocab
+        head = 4 * d + metrics._BYTES[precision] * d + 4 * V  # ln_f input, head input, log-softmax
+        expected = metrics.activation_bytes_per_layer_token(shape, checkpointing=False) + head
+        # the autocast weight copies are 2-D too: they are counted apart in memory_estimate
+        weights = shape.matmul_params * 2 if dtype is not None else 0
+        assert sum(saved.values()) - weights == pytest.approx(expected * B * T, rel=0.02)
+
+
+def test_gpt1b_recipe_fits_40gb_only_with_checkpointing():
+    cfg = cfg_for("experiment=gpt1b_shakespeare")
+    plan = make_plan(cfg)
+    assert cfg.world_size == 8 and plan.micro_batch == 8 and plan.checkpointing
+    assert abs(plan.params - 1_011_224_385) / 1_011_224_385 < 0.001  # the reference's count
+    assert plan.fits and plan.memory_ckpt["total"] < 40 * 2**30
+    assert plan.memory_no_ckpt["total"] > plan.usable_bytes
+    no_ckpt = make_plan(cfg_for("experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"))
+    assert not no_ckpt.fits and no_ckpt.largest_fit is not None and no_ckpt.largest_fit < 8
+
+
+def test_micro_batch_auto_uses_the_planner():
+    cfg = cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.batch_size=64",
+                  "train.micro_batch_size=auto", "hardware.memory_gb=16")
+    mb = cfg.micro_batch_size
+    assert 1 <= mb < 64 and 64 % mb == 0
+    assert cfg.accum_steps == 64 // mb
+    bigger = cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.batch_size=64",
+                     "train.micro_batch_size=auto", "hardware.memory_gb=64")
+    assert bigger.micro_batch_size > mb
+    with pytest.raises(GptlabError, match="would fit"):
+        cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.micro_batch_size=auto", "hardware.memory_gb=0.5")
+    with pytest.raises(GptlabError, match="train.micro_batch_size"):
+        cfg_for("train.micro_batch_size=lots")
+
+
+@pytest.mark.slow
+def test_plan_cli_gpt1b(tmp_path):
+    ok = run_cli(["gptlab.plan", "experiment=gpt1b_shakespeare"], cwd=REPO, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "with activation checkpointing: fits at micro-batch 8" in ok.stdout
+    assert "without activation checkpointing: does not fit at micro-batch 8" in ok.stdout
+    no = run_cli(["gptlab.plan", "experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"],
+                 cwd=REPO, timeout=120)
+    assert no.returncode == 2
+    err = no.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("gptlab.plan: error: train.micro_batch_size=8")
+    assert "parallelism.activation_checkpointing=true" in err[0]

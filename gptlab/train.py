@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any, Dict
 
@@ -60,7 +61,11 @@ def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: 
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
     except GptlabError as e:
+        # User errors (config, data, divergence) are usually the same on every rank: rank 0 says it,
+        # and the launcher stops the others while they wait. A rank that fails alone still speaks.
         rank = os.environ.get("RANK", "0")
+        if rank != "0":
+            time.sleep(3)
         fail("gptlab.train", e if rank == "0" else f"[rank {rank}] {e}")
 
 

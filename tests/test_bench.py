@@ -50,3 +50,28 @@ def test_bench_cli_user_error_is_one_line(tmp_path):
     out = run_cli(["gptlab.bench", "model.n_embd=33", f"hydra.run.dir={tmp_path}"], cwd=REPO, timeout=120)
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "model.n_embd" in out.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_script_on_the_cpu(tmp_path):
+    """launch/gpu_check.sh with the device overridden to the CPU and both models shrunk."""
+    import os
+    import subprocess
+    import sys
+
+    shrink = ("model.n_layer=1 model.n_embd=32 model.n_head=2 model.block_size=32 model.ffn_dim=null "
+              "train.batch_size=2 train.micro_batch_size=2 hardware.compile=false hardware.precision=fp32 "
+              "optimizer.fused=false")
+    env = {**os.environ, "GPU_CHECK_HARDWARE": "hardware=cpu", "GPU_CHECK_SHRINK": shrink,
+           "GPU_CHECK_WARMUP": "1", "GPU_CHECK_STEPS": "2", "PYTHON": sys.executable}
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run(["bash", str(REPO / "launch" / "gpu_check.sh"), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert set(report["runs"]) == {"gpt2_124m", "gpt1b"}
+    for name, run in report["runs"].items():
+        assert run["ok"], run.get("error")
+        assert run["bench"]["model"] == name and run["plan"]["model"] == name
+        assert run["measured_vs_plan"]["plan_mem_bytes"] > 0
+    assert report["runs"]["gpt1b"]["bench"]["activation_checkpointing"] is True

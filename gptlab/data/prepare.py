@@ -427,11 +427,20 @@ def _pread(f, dtype: np.dtype, start: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 4096) -> Iterator[np.ndarray]:
-    """The documents of `table` (start, length rows) in `order`, a chunk of documents at a time."""
-    for k in range(0, len(order), chunk):
-        rows = table[order[k : k + chunk]]
-        yield np.concatenate([_pread(f, dtype, s, n) for s, n in rows]) if len(rows) else np.zeros(0, dtype)
+def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 1 << 22) -> Iterator[np.ndarray]:
+    """The documents of `table` (start, length rows) in `order`, at most ~`chunk` tokens at a time."""
+    parts: List[np.ndarray] = []
+    size = 0
+    for k in range(0, len(order), 4096):
+        for start, n in table[order[k : k + 4096]].tolist():
+            for a in range(start, start + n, chunk):  # a huge document is read in pieces too
+                parts.append(_pread(f, dtype, a, min(chunk, start + n - a)))
+                size += len(parts[-1])
+                if size >= chunk:
+                    yield np.concatenate(parts)
+                    parts, size = [], 0
+    if parts:
+        yield np.concatenate(parts)
 
 
 def _write_split(folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int,

@@ -172,3 +172,42 @@ def test_slurm_local_tasks_per_node_follow_hardware(tmp_path):
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
         _stop(proc)
+
+
+def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path):
+    """SIGUSR2 (what SLURM sends before preemption or the time limit): the job saves a checkpoint,
+    submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano",
+         f"data.path={shakespeare}", "train.max_steps=200", "train.log_every=10", "train.eval_every=100",
+         "train.eval_steps=2", "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        metrics: List[Path] = []
+        while not (metrics and len(metrics[0].read_text().splitlines()) >= 3):
+            assert proc.poll() is None and time.time() < deadline, "the job never started training"
+            time.sleep(0.5)
+            metrics = list(tmp_path.glob("outputs/sweeps/*/0/metrics.jsonl"))
+        run_dir = metrics[0].parent
+        job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+        _run(["scancel", "--signal=USR2", str(job_id)], tmp_path)
+        # SLURM holds a requeued job for a while (BeginTime); let it start again at once
+        while "BeginTime" not in _run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], tmp_path).stdout:
+            assert proc.poll() is None and time.time() < deadline + 60, "the job was not requeued"
+            time.sleep(0.5)
+        _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], tmp_path)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    stopped = [c.name for c in (run_dir / "checkpoints").iterdir()]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 200 and results["stopped_by"] is None, results
+    logs = "".join(p.read_text() for p in run_dir.parent.glob(f".submitit/{job_id}*/*_log.out"))
+    assert "SIGUSR2 received: stopped at step" in logs and "resuming from" in logs, logs[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if "train_loss" in x]
+    assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)

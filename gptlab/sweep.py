@@ -24,7 +24,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from gptlab.tracking import (PARENT_TAG, SWEEP_FILE, artifact_root, default_uri, error_text,
+from gptlab.tracking import (PARENT_TAG, SWEEP_FILE, SWEEP_KIND, artifact_root, default_uri, error_text,
                              get_or_create_experiment, note, read_sweep, sweep_run_name)
 
 
@@ -94,8 +94,8 @@ class SweepCallback(Callback):
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), 100):
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
-            self.parent = {"parent_run_id": run.info.run_id, "experiment_id": exp_id, "experiment": experiment,
-                           "uri": uri, "overrides": overrides, "swept": [o.partition("=")[0] for o in sweeping],
+            self.parent = {"kind": SWEEP_KIND, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
+                           "experiment": experiment, "uri": uri, "overrides": overrides, "swept": [o.partition("=")[0] for o in sweeping],
                            "launcher": launcher, "run_name": name}
             sweep_dir.mkdir(parents=True, exist_ok=True)
             tmp = sweep_dir / (SWEEP_FILE + ".tmp")

@@ -42,6 +42,7 @@ SUMMARY_METRICS = {  # results.json key -> MLflow metric logged once at the end 
     "wall_s": "summary/wall_s",
 }
 SWEEP_FILE = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs nest under
+SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
 LOSS_PLOT = "loss.png"
 
@@ -158,6 +159,8 @@ def read_sweep(run_dir: Path) -> Optional[Dict[str, Any]]:
                 info = json.loads(path.read_text())
             except (OSError, ValueError):
                 return None
+            if not isinstance(info, dict) or info.get("kind") != SWEEP_KIND:
+                return None  # somebody else's sweep.json
             return {**info, "sweep_dir": str(folder)}
     return None
 
@@ -257,7 +260,7 @@ class MLflowRun:
 
     def __init__(self, cfg: TrackingConfig, uri: str, experiment: str, run_name: str,
                  params: Dict[str, Any], tags: Dict[str, str], artifact_root: Optional[Path],
-                 experiment_id: Optional[str] = None):
+                 experiment_id: Optional[str] = None, resume_run_id: Optional[str] = None):
         self.uri = uri
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
@@ -265,6 +268,7 @@ class MLflowRun:
         self._buffer: List[Any] = []
         self._client = None
         self._monitor = None
+        self.resumed = False
         # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
@@ -274,8 +278,17 @@ class MLflowRun:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=uri)
-            exp_id = experiment_id or get_or_create_experiment(client, experiment, artifact_root)
-            run = client.create_run(exp_id, run_name=run_name, tags=tags)
+            run = self._reopen(client, resume_run_id) if resume_run_id else None
+            if run is not None:  # a resumed run goes on in the same MLflow run
+                exp_id, self.resumed = run.info.experiment_id, True
+                client.update_run(run.info.run_id, status="RUNNING")
+                for k, v in tags.items():
+                    client.set_tag(run.info.run_id, k, v)
+                logged = run.data.params  # a param cannot change once logged: keep the first value
+                params = {k: v for k, v in params.items() if k not in logged}
+            else:
+                exp_id = experiment_id or get_or_create_experiment(client, experiment, artifact_root)
+                run = client.create_run(exp_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
             items = [Param(k, str(v)[:6000]) for k, v in params.items()]
             for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
@@ -284,6 +297,14 @@ class MLflowRun:
             self.experiment_id = exp_id
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._fail(e)
+
+    @staticmethod
+    def _reopen(client: Any, run_id: str) -> Any:
+        try:
+            return client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
+            note(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
+            return None
 
     @staticmethod
     def _check_reachable(uri: str) -> None:
@@ -314,7 +335,7 @@ class MLflowRun:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
-            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri)
+            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri, resume_logging=self.resumed)
             self._monitor.start()
         except Exception as e:  # noqa: BLE001
             note(f"system metrics skipped: {error_text(e)}")
@@ -397,7 +418,9 @@ class Tracker:
     (and to TensorBoard when asked), and loss.png at the end."""
 
     def __init__(self, run_dir: Path, cfg: TrackingConfig, outputs: Path, experiment: str,
-                 run_name: str, params: Dict[str, Any], tags: Dict[str, str]):
+                 run_name: str, params: Dict[str, Any], tags: Dict[str, str],
+                 resume_run_id: Optional[str] = None):
+        """resume_run_id: the MLflow run of the checkpoint being resumed, continued instead of a new one."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
@@ -425,7 +448,7 @@ class Tracker:
             if commit := git_commit():
                 tags["git_commit"] = commit
             self.mlflow = MLflowRun(cfg, self.uri, self.experiment, self.run_name, params, tags,
-                                    artifact_root(self.uri), experiment_id)
+                                    artifact_root(self.uri), experiment_id, resume_run_id)
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import compose_config, nano_overrides
 from gptlab.errors import GptlabError
-from gptlab.tracking import default_uri, runs_url, sweep_run_name, ui_command
+from gptlab.tracking import Tracker, TrackingConfig, default_uri, runs_url, sweep_run_name, ui_command
 from gptlab.train import run_training
 
 
@@ -122,3 +122,21 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
     # a sweeper that makes the values itself (Optuna, ...): whatever the job has that the sweep had not
     assert sweep_run_name("b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]}) == \
         "b optimizer.lr=0.0042"
+
+
+def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
+    cfg, outputs = TrackingConfig(plots=False), tmp_path / "outputs"
+    first = Tracker(tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 10, "a": 1}, {})
+    first.log_metrics(5, {"train_loss": 3.0, "tokens": 100})
+    first.finish("KILLED")  # stopped (preempted) with a checkpoint holding first.run_id
+    again = Tracker(tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 20, "b": 2}, {},
+                    resume_run_id=first.run_id)
+    again.log_metrics(10, {"train_loss": 2.0, "tokens": 200})
+    again.finish("FINISHED")
+    assert again.run_id == first.run_id
+    client = client_for(tmp_path)
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"train.max_steps": "10", "a": "1", "b": "2"}  # logged params cannot change
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [(5, 3.0), (10, 2.0)]
+    assert len(client.search_runs([run.info.experiment_id])) == 1

@@ -146,7 +146,8 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     peak_lr = scaled_lr(cfg.optimizer, world)
     optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed)
+    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed,
+                                sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda")
     eval_bs = cfg.train.eval_batch_size or mb
     val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
 
@@ -179,6 +180,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         "data_dir": str(data.root),
         "train_tokens": len(train_tokens),
         "val_tokens": len(val_tokens),
+        "tokenizer_sha256": data.tokenizer_sha256,
     }
 
     checkpoint_dir = run_dir / "checkpoints"

@@ -35,6 +35,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     assert run.info.status == "FINISHED"
     assert run.info.run_name == "gpt_nano-shakespeare_char-cpu"
     assert run.data.params["model.n_layer"] == "2" and run.data.params["derived.accum_steps"] == "1"
+    assert len(run.data.params["derived.tokenizer_sha256"]) == 64
     assert run.data.tags["hardware"] == "cpu" and "host" in run.data.tags
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.name == "gpt_nano-shakespeare_char"

@@ -59,6 +59,9 @@ class Run:
     start_step: int = 0
     start_tokens: int = 0
     start_best_val: float = math.inf
+    # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
+    # are not logged again: an exact resume recomputes the same values
+    logged_until_step: int = 0
     derived: Dict[str, Any] = field(default_factory=dict)
     timings: List[Any] = field(default_factory=list)  # (step, seconds, tokens) per logged window
 
@@ -91,6 +94,19 @@ def load_resume_state(resume: str, checkpoint_dir: Path, warn) -> Optional[Dict[
         state = checkpoint.load(path)
     warn(f"resuming from {path} (step {state['step']})")
     return state
+
+
+def last_logged_step(metrics_file: Path) -> int:
+    """The last step recorded in a run folder's metrics.jsonl (0 when there is none)."""
+    if not metrics_file.is_file():
+        return 0
+    last = 0
+    for line in metrics_file.read_text().splitlines():
+        try:
+            last = max(last, int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+    return last
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
@@ -187,6 +203,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     start = {"step": 0, "tokens": 0, "best_val": math.inf}
     mlflow_run_id = None
     state = load_resume_state(cfg.train.resume, checkpoint_dir, say)
+    state_loaded = state is not None
     if state is not None:
         raw_model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -204,10 +221,9 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
                     "run_dir": str(run_dir.resolve()), **(tags or {})}
         tracker: Any = Tracker(run_dir, cfg.tracking, outputs, cfg.tracking.experiment or model_name,
                                run_name or cfg.tracking.run_name or f"{model_name}-{cfg.hardware.name}",
-                               params, all_tags)
+                               params, all_tags, resume_run_id=mlflow_run_id)
     else:
         tracker = NullTracker()
-    del mlflow_run_id  # reopening the same MLflow run on resume arrives with the checkpoint work
 
     if d.is_main and (job := distributed.slurm_job_info()) is not None:
         # the job's logs live in submitit's folder: say where from the run folder
@@ -228,6 +244,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         run_dir=run_dir, checkpoint_dir=checkpoint_dir, resolved_config=resolved,
         model_config=dataclasses.asdict(mcfg), summary=summary, start_step=start["step"],
         start_tokens=start["tokens"], start_best_val=start["best_val"], derived=derived,
+        logged_until_step=last_logged_step(run_dir / "metrics.jsonl") if state_loaded else 0,
     )
 
 

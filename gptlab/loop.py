@@ -257,7 +257,7 @@ def train(run: "Run") -> Dict[str, Any]:
                 last_val = evaluate(run)
                 best_val = min(best_val, last_val)
                 metrics["val_loss"] = last_val
-            if do_log or do_eval:
+            if (do_log or do_eval) and step > run.logged_until_step:
                 run.tracker.log_metrics(step, metrics)
                 eta = (t.max_steps - step) * train_time / max(1, step - run.start_step)
                 line = (f"step {step}/{t.max_steps} | loss {train_loss:.4f}"

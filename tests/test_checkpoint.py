@@ -172,6 +172,9 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
     assert list((run_dir / "checkpoints").glob(".ckpt_*.tmp*"))  # the killed save's temporary file
     results = run_training(compose_config(overrides), run_dir)  # resume=auto
     assert results["steps"] == 20
+    # steps 6-10 were logged before the kill; the resumed run recomputed but did not log them again
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 21))
     assert not list((run_dir / "checkpoints").glob(".ckpt_*.tmp*"))  # cleaned up by the next save
     straight = tmp_path / "straight"
     run_training(compose_config(overrides), straight)
@@ -182,8 +185,8 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(tmp_path, shakespeare):
     run_dir = tmp_path / "run"
-    args = [*nano_overrides(shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0"),
-            f"hydra.run.dir={run_dir}"]
+    args = [*nano_overrides(shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0",
+                            "tracking.mlflow=true"), f"hydra.run.dir={run_dir}"]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen([sys.executable, "-m", "gptlab.train", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -206,4 +209,13 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and f"step {step}" in r.stdout, r.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "train_loss" in x]
-    assert steps == sorted(set(steps)) and steps[-1] == step + 5  # no step logged twice
+    assert steps == list(range(1, step + 6))  # every step once: none missing, none logged twice
+    # one MLflow run across the restart, with one point per logged step
+    from mlflow.tracking import MlflowClient
+
+    finished = json.loads((run_dir / "results.json").read_text())
+    assert finished["mlflow_run_id"] == stopped["mlflow_run_id"] is not None
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    history = client.get_metric_history(finished["mlflow_run_id"], "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, step + 6))
+    assert client.get_run(finished["mlflow_run_id"]).info.status == "FINISHED"

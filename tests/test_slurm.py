@@ -208,6 +208,9 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     assert results["steps"] == 200 and results["stopped_by"] is None, results
     logs = "".join(p.read_text() for p in run_dir.parent.glob(f".submitit/{job_id}*/*_log.out"))
     assert "SIGUSR2 received: stopped at step" in logs and "resuming from" in logs, logs[-3000:]
+    run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
+    assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
+    assert results["mlflow_run_id"] == run_ids[0]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "train_loss" in x]
     assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)

@@ -214,3 +214,62 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
              if "train_loss" in x]
     assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path):
+    """Two 2-task gloo DDP jobs on SLURM, recorded through a real `mlflow server` on loopback."""
+    port = _free_port()
+    store = tmp_path / "store"
+    store.mkdir()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "art")],
+        cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        import urllib.request
+
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        r = run_cli(["gptlab.train", "-m", "hydra/launcher=slurm_local", "hardware=cpu_x2", "model=gpt_nano",
+                     f"data.path={shakespeare}", "train.max_steps=30", "train.batch_size=8", "train.eval_every=30",
+                     "train.eval_steps=2", "train.sample_tokens=0", f"tracking.uri={uri}",
+                     "tracking.experiment=slurm-ddp", "optimizer.lr=1e-3,3e-3"], cwd=tmp_path, timeout=400)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
+        for num in ("0", "1"):
+            results = json.loads((sweep / num / "results.json").read_text())
+            assert results["steps"] == 30
+        script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+        assert "--ntasks-per-node=2" in script  # hardware=cpu_x2: two ranks per job
+        logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
+        assert "= 4 x 1 accum x 2 ranks" in logs, logs[-2000:]
+
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name("slurm-ddp")
+        runs = client.search_runs([exp.experiment_id])
+        parents = [x for x in runs if "mlflow.parentRunId" not in x.data.tags]
+        kids = [x for x in runs if "mlflow.parentRunId" in x.data.tags]
+        assert len(parents) == 1 and len(kids) == 2, [(x.info.run_name, x.data.tags) for x in runs]
+        assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {parents[0].info.run_id}
+        assert {k.info.status for k in kids} == {"FINISHED"} and parents[0].info.status == "FINISHED"
+        assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.003"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

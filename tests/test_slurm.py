@@ -139,8 +139,15 @@ def _job_field(job_id: str, field: str, cwd: Path) -> str:
 def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
     # The real preset, submitted to the local cluster. Only cpus_per_task is lowered: 8 tasks x 8 CPUs
     # would not fit the 16 CPUs declared here. The job is held, checked, cancelled; it never runs.
+    # The composed 1B recipe, as `--cfg job` shows it ...
+    shown = run_cli(["gptlab.train", "experiment=gpt1b_shakespeare", "--cfg", "job"], cwd=tmp_path, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    for line in ("name: gpt1b", "n_layer: 20", "n_embd: 2048", "block_size: 2048", "batch_size: 64",
+                 "max_steps: 15000", "lr_scaling: sqrt", "activation_checkpointing: true", "nproc_per_node: 8"):
+        assert line in shown.stdout, line
+    # ... then submitted with the 8-GPU preset.
     sweep = tmp_path / "sweep"
-    proc, job_id, script = _submit_held(["hydra/launcher=slurm_a100x8", "hardware=a100x8", "model=gpt_nano",
+    proc, job_id, script = _submit_held(["hydra/launcher=slurm_a100x8", "experiment=gpt1b_shakespeare",
                                          "hydra.launcher.cpus_per_task=2"], sweep, tmp_path)
     try:
         for flag in ("--nodes=1", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR2@300",

@@ -39,6 +39,7 @@ BENCH_OVERRIDES = {
     "train.save_checkpoints": False,
     "train.eval_every": 10**9,  # the loop still evaluates once after the last step, outside the timings
     "train.eval_steps": 1,
+    "train.eval_batch_size": None,  # one micro-batch, not the default 64 sequences
     "train.sample_tokens": 0,
     "train.resume": "never",
     "tracking.plots": False,
@@ -202,7 +203,8 @@ def _defaults(argv: List[str]) -> List[str]:
         extra.append("hydra.sweep.dir=outputs/bench_sweeps/${now:%Y-%m-%d_%H-%M-%S.%f}")
     if "--mlflow" not in sys.argv:  # (checked before the flags are taken out)
         extra.append("~hydra.callbacks.mlflow_sweep")  # no MLflow parent run for a plain sweep
-    return [*extra, "hydra/job_logging=disabled", "hydra/hydra_logging=disabled", *argv]
+    # after the user's words: argparse wants `-m` and the overrides in one run of positionals
+    return [*argv, *extra, "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 
 if __name__ == "__main__":

@@ -89,17 +89,24 @@ def peak_tflops_for(precision: str, tf32: bool, half: Optional[float], tf32_tflo
 
 
 @lru_cache(maxsize=None)
-def measured_cpu_peak(dtype_name: str = "float32", n: int = 1024, seconds: float = 0.3) -> float:
-    """Dense-matmul FLOP/s of this CPU (threads as configured), the reference for CPU MFU."""
+def measured_cpu_peak(dtype_name: str = "float32", n: int = 1024, seconds: float = 0.3, trials: int = 5) -> float:
+    """Dense-matmul FLOP/s of this CPU (threads as configured), the reference for CPU MFU.
+
+    The best of several short trials: on a shared machine one long trial measures the neighbours'
+    load as much as the CPU, and a peak is the rate the CPU reaches when it is ours.
+    """
     dtype = getattr(torch, dtype_name)
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(2):
         a @ b
-    count, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < seconds:
-        a @ b
-        count += 1
-    return 2 * n**3 * count / elapsed
+    best = 0.0
+    for _ in range(max(1, trials)):
+        count, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < seconds / max(1, trials) or count == 0:
+            a @ b
+            count += 1
+        best = max(best, 2 * n**3 * count / elapsed)
+    return best
 
 
 # --------------------------------------------------------------------------------------------- memory

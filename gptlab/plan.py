@@ -331,8 +331,8 @@ def main() -> None:
     flags, sys.argv[1:] = _flags(sys.argv[1:])
     _FLAGS.update(flags)
     # the planner writes nothing: no Hydra run folder or log file
-    sys.argv[1:] = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                    "hydra/hydra_logging=disabled", *sys.argv[1:]]
+    sys.argv[1:] = [*sys.argv[1:], "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
+                    "hydra/hydra_logging=disabled"]
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(cfg: DictConfig) -> None:

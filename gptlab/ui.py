@@ -6,8 +6,9 @@ waits until it answers, and prints the URL of the experiment's runs table (MLflo
 experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the server already
 runs: the URL is printed and nothing is started.
 
-On a cluster node, serve on the node's address and let MLflow accept its name as Host header:
-`python -m gptlab.ui --host 0.0.0.0 --allowed-hosts "$(hostname),$(hostname):5000" --port 5000`.
+On a cluster node, `--host 0.0.0.0` serves on every address. MLflow rejects requests whose Host header
+or page origin it does not know; gptlab.ui tells it this machine's names and addresses (`--allowed-hosts`
+and `--cors-allowed-origins` for others, such as a proxy's name).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def find_experiment(uri: str, name: Optional[str]) -> Tuple[str, str]:
 
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is free
         try:
             s.bind((host, port))
         except OSError:
@@ -94,13 +96,47 @@ def free_port(host: str = "127.0.0.1", preferred: int = 5000) -> int:
         return s.getsockname()[1]
 
 
-def server_command(uri: str, host: str, port: int, workers: int, allowed_hosts: Optional[str]) -> List[str]:
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def machine_names(host: str, shown: str) -> List[str]:
+    """The names and addresses this machine is reached by when serving on `host`."""
+    names = {shown, socket.gethostname(), socket.getfqdn()}
+    if host not in ("0.0.0.0", "::"):
+        names.add(host)
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return sorted(n for n in names if n)
+
+
+def network_access(host: str, port: int, shown: str) -> Tuple[Optional[str], Optional[str]]:
+    """(--allowed-hosts, --cors-allowed-origins) for serving on `host`.
+
+    MLflow answers only Host headers of localhost and private IPs, and its UI's own POST requests are
+    refused (403, "Request error" in the page) from any origin but localhost. Serving on another
+    address, accept this machine's names and addresses as both, keeping MLflow's default hosts."""
+    if host in LOOPBACK:
+        return None, None
+    names = machine_names(host, shown)
+    defaults = ["localhost", "127.0.0.1", "[::1]", "0.0.0.0", "localhost:*", "127.0.0.1:*", "[[]::1]:*",
+                "0.0.0.0:*", "192.168.*", "10.*", *[f"172.{i}.*" for i in range(16, 32)], "fc00:*", "fd00:*"]
+    hosts = ",".join(defaults + [h for n in names for h in (n, f"{n}:*")])
+    origins = ",".join(f"http://{n}:{port}" for n in names)
+    return hosts, origins
+
+
+def server_command(uri: str, host: str, port: int, workers: int, allowed_hosts: Optional[str] = None,
+                   allowed_origins: Optional[str] = None) -> List[str]:
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
            "--port", str(port), "--workers", str(workers)]
     if (artifacts := artifact_root(uri)) is not None:
         cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", str(artifacts)]
     if allowed_hosts:
         cmd += ["--allowed-hosts", allowed_hosts]
+    if allowed_origins:
+        cmd += ["--cors-allowed-origins", allowed_origins]
     return cmd + ["--uvicorn-opts", "--log-level warning"]  # no line per request
 
 
@@ -144,7 +180,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=int, default=None, help="port (default 5000 if free, else any free port)")
     p.add_argument("--allowed-hosts", default=None,
-                   help="Host headers MLflow accepts besides localhost and private IPs, e.g. node01,node01:5000")
+                   help="Host headers MLflow accepts (default: localhost and private IPs, and with --host "
+                        "this machine's names and addresses), e.g. 'node01,node01:*'")
+    p.add_argument("--cors-allowed-origins", default=None,
+                   help="page origins whose requests MLflow accepts (default: localhost, and with --host "
+                        "http://<this machine's names and addresses>:<port>), e.g. http://node01.example.org:5000")
     p.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
     args = p.parse_args(argv)
 
@@ -165,7 +205,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise GptlabError(f"--port {port}: already in use on {args.host}; pick another or leave it out")
     shown = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
     local = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
-    proc = subprocess.Popen(server_command(uri, args.host, port, args.workers, args.allowed_hosts),
+    hosts, origins = network_access(args.host, port, shown)
+    proc = subprocess.Popen(server_command(uri, args.host, port, args.workers, args.allowed_hosts or hosts,
+                                           args.cors_allowed_origins or origins),
                             env=server_env(), start_new_session=True)
 
     def on_signal(signum, frame):

@@ -33,3 +33,16 @@ def test_the_newest_experiment_is_opened_unless_one_is_named(tmp_path):
     assert find_experiment(uri, "new") == (new, "new")
     with pytest.raises(GptlabError, match="tracking.experiment=nope: no such experiment .*there are: "):
         find_experiment(uri, "nope")
+
+
+def test_serving_on_another_address_accepts_this_machines_names_as_host_and_origin():
+    import socket
+
+    from gptlab.ui import network_access
+
+    assert network_access("127.0.0.1", 5000, "127.0.0.1") == (None, None)  # MLflow's own defaults
+    hosts, origins = network_access("0.0.0.0", 5000, "node01")
+    assert {"node01", "node01:*", socket.gethostname(), "localhost:*", "10.*", "192.168.*"} <= set(hosts.split(","))
+    assert {"http://node01:5000", f"http://{socket.getfqdn()}:5000"} <= set(origins.split(","))
+    hosts, origins = network_access("10.1.2.3", 5001, "10.1.2.3")
+    assert "10.1.2.3:*" in hosts.split(",") and "http://10.1.2.3:5001" in origins.split(",")

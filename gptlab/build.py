@@ -21,8 +21,8 @@ from gptlab.config import Config
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
-from gptlab.metrics import (flops_per_token, measured_cpu_peak, peak_tflops_for, recompute_flops_per_token,
-                            recomputed_matmul_params)
+from gptlab.metrics import (expectation_met, flops_per_token, measured_cpu_peak, peak_tflops_for,
+                            recompute_flops_per_token, recomputed_matmul_params)
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
 from gptlab.tracking import NullTracker, Tracker, flatten
@@ -118,11 +118,27 @@ def restore_rng(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def autocast_factory(device_type: str, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_factory(device_type: str, precision: str,
+                     attention_backend: str = "auto") -> Callable[[], contextlib.AbstractContextManager]:
+    """The context every forward runs in: the hardware's autocast precision and SDPA kernel choice."""
     dtype = _AUTOCAST[precision]
-    if dtype is None:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+
+    def context() -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        if dtype is not None:
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
+        stack.enter_context(distributed.attention_context(attention_backend))
+        return stack
+
+    return context
+
+
+def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, Any]) -> None:
+    """For a recipe with an `expected:` block: whether the run met it, in results and as an MLflow tag."""
+    met = expectation_met(expected, results) if expected else None
+    if met is not None:
+        results["expected_met"] = met
+        run.tracker.set_tag("expected_met", str(met).lower())
 
 
 def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = Path("outputs"),
@@ -239,7 +255,7 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps),
         grad_clip=cfg.optimizer.grad_clip, train_loader=loader, val_batches=val,
         tokenizer=data.tokenizer, tracker=tracker,
-        autocast=autocast_factory(d.device.type, cfg.hardware.precision),
+        autocast=autocast_factory(d.device.type, cfg.hardware.precision, cfg.hardware.attention_backend),
         block_size=T, num_params=num_params, flops_per_token=fpt, peak_flops=peak,
         run_dir=run_dir, checkpoint_dir=checkpoint_dir, resolved_config=resolved,
         model_config=dataclasses.asdict(mcfg), summary=summary, start_step=start["step"],

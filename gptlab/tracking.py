@@ -248,6 +248,8 @@ class NullTracker:
 
     def log_artifact(self, path: Path) -> None: ...
 
+    def set_tag(self, key: str, value: str) -> None: ...
+
     def write_config(self, resolved: Dict[str, Any]) -> None: ...
 
     def write_results(self, results: Dict[str, Any]) -> None: ...
@@ -479,6 +481,10 @@ class Tracker:
     def log_artifact(self, path: Path) -> None:
         if self.mlflow:
             self.mlflow.log_artifact(path)
+
+    def set_tag(self, key: str, value: str) -> None:
+        if self.mlflow:
+            self.mlflow.set_tag(key, value)
 
     def write_config(self, resolved: Dict[str, Any]) -> None:
         """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact."""

@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab import distributed
-from gptlab.build import build, write_sample
+from gptlab.build import build, record_expectation, write_sample
 from gptlab.cli import fail, run_entry
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
@@ -42,6 +42,7 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
         sample = write_sample(run) if not results["stopped_by"] else None
         if sample is not None:
             print(f"--- sample ---\n{sample[:400]}\n--------------", flush=True)
+        record_expectation(run, config.expected, results)
         run.tracker.write_results(results)
         if run.dist.is_main:
             best = results["best_val_loss"]

@@ -141,3 +141,16 @@ def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     assert run.data.params == {"train.max_steps": "10", "a": "1", "b": "2"}  # logged params cannot change
     assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [(5, 3.0), (10, 2.0)]
     assert len(client.search_runs([run.info.experiment_id])) == 1
+
+
+def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    for bound, met in (("10.0", True), ("0.1", False)):
+        results = run_training(compose_config(nano_overrides(
+            shakespeare, "tracking.mlflow=true", f"+expected.best_val_loss={bound}", "hardware.attention_backend=math")),
+            tmp_path / f"run{bound}")
+        assert results["expected_met"] is met
+        assert client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()

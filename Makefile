@@ -1,7 +1,9 @@
 # The two commands of the README:
 #   make train   set up .venv and train the default model (character GPT on Tiny Shakespeare, CPU)
-#   make test    set up .venv and run the whole test suite (what CI runs)
-# Extra arguments: make train ARGS="model=gpt_nano train.max_steps=200"   make test PYTEST_ARGS="-m 'not slow'"
+#   make test    set up .venv, start the services the tests use (a local SLURM, headless Chromium;
+#                installed if missing, which needs root) and run the whole test suite (what CI runs)
+#   make unit    the fast tests only, no services
+# Extra arguments: make train ARGS="model=gpt_nano train.max_steps=200"   make test PYTEST_ARGS="-x"
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test clean
+.PHONY: setup train test unit clean
 
 setup: $(VENV)/.installed
 
@@ -36,7 +38,10 @@ train: setup
 	$(BIN)/python -m gptlab.train $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	bash .ci/with_services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+unit: setup
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

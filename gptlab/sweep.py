@@ -156,3 +156,45 @@ class SweepCallback(Callback):
             client.set_terminated(run.info.run_id, status="FAILED")
         except Exception as e:  # noqa: BLE001
             note(f"could not record the failed job in MLflow: {error_text(e)}")
+
+
+class SubmissionReporter(Callback):
+    """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear.
+
+    hydra-submitit-launcher submits silently and then waits for the whole sweep; this watches
+    submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job.
+    """
+
+    def __init__(self, poll_s: float = 1.0) -> None:
+        self.poll_s = poll_s
+        self._stop: Optional[Any] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # the launcher pickles callbacks into every job: the watcher stays in the launching process
+        return {"poll_s": self.poll_s, "_stop": None}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        import threading
+
+        launcher = str(config.hydra.runtime.choices.get("hydra/launcher") or "")
+        if not launcher.startswith("slurm"):
+            return
+        folder = Path(str(config.hydra.sweep.dir)).resolve() / ".submitit"
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True).start()
+
+    def _watch(self, folder: Path, stop: Any) -> None:
+        seen: set = set()
+        while True:
+            for script in sorted(folder.glob("*/*_submission.sh")) if folder.is_dir() else []:
+                job_id = script.parent.name
+                if job_id not in seen:
+                    seen.add(job_id)
+                    print(f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
+                          f"(squeue -j {job_id})", flush=True)
+            if stop.wait(self.poll_s):
+                return
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._stop is not None:
+            self._stop.set()

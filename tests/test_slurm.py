@@ -91,6 +91,8 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
     # next to the job folders.
     (submission,) = sweep.glob(".submitit/*/*_submission.sh")
     script = submission.read_text()
+    # the launching command said which job it submitted and where its logs are
+    assert f"submitted SLURM job {submission.parent.name}; logs: " in r.stdout, r.stdout[-2000:]
     for flag in ("--array=0-1", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1",
                  "--signal=USR2@"):
         assert flag in script, script

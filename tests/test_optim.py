@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import OptimizerConfig, build_optimizer, lr_at, scaled_lr

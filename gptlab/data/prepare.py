@@ -37,7 +37,7 @@ from gptlab.data.config import DataConfig
 from gptlab.data.shards import (FORMAT_VERSION, ShardWriter, TokenShards, _write_json, open_shards, shard_plan,
                                 token_dtype)
 from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
-from gptlab.data.tokenizers import (CharTokenizer, Tokenizer, TiktokenTokenizer, bpe_from_ranks, gpt2_tokenizer,
+from gptlab.data.tokenizers import (CharTokenizer, Tokenizer, bpe_from_ranks, gpt2_tokenizer,
                                     load_tokenizer, train_bpe)
 from gptlab.errors import GptlabError
 

@@ -43,8 +43,8 @@ class _StepLoader:
 
     kind = ""
 
-    def __init__(self, tokens, block_size: int, batch_size: int, micro_batch_size: int, rank: int,
-                 world_size: int, seed: int, pin_memory: bool, prefetch: Optional[bool]):
+    def __init__(self, tokens, block_size: int, batch_size: int, micro_batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, pin_memory: bool = False, prefetch: Optional[bool] = None):
         if batch_size % (micro_batch_size * world_size):
             raise ValueError("batch_size must be a multiple of micro_batch_size * world_size")
         self.tokens = tokens
@@ -94,13 +94,7 @@ class RandomWindowLoader(_StepLoader):
     """Yields, per optimizer step, this rank's micro-batches of random windows."""
 
     kind = "random_windows"
-
-    def __init__(self, tokens, block_size: int, batch_size: int, micro_batch_size: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, pin_memory: bool = False,
-                 prefetch: Optional[bool] = None):
-        super().__init__(tokens, block_size, batch_size, micro_batch_size, rank, world_size, seed,
-                         pin_memory, prefetch)
-        self.step = 0
+    step: int = 0  # the position: the next step's number (set per instance by _set_position)
 
     def _position(self) -> int:
         return self.step

@@ -3,6 +3,7 @@
 #   make test    set up .venv, start the services the tests use (a local SLURM, headless Chromium;
 #                installed if missing, which needs root) and run the whole test suite (what CI runs)
 #   make unit    the fast tests only, no services
+#   make lint    ruff: lint rules and formatting (make test runs it first)
 # Extra arguments: make train ARGS="model=gpt_nano train.max_steps=200"   make test PYTEST_ARGS="-x"
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup train test unit clean
+.PHONY: setup train test unit lint clean
 
 setup: $(VENV)/.installed
 
@@ -37,8 +38,12 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(BIN)/python -m gptlab.train $(ARGS)
 
-test: setup
+test: setup lint
 	bash .ci/with_services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 unit: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

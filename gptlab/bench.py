@@ -59,8 +59,9 @@ def parse_flags(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
             value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 0 if "=" in a else 1
             if not value.isdigit() or (name == "steps" and int(value) < 1):
-                raise GptlabError(f"--{name} {value!r}: give a whole number of steps"
-                                  + (" (at least 1)" if name == "steps" else ""))
+                raise GptlabError(
+                    f"--{name} {value!r}: give a whole number of steps" + (" (at least 1)" if name == "steps" else "")
+                )
             flags[name] = int(value)
         else:
             rest.append(a)
@@ -79,8 +80,16 @@ def bench_config(cfg: DictConfig, flags: Dict[str, Any]) -> DictConfig:
     return cfg
 
 
-def summarise(run, timings: List[Tuple[int, float, int]], warmup: int, peak_mem: int, mem_source: str,
-              base_mem: int, plan: Dict[str, Any], cfg) -> Dict[str, Any]:
+def summarise(
+    run,
+    timings: List[Tuple[int, float, int]],
+    warmup: int,
+    peak_mem: int,
+    mem_source: str,
+    base_mem: int,
+    plan: Dict[str, Any],
+    cfg,
+) -> Dict[str, Any]:
     """The benchmark's figures from the loop's per-step timings (the warm-up steps dropped)."""
     timed = [(s, sec, tok) for s, sec, tok in timings if s > warmup]
     seconds = sum(sec for _, sec, _ in timed)
@@ -105,40 +114,63 @@ def summarise(run, timings: List[Tuple[int, float, int]], warmup: int, peak_mem:
         "step_ms_max": round(max(step_ms), 2) if step_ms else None,
         "warmup_steps": warmup,
         "timed_steps": len(timed),
-        "model": m.name, "params": run.num_params, "n_layer": m.n_layer, "n_head": m.n_head,
-        "n_embd": m.n_embd, "block_size": m.block_size, "vocab_size": run.model_config["vocab_size"],
-        "data": cfg.data.name, "hardware": hw.name, "device": str(run.dist.device),
-        "world_size": run.dist.world_size, "precision": hw.precision, "compile": bool(compiled),
+        "model": m.name,
+        "params": run.num_params,
+        "n_layer": m.n_layer,
+        "n_head": m.n_head,
+        "n_embd": m.n_embd,
+        "block_size": m.block_size,
+        "vocab_size": run.model_config["vocab_size"],
+        "data": cfg.data.name,
+        "hardware": hw.name,
+        "device": str(run.dist.device),
+        "world_size": run.dist.world_size,
+        "precision": hw.precision,
+        "compile": bool(compiled),
         "activation_checkpointing": cfg.parallelism.activation_checkpointing,
-        "attention_backend": hw.attention_backend, "threads": torch.get_num_threads(),
-        "batch_size": cfg.train.batch_size, "micro_batch_size": run.derived["micro_batch_size"],
-        "accum_steps": run.derived["accum_steps"], "tokens_per_step": run.derived["tokens_per_step"],
-        "flops_per_token": fpt, "hardware_flops_per_token": hfpt, "peak_flops": peak,
+        "attention_backend": hw.attention_backend,
+        "threads": torch.get_num_threads(),
+        "batch_size": cfg.train.batch_size,
+        "micro_batch_size": run.derived["micro_batch_size"],
+        "accum_steps": run.derived["accum_steps"],
+        "tokens_per_step": run.derived["tokens_per_step"],
+        "flops_per_token": fpt,
+        "hardware_flops_per_token": hfpt,
+        "peak_flops": peak,
         "peak_flops_source": "measured" if run.dist.device.type == "cpu" and not _configured_peak(hw) else "config",
         "torch": torch.__version__,
     }
 
 
 def _configured_peak(hw) -> bool:
-    return bool(metrics.peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32,
-                                        hw.peak_tflops_fp32))
+    return bool(
+        metrics.peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
+    )
 
 
 def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str, Any]:
     """Build, time, and print one JSON line (rank 0). Also used by tests through compose."""
-    from gptlab.plan import make_plan, plan_json, step_estimate, DEFAULT_MFU
+    from gptlab.plan import DEFAULT_MFU, make_plan, plan_json, step_estimate
 
     cfg = bench_config(cfg, flags)
     config = to_config(cfg)
     if distributed.role(config.hardware) == "parent":
         n = config.hardware.nproc_per_node
-        raise GptlabError(f"hardware={config.hardware.name} asks for {n} processes: start the benchmark with "
-                          f"torchrun --nproc_per_node={n} -m gptlab.bench ...")
+        raise GptlabError(
+            f"hardware={config.hardware.name} asks for {n} processes: start the benchmark with "
+            f"torchrun --nproc_per_node={n} -m gptlab.bench ..."
+        )
     plan = make_plan(config)
     plan_figures = plan_json(config, plan, step_estimate(plan, config, DEFAULT_MFU[config.hardware.device]))
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run = build(config, run_dir, resolved, run_name=f"bench-{config.model.name}-{config.hardware.name}",
-                tags={"kind": "bench"}, log=lambda *_: None)
+    run = build(
+        config,
+        run_dir,
+        resolved,
+        run_name=f"bench-{config.model.name}-{config.hardware.name}",
+        tags={"kind": "bench"},
+        log=lambda *_: None,
+    )
     status = "FAILED"
     try:
         cuda = run.dist.device.type == "cuda"
@@ -160,9 +192,14 @@ def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str
             (Path(run.run_dir) / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
             mlflow_run = getattr(run.tracker, "mlflow", None)
             if mlflow_run is not None:
-                mlflow_run.log_summary(config.train.max_steps, {
-                    f"bench/{k}": float(v) for k, v in result.items()
-                    if isinstance(v, (int, float)) and not isinstance(v, bool)})
+                mlflow_run.log_summary(
+                    config.train.max_steps,
+                    {
+                        f"bench/{k}": float(v)
+                        for k, v in result.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    },
+                )
                 run.tracker.log_artifact(Path(run.run_dir) / "bench.json")
             print(json.dumps(result), flush=True)
         status = "FINISHED"

@@ -21,8 +21,14 @@ from gptlab.config import Config
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
-from gptlab.metrics import (expectation_met, flops_per_token, measured_cpu_peak, peak_tflops_for,
-                            recompute_flops_per_token, recomputed_matmul_params)
+from gptlab.metrics import (
+    expectation_met,
+    flops_per_token,
+    measured_cpu_peak,
+    peak_tflops_for,
+    recompute_flops_per_token,
+    recomputed_matmul_params,
+)
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
 from gptlab.tracking import NullTracker, Tracker, flatten
@@ -118,8 +124,9 @@ def restore_rng(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def autocast_factory(device_type: str, precision: str,
-                     attention_backend: str = "auto") -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_factory(
+    device_type: str, precision: str, attention_backend: str = "auto"
+) -> Callable[[], contextlib.AbstractContextManager]:
     """The context every forward runs in: the hardware's autocast precision and SDPA kernel choice."""
     dtype = _AUTOCAST[precision]
 
@@ -141,9 +148,15 @@ def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, 
         run.tracker.set_tag("expected_met", str(met).lower())
 
 
-def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = Path("outputs"),
-          run_name: Optional[str] = None, tags: Optional[Dict[str, str]] = None,
-          log: Callable[[str], None] = print) -> Run:
+def build(
+    cfg: Config,
+    run_dir: Path,
+    resolved: Dict[str, Any],
+    outputs: Path = Path("outputs"),
+    run_name: Optional[str] = None,
+    tags: Optional[Dict[str, str]] = None,
+    log: Callable[[str], None] = print,
+) -> Run:
     """Build every object of a training run from a validated Config."""
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     say = log if d.is_main else (lambda *_: None)
@@ -161,9 +174,10 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         data = prepare_data(cfg.data, log=say)
     train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
     T = cfg.model.block_size
-    if T + 1 > min(len(train_tokens), len(val_tokens)):
-        raise GptlabError(f"model.block_size={T} is longer than the data allows "
-                          f"({len(val_tokens):,} validation tokens)")
+    if min(len(train_tokens), len(val_tokens)) < T + 1:
+        raise GptlabError(
+            f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation tokens)"
+        )
 
     # Model: identical initialisation on every rank, then per-rank seeds for dropout.
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
@@ -178,8 +192,17 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     peak_lr = scaled_lr(cfg.optimizer, world)
     optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
     scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = build_train_loader(train_tokens, T, cfg.train.batch_size, mb, d.rank, world, cfg.train.seed,
-                                sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda")
+    loader = build_train_loader(
+        train_tokens,
+        T,
+        cfg.train.batch_size,
+        mb,
+        d.rank,
+        world,
+        cfg.train.seed,
+        sampling=cfg.data.sampling,
+        pin_memory=d.device.type == "cuda",
+    )
     eval_bs = cfg.train.eval_batch_size or mb
     val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
 
@@ -187,8 +210,11 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     fpt = flops_per_token(mcfg.n_layer, mcfg.n_embd, T, matmul_params)
     # activation checkpointing runs every block's forward twice: hardware FLOPs (HFU) count it
     recomputed = recomputed_matmul_params(mcfg.n_layer, mcfg.n_embd, mcfg.hidden_dim, mcfg.mlp == "swiglu")
-    hfpt = fpt + (recompute_flops_per_token(mcfg.n_layer, mcfg.n_embd, T, recomputed)
-                  if cfg.parallelism.activation_checkpointing else 0.0)
+    hfpt = fpt + (
+        recompute_flops_per_token(mcfg.n_layer, mcfg.n_embd, T, recomputed)
+        if cfg.parallelism.activation_checkpointing
+        else 0.0
+    )
     hw = cfg.hardware
     peak_tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
     if peak_tflops:
@@ -233,11 +259,23 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
     model_name = f"{cfg.model.name}-{cfg.data.name}"
     if d.is_main:
         params = {**flatten(resolved), **{f"derived.{k}": v for k, v in derived.items()}}
-        all_tags = {"hardware": cfg.hardware.name, "model": cfg.model.name, "data": cfg.data.name,
-                    "run_dir": str(run_dir.resolve()), **(tags or {})}
-        tracker: Any = Tracker(run_dir, cfg.tracking, outputs, cfg.tracking.experiment or model_name,
-                               run_name or cfg.tracking.run_name or f"{model_name}-{cfg.hardware.name}",
-                               params, all_tags, resume_run_id=mlflow_run_id)
+        all_tags = {
+            "hardware": cfg.hardware.name,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "run_dir": str(run_dir.resolve()),
+            **(tags or {}),
+        }
+        tracker: Any = Tracker(
+            run_dir,
+            cfg.tracking,
+            outputs,
+            cfg.tracking.experiment or model_name,
+            run_name or cfg.tracking.run_name or f"{model_name}-{cfg.hardware.name}",
+            params,
+            all_tags,
+            resume_run_id=mlflow_run_id,
+        )
     else:
         tracker = NullTracker()
 
@@ -246,20 +284,39 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any], outputs: Path = 
         (run_dir / "slurm.json").write_text(json.dumps(job, indent=1) + "\n")
         say(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
 
-    summary = (f"{cfg.model.name}: {num_params / 1e6:.2f}M params | data {cfg.data.name} "
-               f"({len(train_tokens):,} train tokens, vocab {data.vocab_size}) | {cfg.hardware.name} "
-               f"x{world} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {mb} x {loader.accum_steps} "
-               f"accum x {world} ranks of {T} tokens | peak lr {peak_lr:g} | {cfg.train.max_steps} steps")
+    summary = (
+        f"{cfg.model.name}: {num_params / 1e6:.2f}M params | data {cfg.data.name} "
+        f"({len(train_tokens):,} train tokens, vocab {data.vocab_size}) | {cfg.hardware.name} "
+        f"x{world} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {mb} x {loader.accum_steps} "
+        f"accum x {world} ranks of {T} tokens | peak lr {peak_lr:g} | {cfg.train.max_steps} steps"
+    )
     return Run(
-        train=cfg.train, dist=d, model=model, raw_model=raw_model, optimizer=optimizer, scaler=scaler,
+        train=cfg.train,
+        dist=d,
+        model=model,
+        raw_model=raw_model,
+        optimizer=optimizer,
+        scaler=scaler,
         lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps),
-        grad_clip=cfg.optimizer.grad_clip, train_loader=loader, val_batches=val,
-        tokenizer=data.tokenizer, tracker=tracker,
+        grad_clip=cfg.optimizer.grad_clip,
+        train_loader=loader,
+        val_batches=val,
+        tokenizer=data.tokenizer,
+        tracker=tracker,
         autocast=autocast_factory(d.device.type, cfg.hardware.precision, cfg.hardware.attention_backend),
-        block_size=T, num_params=num_params, flops_per_token=fpt, peak_flops=peak,
-        run_dir=run_dir, checkpoint_dir=checkpoint_dir, resolved_config=resolved,
-        model_config=dataclasses.asdict(mcfg), summary=summary, start_step=start["step"],
-        start_tokens=start["tokens"], start_best_val=start["best_val"], derived=derived,
+        block_size=T,
+        num_params=num_params,
+        flops_per_token=fpt,
+        peak_flops=peak,
+        run_dir=run_dir,
+        checkpoint_dir=checkpoint_dir,
+        resolved_config=resolved,
+        model_config=dataclasses.asdict(mcfg),
+        summary=summary,
+        start_step=start["step"],
+        start_tokens=start["tokens"],
+        start_best_val=start["best_val"],
+        derived=derived,
         logged_until_step=last_logged_step(run_dir / "metrics.jsonl") if state_loaded else 0,
     )
 

@@ -33,8 +33,7 @@ def condense(message: str) -> str:
             continue
         in_options = False
         parts.append(line.rstrip(".") if not line.startswith("full_key:") else f"({line})")
-    text = ": ".join(p for p in parts if not p.startswith("(")) + "".join(
-        f" {p}" for p in parts if p.startswith("("))
+    text = ": ".join(p for p in parts if not p.startswith("(")) + "".join(f" {p}" for p in parts if p.startswith("("))
     if options:
         text += f" (available: {', '.join(options)})"
     return text

@@ -23,8 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from gptlab.cli import run_entry
 from gptlab.errors import GptlabError
-from gptlab.tracking import (PARENT_TAG, default_uri, error_text, note, read_metrics, read_overrides,
-                             read_sweep)
+from gptlab.tracking import PARENT_TAG, default_uri, error_text, note, read_metrics, read_overrides, read_sweep
 
 VAL_PNG = "compare_val_loss.png"
 
@@ -62,7 +61,9 @@ def _finite(x: Any) -> Optional[float]:
 
 def from_folder(folder: Path) -> List[RunRecord]:
     """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs)."""
-    run_dirs = [d for d in folder.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "metrics.jsonl").is_file())]
+    run_dirs = [
+        d for d in folder.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "metrics.jsonl").is_file())
+    ]
     if not run_dirs:
         if (folder / "metrics.jsonl").is_file():
             raise GptlabError(f"{folder} is one run folder: give the sweep folder that holds it (or an experiment)")
@@ -75,12 +76,20 @@ def from_folder(folder: Path) -> List[RunRecord]:
         best = _finite(results.get("best_val_loss"))
         if best is None and curve:
             best = min(v for _, v in curve)
-        records.append(RunRecord(
-            name=d.name, overrides=parse_overrides(read_overrides(d)),
-            status="FINISHED" if results else "INCOMPLETE", best_val_loss=best,
-            tokens_per_s=_finite(results.get("tokens_per_s")), mfu=_finite(results.get("mfu")),
-            wall_s=_finite(results.get("wall_s")), val_curve=curve, run_id=results.get("mlflow_run_id"),
-            run_dir=str(d.resolve())))
+        records.append(
+            RunRecord(
+                name=d.name,
+                overrides=parse_overrides(read_overrides(d)),
+                status="FINISHED" if results else "INCOMPLETE",
+                best_val_loss=best,
+                tokens_per_s=_finite(results.get("tokens_per_s")),
+                mfu=_finite(results.get("mfu")),
+                wall_s=_finite(results.get("wall_s")),
+                val_curve=curve,
+                run_id=results.get("mlflow_run_id"),
+                run_dir=str(d.resolve()),
+            )
+        )
     sweep = read_sweep(run_dirs[0])
     if sweep is not None and Path(sweep["sweep_dir"]) == folder.resolve():
         _statuses_from_mlflow(records, sweep)
@@ -90,12 +99,15 @@ def from_folder(folder: Path) -> List[RunRecord]:
 def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> None:
     """FAILED / RUNNING and the error, from the sweep's MLflow children (when the store answers)."""
     uri = sweep["uri"]
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
         return
     try:
         client = _client(uri)
-        runs = client.search_runs([sweep["experiment_id"]], max_results=10000,
-                                  filter_string=f"tags.`{PARENT_TAG}` = '{sweep['parent_run_id']}'")
+        runs = client.search_runs(
+            [sweep["experiment_id"]],
+            max_results=10000,
+            filter_string=f"tags.`{PARENT_TAG}` = '{sweep['parent_run_id']}'",
+        )
     except Exception as e:  # noqa: BLE001 - the folders alone still make the table
         note(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
         return
@@ -121,8 +133,10 @@ def _client(uri: str):
 def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
     m, tags = run.data.metrics, run.data.tags
     tokens_at = {p.step: p.value for p in client.get_metric_history(run.info.run_id, "tokens")}
-    curve = [(tokens_at.get(p.step, float(p.step)), p.value)
-             for p in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step)]
+    curve = [
+        (tokens_at.get(p.step, float(p.step)), p.value)
+        for p in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step)
+    ]
     best = _finite(m.get("summary/best_val_loss"))
     if best is None and curve:
         best = min(v for _, v in curve)
@@ -132,17 +146,27 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
     name = Path(tags["run_dir"]).name if job_names and "run_dir" in tags else run.info.run_name
     overrides = tags.get("overrides")
     return RunRecord(
-        name=name, overrides=parse_overrides(overrides.split(" ")) if overrides else {},
-        status=run.info.status, best_val_loss=best, tokens_per_s=_finite(m.get("summary/tokens_per_s")),
-        mfu=_finite(m.get("summary/mfu")), wall_s=wall, val_curve=curve, error=tags.get("error"),
-        run_id=run.info.run_id, run_dir=tags.get("run_dir"))
+        name=name,
+        overrides=parse_overrides(overrides.split(" ")) if overrides else {},
+        status=run.info.status,
+        best_val_loss=best,
+        tokens_per_s=_finite(m.get("summary/tokens_per_s")),
+        mfu=_finite(m.get("summary/mfu")),
+        wall_s=wall,
+        val_curve=curve,
+        error=tags.get("error"),
+        run_id=run.info.run_id,
+        run_dir=tags.get("run_dir"),
+    )
 
 
 def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
     """(records, a title) for a run id or an experiment name in the store at uri."""
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        raise GptlabError(f"{target}: not a folder, and there is no MLflow store at {uri[len('sqlite:///'):]} "
-                          "(pass tracking.uri=... or run from the folder holding outputs/)")
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        raise GptlabError(
+            f"{target}: not a folder, and there is no MLflow store at {uri[len('sqlite:///') :]} "
+            "(pass tracking.uri=... or run from the folder holding outputs/)"
+        )
     client = _client(uri)
     runs, title, job_names = None, target, False
     if re.fullmatch(r"[0-9a-f]{32}", target):
@@ -151,16 +175,20 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
         except Exception:  # noqa: BLE001 - not a run id: maybe an experiment named like one
             run = None
         if run is not None:
-            kids = client.search_runs([run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{target}'",
-                                      max_results=10000)
+            kids = client.search_runs(
+                [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{target}'", max_results=10000
+            )
             runs, title, job_names = (kids or [run]), run.info.run_name, bool(kids)
     if runs is None:
         exp = client.get_experiment_by_name(target)
         if exp is None:
             names = ", ".join(e.name for e in client.search_experiments()) or "none"
             raise GptlabError(f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})")
-        runs = [r for r in client.search_runs([exp.experiment_id], max_results=10000)
-                if r.data.tags.get("run_type") != "sweep"]
+        runs = [
+            r
+            for r in client.search_runs([exp.experiment_id], max_results=10000)
+            if r.data.tags.get("run_type") != "sweep"
+        ]
         if not runs:
             raise GptlabError(f"experiment {target} in {uri} has no runs yet")
     return [_record_from_run(client, r, job_names) for r in runs], title
@@ -191,15 +219,25 @@ def table(records: List[RunRecord]) -> str:
     head = ["run", *keys, "status", "best val loss", "tokens/s", "MFU", "wall"]
     rows = []
     for r in sorted(records, key=sort_key):
-        rows.append([r.name[:60], *[r.overrides.get(k, "-") for k in keys], r.status,
-                     f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-",
-                     f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
-                     f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-",
-                     f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-"])
+        rows.append(
+            [
+                r.name[:60],
+                *[r.overrides.get(k, "-") for k in keys],
+                r.status,
+                f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-",
+                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
+                f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-",
+                f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-",
+            ]
+        )
     right = {"best val loss", "tokens/s", "MFU", "wall"}
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    fmt = lambda cells: "  ".join(str(c).rjust(w) if h in right else str(c).ljust(w)  # noqa: E731
-                                  for c, w, h in zip(cells, widths, head)).rstrip()
+
+    def fmt(cells):
+        return "  ".join(
+            str(c).rjust(w) if h in right else str(c).ljust(w) for c, w, h in zip(cells, widths, head)
+        ).rstrip()
+
     lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
     errors = [f"  {r.name}: {r.error}" for r in sorted(records, key=sort_key) if r.error]
     return "\n".join(lines + (["errors:", *errors] if errors else []))

@@ -97,8 +97,11 @@ def validate(c: Config) -> None:
     m, t, o, h, p, d = c.model, c.train, c.optimizer, c.hardware, c.parallelism, c.data
     _check(m.n_layer > 0, "model.n_layer", f"must be positive, got {m.n_layer}")
     _check(m.n_head > 0, "model.n_head", f"must be positive, got {m.n_head}")
-    _check(m.n_embd > 0 and m.n_embd % m.n_head == 0, "model.n_embd",
-           f"{m.n_embd} is not divisible by model.n_head={m.n_head}")
+    _check(
+        m.n_embd > 0 and m.n_embd % m.n_head == 0,
+        "model.n_embd",
+        f"{m.n_embd} is not divisible by model.n_head={m.n_head}",
+    )
     _check(m.block_size > 0, "model.block_size", f"must be positive, got {m.block_size}")
     _check(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
     _check(m.vocab_multiple >= 1, "model.vocab_multiple", "must be >= 1")
@@ -113,8 +116,7 @@ def validate(c: Config) -> None:
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _check(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas",
-           "must be two numbers in [0, 1)")
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas", "must be two numbers in [0, 1)")
     _choice("optimizer.schedule", o.schedule, ["cosine", "linear", "constant"])
     _choice("optimizer.lr_scaling", o.lr_scaling, ["none", "sqrt", "linear"])
 
@@ -130,15 +132,24 @@ def validate(c: Config) -> None:
 
     _check(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
     _check(t.batch_size > 0, "train.batch_size", f"must be positive, got {t.batch_size}")
-    _check(t.batch_size % c.world_size == 0, "train.batch_size",
-           f"{t.batch_size} sequences do not split over {c.world_size} processes")
+    _check(
+        t.batch_size % c.world_size == 0,
+        "train.batch_size",
+        f"{t.batch_size} sequences do not split over {c.world_size} processes",
+    )
     mb = c.micro_batch_size
     _check(mb > 0, "train.micro_batch_size", "must be positive")
-    _check(t.batch_size % (mb * c.world_size) == 0, "train.micro_batch_size",
-           f"{mb} x {c.world_size} processes does not divide train.batch_size={t.batch_size}")
+    _check(
+        t.batch_size % (mb * c.world_size) == 0,
+        "train.micro_batch_size",
+        f"{mb} x {c.world_size} processes does not divide train.batch_size={t.batch_size}",
+    )
     for key in ("eval_every", "eval_steps", "log_every", "checkpoint_every", "keep_checkpoints", "sample_tokens"):
         _check(getattr(t, key) >= 0, f"train.{key}", "must be >= 0")
     _check(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size", "must be positive")
-    _check(t.resume in ("auto", "never") or t.resume.endswith(".pt") or "/" in t.resume, "train.resume",
-           f"{t.resume!r} must be auto, never, or a checkpoint path")
+    _check(
+        t.resume in ("auto", "never") or t.resume.endswith(".pt") or "/" in t.resume,
+        "train.resume",
+        f"{t.resume!r} must be auto, never, or a checkpoint path",
+    )
     _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")

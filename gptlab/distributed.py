@@ -91,8 +91,10 @@ def role(hw: HardwareConfig) -> str:
         if hw.nodes > 1:
             from gptlab.errors import GptlabError
 
-            raise GptlabError(f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
-                              "(hydra/launcher=slurm_a100x8) or torchrun on every node")
+            raise GptlabError(
+                f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
+                "(hydra/launcher=slurm_a100x8) or torchrun on every node"
+            )
         return "parent"
     return "plain"
 
@@ -107,13 +109,17 @@ def _export_slurm_env() -> None:
         return
     import subprocess
 
-    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                           capture_output=True, text=True, check=True).stdout.split()[0]
+    first = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
     os.environ.setdefault("MASTER_ADDR", first)
     # the port is a function of the job id, so it is the same on every node and across requeues
     os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
-    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
-                      LOCAL_RANK=os.environ["SLURM_LOCALID"])
+    os.environ.update(
+        RANK=os.environ["SLURM_PROCID"],
+        WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
+        LOCAL_RANK=os.environ["SLURM_LOCALID"],
+    )
 
 
 def slurm_job_info() -> Optional[dict]:
@@ -123,8 +129,13 @@ def slurm_job_info() -> Optional[dict]:
     import submitit
 
     env = submitit.JobEnvironment()
-    return {"job_id": env.job_id, "nodes": env.hostnames, "stdout": str(env.paths.stdout),
-            "stderr": str(env.paths.stderr), "submitit_folder": str(env.paths.folder)}
+    return {
+        "job_id": env.job_id,
+        "nodes": env.hostnames,
+        "stdout": str(env.paths.stdout),
+        "stderr": str(env.paths.stderr),
+        "submitit_folder": str(env.paths.folder),
+    }
 
 
 def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
@@ -190,8 +201,14 @@ def _free_port() -> int:
 
 
 def _worker(local_rank: int, nprocs: int, port: int, fn, args) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     fn(*args)
 
 
@@ -206,8 +223,9 @@ def spawn(fn, nprocs: int, args: tuple) -> None:
 
     from gptlab.errors import GptlabError
 
-    ctx = mp.start_processes(_worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs,
-                             start_method="spawn", join=False)
+    ctx = mp.start_processes(
+        _worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs, start_method="spawn", join=False
+    )
 
     def forward(signum, frame):  # a scheduler's SIGTERM / SIGUSR2 to this parent reaches every worker
         for p in ctx.processes:
@@ -282,6 +300,7 @@ def attention_context(backend: str):
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kind = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "math": SDPBackend.MATH}[backend]
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[
+        backend
+    ]
     return sdpa_kernel(kind)

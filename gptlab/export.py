@@ -31,22 +31,29 @@ class ExportConfig:
 
 def gpt2_shaped(model: GPT) -> bool:
     c = model.config
-    return (c.pos_emb == "learned" and c.mlp == "gelu" and c.bias and c.tie_weights
-            and c.hidden_dim == 4 * c.n_embd)
+    return c.pos_emb == "learned" and c.mlp == "gelu" and c.bias and c.tie_weights and c.hidden_dim == 4 * c.n_embd
 
 
 def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
     """Our weights under GPT-2's names; its Conv1D layers store (in, out), so Linear weights are transposed."""
     V = model.config.vocab_size
-    out = {"transformer.wte.weight": model.wte.weight[:V], "transformer.wpe.weight": model.wpe.weight,
-           "transformer.ln_f.weight": model.ln_f.weight, "transformer.ln_f.bias": model.ln_f.bias}
+    out = {
+        "transformer.wte.weight": model.wte.weight[:V],
+        "transformer.wpe.weight": model.wpe.weight,
+        "transformer.ln_f.weight": model.ln_f.weight,
+        "transformer.ln_f.bias": model.ln_f.bias,
+    }
     for i, block in enumerate(model.h):
         p = f"transformer.h.{i}."
         for name in ("ln_1", "ln_2"):
             ln = getattr(block, name)
             out[p + name + ".weight"], out[p + name + ".bias"] = ln.weight, ln.bias
-        for name, lin in (("attn.c_attn", block.attn.c_attn), ("attn.c_proj", block.attn.c_proj),
-                          ("mlp.c_fc", block.mlp.c_fc), ("mlp.c_proj", block.mlp.c_proj)):
+        for name, lin in (
+            ("attn.c_attn", block.attn.c_attn),
+            ("attn.c_proj", block.attn.c_proj),
+            ("mlp.c_fc", block.mlp.c_fc),
+            ("mlp.c_proj", block.mlp.c_proj),
+        ):
             out[p + name + ".weight"], out[p + name + ".bias"] = lin.weight.t(), lin.bias
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
@@ -54,11 +61,23 @@ def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
 def hf_gpt2_config(model: GPT, tokenizer_meta: dict) -> dict:
     c = model.config
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
-        "n_positions": c.block_size, "n_ctx": c.block_size, "n_embd": c.n_embd, "n_layer": c.n_layer,
-        "n_head": c.n_head, "n_inner": None, "activation_function": "gelu",  # exact GELU, as trained
-        "resid_pdrop": c.dropout, "embd_pdrop": c.dropout, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
-        "initializer_range": 0.02, "tie_word_embeddings": True, "gptlab_tokenizer": tokenizer_meta.get("kind"),
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": c.vocab_size,
+        "n_positions": c.block_size,
+        "n_ctx": c.block_size,
+        "n_embd": c.n_embd,
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_inner": None,
+        "activation_function": "gelu",  # exact GELU, as trained
+        "resid_pdrop": c.dropout,
+        "embd_pdrop": c.dropout,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "gptlab_tokenizer": tokenizer_meta.get("kind"),
     }
 
 
@@ -73,8 +92,9 @@ def main(argv: List[str]) -> Path:
     # the tied LM head is the embedding: store it once
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
-    (out / "config.json").write_text(json.dumps(
-        {"model": state["model_config"], "tokenizer": state["tokenizer"], "step": state["step"]}, indent=1))
+    (out / "config.json").write_text(
+        json.dumps({"model": state["model_config"], "tokenizer": state["tokenizer"], "step": state["step"]}, indent=1)
+    )
     print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"

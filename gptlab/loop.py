@@ -31,7 +31,9 @@ if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
 class TrainConfig:
     max_steps: int = 5000
     batch_size: int = 32  # global sequences per optimizer step (all processes, all micro-steps)
-    micro_batch_size: Any = None  # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
+    micro_batch_size: Any = (
+        None  # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
+    )
     eval_every: int = 500  # steps between evaluations (0: only at the end)
     eval_steps: int = 50  # validation batches per evaluation
     eval_batch_size: Optional[int] = None  # null: the micro-batch size
@@ -131,8 +133,11 @@ def evaluate(run: "Run") -> float:
 def rng_state() -> Dict[str, Any]:
     """RNG states as plain types (safe for weights_only loading)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -231,7 +236,8 @@ def train(run: "Run") -> Dict[str, Any]:
             do_log = step % t.log_every == 0 or last or step == run.start_step + 1 or stopped_by is not None
             do_eval = bool(t.eval_every and step % t.eval_every == 0) or last
             do_save = t.save_checkpoints and (
-                bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last or stopped_by is not None)
+                bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last or stopped_by is not None
+            )
             if not (do_log or do_eval or do_save):
                 console.step(step, None)
                 continue
@@ -247,10 +253,19 @@ def train(run: "Run") -> Dict[str, Any]:
             if do_log:
                 train_loss = distributed.all_reduce_mean(loss_sum / loss_count).item()
                 if not math.isfinite(train_loss):
-                    raise GptlabError(f"train loss is {train_loss} at step {step}: training diverged; "
-                                      f"lower optimizer.lr or use a more stable precision")
-                metrics.update({"train_loss": train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                                "tokens_per_s": tok_s, "mfu": step_mfu})
+                    raise GptlabError(
+                        f"train loss is {train_loss} at step {step}: training diverged; "
+                        f"lower optimizer.lr or use a more stable precision"
+                    )
+                metrics.update(
+                    {
+                        "train_loss": train_loss,
+                        "lr": lr,
+                        "grad_norm": float(grad_norm),
+                        "tokens_per_s": tok_s,
+                        "mfu": step_mfu,
+                    }
+                )
                 loss_sum.zero_()
                 loss_count = 0
             if do_eval:
@@ -260,17 +275,30 @@ def train(run: "Run") -> Dict[str, Any]:
             if (do_log or do_eval) and step > run.logged_until_step:
                 run.tracker.log_metrics(step, metrics)
                 eta = (t.max_steps - step) * train_time / max(1, step - run.start_step)
-                line = (f"step {step}/{t.max_steps} | loss {train_loss:.4f}"
-                        + (f" | val {last_val:.4f}" if do_eval else "")
-                        + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | mfu {100 * step_mfu:.1f}% | eta {eta:,.0f}s")
-                console.step(step, line, {"loss": f"{train_loss:.4f}", "best_val": f"{best_val:.4f}",
-                                           "lr": f"{lr:.1e}", "tok/s": f"{tok_s:,.0f}",
-                                           "mfu": f"{100 * step_mfu:.1f}%", "eta": f"{eta:,.0f}s"})
+                line = (
+                    f"step {step}/{t.max_steps} | loss {train_loss:.4f}"
+                    + (f" | val {last_val:.4f}" if do_eval else "")
+                    + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | mfu {100 * step_mfu:.1f}% | eta {eta:,.0f}s"
+                )
+                console.step(
+                    step,
+                    line,
+                    {
+                        "loss": f"{train_loss:.4f}",
+                        "best_val": f"{best_val:.4f}",
+                        "lr": f"{lr:.1e}",
+                        "tok/s": f"{tok_s:,.0f}",
+                        "mfu": f"{100 * step_mfu:.1f}%",
+                        "eta": f"{eta:,.0f}s",
+                    },
+                )
             if do_save:
                 save_checkpoint(run, step, tokens, best_val, last_val if do_eval else None)
             if stopped_by is not None:
-                console.write(f"{stopped_by} received: stopped at step {step} with a checkpoint in "
-                              f"{run.checkpoint_dir}; run the same command again to continue")
+                console.write(
+                    f"{stopped_by} received: stopped at step {step} with a checkpoint in "
+                    f"{run.checkpoint_dir}; run the same command again to continue"
+                )
             # evaluation, checkpointing and logging are not training throughput
             window_t0, window_tokens = time.perf_counter(), 0
     finally:

@@ -18,8 +18,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
-
 # ---------------------------------------------------------------------------------------------- FLOPs
+
 
 def matmul_params(n_layer: int, n_embd: int, hidden: int, vocab: int, swiglu: bool = False) -> int:
     """Weights that take part in matmuls: q/k/v and output projections, the MLP, and the LM head.
@@ -72,8 +72,9 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: float) -> float:
     return tokens_per_s * flops_per_tok / peak_flops
 
 
-def peak_tflops_for(precision: str, tf32: bool, half: Optional[float], tf32_tflops: Optional[float],
-                    fp32: Optional[float]) -> Optional[float]:
+def peak_tflops_for(
+    precision: str, tf32: bool, half: Optional[float], tf32_tflops: Optional[float], fp32: Optional[float]
+) -> Optional[float]:
     """The dense peak TFLOP/s that applies to a precision, from a hardware preset's figures.
 
     bf16 / fp16 autocast runs the matmuls on the half-precision units (``half``, the preset's
@@ -237,6 +238,7 @@ def _proc_status_kb(key: str) -> int:
 
 
 # ---------------------------------------------------------------------------------- expected results
+
 
 def expectation_met(expected: Dict[str, Any], results: Dict[str, Any]) -> Optional[bool]:
     """Whether a run's results meet a recipe's ``expected`` figures; None when nothing is comparable.

@@ -111,7 +111,7 @@ class CausalSelfAttention(nn.Module):
             v = torch.cat((cache[1], v), dim=2)
         # With a cache, the T new queries sit at the end of the key sequence; a single new query may
         # see every cached key, so the causal mask is only needed when queries and keys line up.
-        if cache is None or T == k.size(2):
+        if cache is None or k.size(2) == T:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
             )

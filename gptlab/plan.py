@@ -20,9 +20,16 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from gptlab.config import Config
 from gptlab.errors import GptlabError
-from gptlab.metrics import (Shape, flops_per_token, machine_memory_bytes, matmul_params, memory_estimate,
-                            peak_tflops_for, recompute_flops_per_token,
-                            recomputed_matmul_params)
+from gptlab.metrics import (
+    Shape,
+    flops_per_token,
+    machine_memory_bytes,
+    matmul_params,
+    memory_estimate,
+    peak_tflops_for,
+    recompute_flops_per_token,
+    recomputed_matmul_params,
+)
 
 GiB = 2**30
 # Not every byte of a device is the program's: the CUDA context, cuBLAS / NCCL workspaces and the
@@ -79,9 +86,17 @@ def param_count(cfg: Config, vocab: int) -> int:
     d, V = m.n_embd, _padded(vocab, m.vocab_multiple)
     h, b = m.hidden_dim, 1 if m.bias else 0
     fc_out = (2 if m.mlp == "swiglu" else 1) * h
-    layer = (2 * (d + b * d)  # two LayerNorms
-             + 3 * d * d + b * 3 * d + d * d + b * d  # c_attn, c_proj
-             + d * fc_out + b * fc_out + h * d + b * d)  # c_fc, c_proj
+    layer = (
+        2 * (d + b * d)  # two LayerNorms
+        + 3 * d * d
+        + b * 3 * d
+        + d * d
+        + b * d  # c_attn, c_proj
+        + d * fc_out
+        + b * fc_out
+        + h * d
+        + b * d
+    )  # c_fc, c_proj
     total = V * d + m.n_layer * layer + (d + b * d)  # wte, blocks, ln_f
     if m.pos_emb == "learned":
         total += m.block_size * d
@@ -104,11 +119,22 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
     params = param_count(cfg, vocab)
     # SDPA's fused kernels keep no T x T matrix; on the CPU they take no dropout, so the math path does
     fused = hw.attention_backend != "math" and (hw.device == "cuda" or m.dropout == 0)
-    shape = Shape(n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head, hidden=hidden, vocab=V,
-                  block_size=m.block_size, params=params,
-                  matmul_params=matmul_params(m.n_layer, m.n_embd, hidden, V, swiglu), swiglu=swiglu,
-                  dropout=m.dropout, precision=hw.precision, flash=fused, device=hw.device,
-                  world_size=cfg.world_size)
+    shape = Shape(
+        n_layer=m.n_layer,
+        n_embd=m.n_embd,
+        n_head=m.n_head,
+        hidden=hidden,
+        vocab=V,
+        block_size=m.block_size,
+        params=params,
+        matmul_params=matmul_params(m.n_layer, m.n_embd, hidden, V, swiglu),
+        swiglu=swiglu,
+        dropout=m.dropout,
+        precision=hw.precision,
+        flash=fused,
+        device=hw.device,
+        world_size=cfg.world_size,
+    )
     return shape, params, assumed
 
 
@@ -124,8 +150,9 @@ def device_memory_bytes(cfg: Config) -> float:
 
     if torch.cuda.is_available():
         return float(torch.cuda.get_device_properties(0).total_memory)
-    raise GptlabError(f"hardware.memory_gb: unknown for hardware={hw.name} without a visible GPU; "
-                      f"set it, e.g. hardware.memory_gb=80")
+    raise GptlabError(
+        f"hardware.memory_gb: unknown for hardware={hw.name} without a visible GPU; set it, e.g. hardware.memory_gb=80"
+    )
 
 
 def _divisors(n: int) -> List[int]:
@@ -149,13 +176,24 @@ def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
     usable = device * USABLE_FRACTION[cfg.hardware.device]
     per_rank = cfg.train.batch_size // cfg.world_size
     mb = micro_batch if micro_batch is not None else cfg.micro_batch_size
-    return Plan(shape=shape, params=params, vocab_assumed=assumed, flops_per_token=fpt,
-                hardware_flops_per_token=hfpt, device_bytes=device, usable_bytes=usable, micro_batch=mb,
-                checkpointing=ckpt, memory=memory_estimate(shape, mb, ckpt),
-                memory_ckpt=memory_estimate(shape, mb, True), memory_no_ckpt=memory_estimate(shape, mb, False),
-                largest_fit=largest_fit(shape, per_rank, ckpt, usable),
-                largest_fit_other=largest_fit(shape, per_rank, not ckpt, usable),
-                per_rank_batch=per_rank, world_size=cfg.world_size)
+    return Plan(
+        shape=shape,
+        params=params,
+        vocab_assumed=assumed,
+        flops_per_token=fpt,
+        hardware_flops_per_token=hfpt,
+        device_bytes=device,
+        usable_bytes=usable,
+        micro_batch=mb,
+        checkpointing=ckpt,
+        memory=memory_estimate(shape, mb, ckpt),
+        memory_ckpt=memory_estimate(shape, mb, True),
+        memory_no_ckpt=memory_estimate(shape, mb, False),
+        largest_fit=largest_fit(shape, per_rank, ckpt, usable),
+        largest_fit_other=largest_fit(shape, per_rank, not ckpt, usable),
+        per_rank_batch=per_rank,
+        world_size=cfg.world_size,
+    )
 
 
 def auto_micro_batch(cfg: Config) -> int:
@@ -163,8 +201,9 @@ def auto_micro_batch(cfg: Config) -> int:
     shape, _, _ = shape_for(cfg)
     per_rank = cfg.train.batch_size // cfg.world_size
     if per_rank < 1:
-        raise GptlabError(f"train.batch_size={cfg.train.batch_size}: fewer sequences than the "
-                          f"{cfg.world_size} processes")
+        raise GptlabError(
+            f"train.batch_size={cfg.train.batch_size}: fewer sequences than the {cfg.world_size} processes"
+        )
     usable = device_memory_bytes(cfg) * USABLE_FRACTION[cfg.hardware.device]
     ckpt = cfg.parallelism.activation_checkpointing
     mb = largest_fit(shape, per_rank, ckpt, usable)
@@ -176,12 +215,15 @@ def auto_micro_batch(cfg: Config) -> int:
 def what_would_fit(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable: float, mb: int) -> str:
     """One line: how much this needs, how much there is, and what change would fit."""
     need = memory_estimate(shape, mb, ckpt)["total"]
-    head = (f"train.micro_batch_size={mb}: needs {need / GiB:.1f} GiB per device, more than the "
-            f"{usable / GiB:.1f} GiB usable of hardware={cfg.hardware.name}")
+    head = (
+        f"train.micro_batch_size={mb}: needs {need / GiB:.1f} GiB per device, more than the "
+        f"{usable / GiB:.1f} GiB usable of hardware={cfg.hardware.name}"
+    )
     options = []
     if not ckpt and memory_estimate(shape, mb, True)["total"] <= usable:
-        options.append(f"parallelism.activation_checkpointing=true "
-                       f"({memory_estimate(shape, mb, True)['total'] / GiB:.1f} GiB)")
+        options.append(
+            f"parallelism.activation_checkpointing=true ({memory_estimate(shape, mb, True)['total'] / GiB:.1f} GiB)"
+        )
     own, other = largest_fit(shape, per_rank, ckpt, usable), largest_fit(shape, per_rank, not ckpt, usable)
     if own is not None and own < mb:
         options.append(f"train.micro_batch_size={own} with {per_rank // own} accumulation steps")
@@ -189,9 +231,11 @@ def what_would_fit(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable:
         options.append(f"activation checkpointing with train.micro_batch_size={other}")
     if not options:
         static = sum(memory_estimate(shape, 1, True)[k] for k in ("weights", "grads", "optimizer", "ddp"))
-        options.append(f"a device with more memory (hardware.memory_gb): weights, gradients and optimizer "
-                       f"state alone take {static / GiB:.1f} GiB, which more data-parallel GPUs do not "
-                       f"shrink; a smaller model.n_layer / model.n_embd")
+        options.append(
+            f"a device with more memory (hardware.memory_gb): weights, gradients and optimizer "
+            f"state alone take {static / GiB:.1f} GiB, which more data-parallel GPUs do not "
+            f"shrink; a smaller model.n_layer / model.n_embd"
+        )
     return f"{head}; would fit: " + ", or ".join(options)
 
 
@@ -211,8 +255,15 @@ def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
     tok_s = mfu_value * job_peak / plan.flops_per_token
     step_s = tokens_per_step / tok_s
-    return {"mfu": mfu_value, "peak_flops_per_device": peak, "peak_source": source, "tokens_per_step": tokens_per_step,
-            "tokens_per_s": tok_s, "step_s": step_s, "train_s": step_s * cfg.train.max_steps}
+    return {
+        "mfu": mfu_value,
+        "peak_flops_per_device": peak,
+        "peak_source": source,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_s": tok_s,
+        "step_s": step_s,
+        "train_s": step_s * cfg.train.max_steps,
+    }
 
 
 def _steps(n: int) -> str:
@@ -238,48 +289,79 @@ def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
         f"{plan.params:,} parameters ({plan.params / 1e6:.1f}M), vocab {s.vocab}"
         + (" (assumed until the data is read)" if plan.vocab_assumed else ""),
         f"FLOPs per token: {plan.flops_per_token / 1e9:.3f} GFLOP (6N + attention)"
-        + (f"; {plan.hardware_flops_per_token / 1e9:.3f} GFLOP with checkpointing's recomputation"
-           if plan.checkpointing else ""),
+        + (
+            f"; {plan.hardware_flops_per_token / 1e9:.3f} GFLOP with checkpointing's recomputation"
+            if plan.checkpointing
+            else ""
+        ),
         f"batch: {cfg.train.batch_size} sequences x {m.block_size} tokens = "
         f"{cfg.train.batch_size * m.block_size:,} tokens per step; per device {plan.per_rank_batch} "
         f"= micro-batch {plan.micro_batch} x {_steps(plan.per_rank_batch // plan.micro_batch)}",
         f"memory per device at micro-batch {plan.micro_batch}:   {'checkpointing':>14} {'no checkpointing':>17}",
     ]
-    for key, label in (("weights", "weights (fp32)"), ("grads", "gradients (fp32)"),
-                       ("optimizer", "AdamW state (fp32 x2)"), ("ddp", "DDP gradient buckets"),
-                       ("autocast", "autocast weight copies"), ("activations", "activations"),
-                       ("transient", "logits / recompute peak"), ("total", "peak (estimate)")):
+    for key, label in (
+        ("weights", "weights (fp32)"),
+        ("grads", "gradients (fp32)"),
+        ("optimizer", "AdamW state (fp32 x2)"),
+        ("ddp", "DDP gradient buckets"),
+        ("autocast", "autocast weight copies"),
+        ("activations", "activations"),
+        ("transient", "logits / recompute peak"),
+        ("total", "peak (estimate)"),
+    ):
         lines.append(f"  {label:<40} {_gb(plan.memory_ckpt[key]):>14} {_gb(plan.memory_no_ckpt[key]):>17}")
-    lines.append(f"  device memory {plan.device_bytes / GiB:.1f} GiB, usable "
-                 f"{plan.usable_bytes / GiB:.1f} GiB ({USABLE_FRACTION[hw.device]:.0%})")
-    for ckpt, mem, fit in ((True, plan.memory_ckpt, plan.largest_fit if plan.checkpointing else plan.largest_fit_other),
-                           (False, plan.memory_no_ckpt, plan.largest_fit_other if plan.checkpointing else plan.largest_fit)):
+    lines.append(
+        f"  device memory {plan.device_bytes / GiB:.1f} GiB, usable "
+        f"{plan.usable_bytes / GiB:.1f} GiB ({USABLE_FRACTION[hw.device]:.0%})"
+    )
+    for ckpt, mem, fit in (
+        (True, plan.memory_ckpt, plan.largest_fit if plan.checkpointing else plan.largest_fit_other),
+        (False, plan.memory_no_ckpt, plan.largest_fit_other if plan.checkpointing else plan.largest_fit),
+    ):
         ok = mem["total"] <= plan.usable_bytes
-        tail = (f"largest micro-batch that fits: {fit} ({_steps(plan.per_rank_batch // fit)})"
-                if fit else "no micro-batch fits")
-        lines.append(f"  {'with' if ckpt else 'without':>7} activation checkpointing: "
-                     f"{'fits' if ok else 'does not fit'} at micro-batch {plan.micro_batch}; {tail}")
+        tail = (
+            f"largest micro-batch that fits: {fit} ({_steps(plan.per_rank_batch // fit)})"
+            if fit
+            else "no micro-batch fits"
+        )
+        lines.append(
+            f"  {'with' if ckpt else 'without':>7} activation checkpointing: "
+            f"{'fits' if ok else 'does not fit'} at micro-batch {plan.micro_batch}; {tail}"
+        )
     if est:
-        lines.append(f"expected at {est['mfu']:.0%} MFU of {est['peak_flops_per_device'] / 1e12:.3g} TFLOP/s per device "
-                     f"({est['peak_source']}): {est['step_s'] * 1e3:,.0f} ms per step, "
-                     f"{est['tokens_per_s']:,.0f} tokens/s, {cfg.train.max_steps:,} steps in {_duration(est['train_s'])}")
-    lines.append(f"configured (activation checkpointing {'on' if plan.checkpointing else 'off'}): "
-                 + ("FITS" if plan.fits else "DOES NOT FIT"))
+        lines.append(
+            f"expected at {est['mfu']:.0%} MFU of {est['peak_flops_per_device'] / 1e12:.3g} TFLOP/s per device "
+            f"({est['peak_source']}): {est['step_s'] * 1e3:,.0f} ms per step, "
+            f"{est['tokens_per_s']:,.0f} tokens/s, {cfg.train.max_steps:,} steps in {_duration(est['train_s'])}"
+        )
+    lines.append(
+        f"configured (activation checkpointing {'on' if plan.checkpointing else 'off'}): "
+        + ("FITS" if plan.fits else "DOES NOT FIT")
+    )
     return "\n".join(lines)
 
 
 def plan_json(cfg: Config, plan: Plan, est: Dict[str, float]) -> Dict[str, Any]:
     return {
-        "model": cfg.model.name, "hardware": cfg.hardware.name, "world_size": plan.world_size,
-        "params": plan.params, "flops_per_token": plan.flops_per_token,
+        "model": cfg.model.name,
+        "hardware": cfg.hardware.name,
+        "world_size": plan.world_size,
+        "params": plan.params,
+        "flops_per_token": plan.flops_per_token,
         "hardware_flops_per_token": plan.hardware_flops_per_token,
-        "micro_batch_size": plan.micro_batch, "accum_steps": plan.per_rank_batch // plan.micro_batch,
-        "activation_checkpointing": plan.checkpointing, "device_bytes": plan.device_bytes,
-        "usable_bytes": plan.usable_bytes, "memory": plan.memory, "memory_ckpt": plan.memory_ckpt,
-        "memory_no_ckpt": plan.memory_no_ckpt, "fits": plan.fits,
+        "micro_batch_size": plan.micro_batch,
+        "accum_steps": plan.per_rank_batch // plan.micro_batch,
+        "activation_checkpointing": plan.checkpointing,
+        "device_bytes": plan.device_bytes,
+        "usable_bytes": plan.usable_bytes,
+        "memory": plan.memory,
+        "memory_ckpt": plan.memory_ckpt,
+        "memory_no_ckpt": plan.memory_no_ckpt,
+        "fits": plan.fits,
         "fits_ckpt": plan.memory_ckpt["total"] <= plan.usable_bytes,
         "fits_no_ckpt": plan.memory_no_ckpt["total"] <= plan.usable_bytes,
-        "largest_micro_batch": plan.largest_fit, **{f"expected_{k}": v for k, v in est.items()},
+        "largest_micro_batch": plan.largest_fit,
+        **{f"expected_{k}": v for k, v in est.items()},
     }
 
 
@@ -317,8 +399,11 @@ def run_plan(cfg_dict, flags: Dict[str, Any]) -> Dict[str, Any]:
     out = plan_json(cfg, plan, est)
     print(json.dumps(out) if flags.get("json") else report(cfg, plan, est), flush=True)
     if not plan.fits:
-        raise GptlabError(what_would_fit(cfg, plan.shape, plan.per_rank_batch, plan.checkpointing,
-                                         plan.usable_bytes, plan.micro_batch))
+        raise GptlabError(
+            what_would_fit(
+                cfg, plan.shape, plan.per_rank_batch, plan.checkpointing, plan.usable_bytes, plan.micro_batch
+            )
+        )
     return out
 
 
@@ -331,8 +416,13 @@ def main() -> None:
     flags, sys.argv[1:] = _flags(sys.argv[1:])
     _FLAGS.update(flags)
     # the planner writes nothing: no Hydra run folder or log file
-    sys.argv[1:] = [*sys.argv[1:], "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=disabled",
-                    "hydra/hydra_logging=disabled"]
+    sys.argv[1:] = [
+        *sys.argv[1:],
+        "hydra.run.dir=.",
+        "hydra.output_subdir=null",
+        "hydra/job_logging=disabled",
+        "hydra/hydra_logging=disabled",
+    ]
 
     @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
     def _main(cfg: DictConfig) -> None:

@@ -22,8 +22,21 @@ def main(cfg: DictConfig) -> Dict[str, Any]:
     config = to_config(cfg)
     data = prepare_data(config.data)
     m = data.meta
-    summary = {k: m[k] for k in ("dataset", "vocab_size", "dtype", "train_tokens", "val_tokens", "train_shards",
-                                 "val_shards", "tokenizer_sha256", "documents") if k in m}
+    summary = {
+        k: m[k]
+        for k in (
+            "dataset",
+            "vocab_size",
+            "dtype",
+            "train_tokens",
+            "val_tokens",
+            "train_shards",
+            "val_shards",
+            "tokenizer_sha256",
+            "documents",
+        )
+        if k in m
+    }
     print(json.dumps({"root": str(data.root), **summary}), flush=True)
     return summary
 

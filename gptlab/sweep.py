@@ -24,8 +24,18 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from gptlab.tracking import (PARENT_TAG, SWEEP_FILE, SWEEP_KIND, artifact_root, default_uri, error_text,
-                             get_or_create_experiment, note, read_sweep, sweep_run_name)
+from gptlab.tracking import (
+    PARENT_TAG,
+    SWEEP_FILE,
+    SWEEP_KIND,
+    artifact_root,
+    default_uri,
+    error_text,
+    get_or_create_experiment,
+    note,
+    read_sweep,
+    sweep_run_name,
+)
 
 
 def _client(uri: str):
@@ -56,8 +66,9 @@ def swept(overrides: List[str]) -> List[str]:
 
 
 def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
-    return client.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'",
-                              max_results=10000)
+    return client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=10000
+    )
 
 
 class SweepCallback(Callback):
@@ -82,9 +93,16 @@ class SweepCallback(Callback):
             exp_id = get_or_create_experiment(client, experiment, artifact_root(uri))
             sweeping = swept(overrides)
             name = f"{_base_name(config)} sweep {' '.join(sweeping)}".rstrip()
-            run = client.create_run(exp_id, run_name=name, tags={
-                "run_type": "sweep", "sweep_dir": str(sweep_dir), "launcher": launcher,
-                "overrides": " ".join(overrides)})
+            run = client.create_run(
+                exp_id,
+                run_name=name,
+                tags={
+                    "run_type": "sweep",
+                    "sweep_dir": str(sweep_dir),
+                    "launcher": launcher,
+                    "overrides": " ".join(overrides),
+                },
+            )
             from mlflow.entities import Param
 
             params = {}
@@ -94,9 +112,17 @@ class SweepCallback(Callback):
             items = [Param(k, v) for k, v in params.items()]
             for i in range(0, len(items), 100):
                 client.log_batch(run.info.run_id, params=items[i : i + 100])
-            self.parent = {"kind": SWEEP_KIND, "parent_run_id": run.info.run_id, "experiment_id": exp_id,
-                           "experiment": experiment, "uri": uri, "overrides": overrides, "swept": [o.partition("=")[0] for o in sweeping],
-                           "launcher": launcher, "run_name": name}
+            self.parent = {
+                "kind": SWEEP_KIND,
+                "parent_run_id": run.info.run_id,
+                "experiment_id": exp_id,
+                "experiment": experiment,
+                "uri": uri,
+                "overrides": overrides,
+                "swept": [o.partition("=")[0] for o in sweeping],
+                "launcher": launcher,
+                "run_name": name,
+            }
             sweep_dir.mkdir(parents=True, exist_ok=True)
             tmp = sweep_dir / (SWEEP_FILE + ".tmp")
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
@@ -126,7 +152,9 @@ class SweepCallback(Callback):
             scored = [r for r in runs if "summary/best_val_loss" in r.data.metrics]
             if scored:
                 best = min(scored, key=lambda r: r.data.metrics["summary/best_val_loss"])
-                client.log_metric(p["parent_run_id"], "summary/best_val_loss", best.data.metrics["summary/best_val_loss"])
+                client.log_metric(
+                    p["parent_run_id"], "summary/best_val_loss", best.data.metrics["summary/best_val_loss"]
+                )
                 client.set_tag(p["parent_run_id"], "best_run", best.info.run_name)
             if failed or stopped:
                 why = f"{len(failed)} of {len(runs)} jobs failed" if failed else "the sweep stopped early"
@@ -150,9 +178,17 @@ class SweepCallback(Callback):
                 return  # the tracker made the run and marked it FAILED with the error
             job_overrides = [str(o) for o in config.hydra.overrides.task]
             name = sweep_run_name(_base_name(config), job_overrides, sweep)
-            run = client.create_run(sweep["experiment_id"], run_name=name, tags={
-                PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"], "run_dir": str(run_dir),
-                "overrides": " ".join(job_overrides), "error": error_text(job_return._return_value)})
+            run = client.create_run(
+                sweep["experiment_id"],
+                run_name=name,
+                tags={
+                    PARENT_TAG: sweep["parent_run_id"],
+                    "sweep_dir": sweep["sweep_dir"],
+                    "run_dir": str(run_dir),
+                    "overrides": " ".join(job_overrides),
+                    "error": error_text(job_return._return_value),
+                },
+            )
             client.set_terminated(run.info.run_id, status="FAILED")
         except Exception as e:  # noqa: BLE001
             note(f"could not record the failed job in MLflow: {error_text(e)}")
@@ -190,8 +226,11 @@ class SubmissionReporter(Callback):
                 job_id = script.parent.name
                 if job_id not in seen:
                     seen.add(job_id)
-                    print(f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
-                          f"(squeue -j {job_id})", flush=True)
+                    print(
+                        f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
+                        f"(squeue -j {job_id})",
+                        flush=True,
+                    )
             if stop.wait(self.poll_s):
                 return
 

@@ -11,6 +11,7 @@ multirun starts) becomes a child of that sweep's MLflow parent run, whatever lau
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -71,7 +72,7 @@ def default_uri(outputs: Path) -> str:
 def artifact_root(uri: str) -> Optional[Path]:
     """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by default)."""
     if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///"):]).parent / "mlartifacts"
+        return Path(uri[len("sqlite:///") :]).parent / "mlartifacts"
     return None  # a server stores (or proxies) its own artifacts
 
 
@@ -112,8 +113,9 @@ def runs_url(server: str, experiment_id: str, best_first: bool = False) -> str:
 
 def git_commit() -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -214,8 +216,10 @@ def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
     fig = Figure(figsize=(8, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for key, style in (("train_loss", dict(color="tab:blue", lw=1.5)),
-                       ("val_loss", dict(color="tab:orange", marker="o", ms=3, lw=1.5))):
+    for key, style in (
+        ("train_loss", dict(color="tab:blue", lw=1.5)),
+        ("val_loss", dict(color="tab:orange", marker="o", ms=3, lw=1.5)),
+    ):
         x, y = series(key)
         if x:
             ax.plot(x, y, label=key.replace("_", " "), **style)
@@ -260,9 +264,18 @@ class NullTracker:
 class MLflowRun:
     """A thin wrapper over MlflowClient that turns any failure into one warning and a no-op."""
 
-    def __init__(self, cfg: TrackingConfig, uri: str, experiment: str, run_name: str,
-                 params: Dict[str, Any], tags: Dict[str, str], artifact_root: Optional[Path],
-                 experiment_id: Optional[str] = None, resume_run_id: Optional[str] = None):
+    def __init__(
+        self,
+        cfg: TrackingConfig,
+        uri: str,
+        experiment: str,
+        run_name: str,
+        params: Dict[str, Any],
+        tags: Dict[str, str],
+        artifact_root: Optional[Path],
+        experiment_id: Optional[str] = None,
+        resume_run_id: Optional[str] = None,
+    ):
         self.uri = uri
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
@@ -318,8 +331,11 @@ class MLflowRun:
 
     def _fail(self, e: Exception) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        warnings.warn(f"MLflow disabled for this run: {first[:300]}; the run folder still records "
-                      "everything", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"MLflow disabled for this run: {first[:300]}; the run folder still records everything",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         self._client = None
 
     def start_system_metrics(self, gpu_expected: bool) -> None:
@@ -398,10 +414,8 @@ class MLflowRun:
 
     def finish(self, status: str) -> None:
         if self._monitor is not None:
-            try:
+            with contextlib.suppress(Exception):  # a sampler that fails to stop must not fail the run
                 self._monitor.finish()
-            except Exception:  # noqa: BLE001
-                pass
             self._monitor = None
         self.flush()
         if self._client is not None:
@@ -419,16 +433,25 @@ class Tracker:
     """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
     (and to TensorBoard when asked), and loss.png at the end."""
 
-    def __init__(self, run_dir: Path, cfg: TrackingConfig, outputs: Path, experiment: str,
-                 run_name: str, params: Dict[str, Any], tags: Dict[str, str],
-                 resume_run_id: Optional[str] = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: TrackingConfig,
+        outputs: Path,
+        experiment: str,
+        run_name: str,
+        params: Dict[str, Any],
+        tags: Dict[str, str],
+        resume_run_id: Optional[str] = None,
+    ):
         """resume_run_id: the MLflow run of the checkpoint being resumed, continued instead of a new one."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.run_name = run_name
         self.experiment = experiment
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        # line-buffered for the whole run, closed by finish()
+        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.uri = cfg.uri or default_uri(outputs)
         self.mlflow: Optional[MLflowRun] = None
         self._tb = self._open_tensorboard() if cfg.tensorboard else None
@@ -449,8 +472,17 @@ class Tracker:
             tags["host"] = socket.gethostname()
             if commit := git_commit():
                 tags["git_commit"] = commit
-            self.mlflow = MLflowRun(cfg, self.uri, self.experiment, self.run_name, params, tags,
-                                    artifact_root(self.uri), experiment_id, resume_run_id)
+            self.mlflow = MLflowRun(
+                cfg,
+                self.uri,
+                self.experiment,
+                self.run_name,
+                params,
+                tags,
+                artifact_root(self.uri),
+                experiment_id,
+                resume_run_id,
+            )
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:
@@ -501,8 +533,10 @@ class Tracker:
         os.replace(tmp, path)
         self.log_artifact(path)
         if self.mlflow:
-            self.mlflow.log_summary(int(results.get("steps") or 0), {
-                name: results[key] for key, name in SUMMARY_METRICS.items() if results.get(key) is not None})
+            self.mlflow.log_summary(
+                int(results.get("steps") or 0),
+                {name: results[key] for key, name in SUMMARY_METRICS.items() if results.get(key) is not None},
+            )
 
     def _plot(self) -> None:
         rows = read_metrics(self.run_dir)
@@ -532,10 +566,12 @@ class Tracker:
                 self.mlflow.set_tag("error", error_text(error))
             self.mlflow.finish(status)
             if self.mlflow.active:
-                how = (f"open {runs_url(self.uri, self.mlflow.experiment_id)}"
-                       if self.uri.startswith(("http://", "https://")) else
-                       f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
-                       f"  (or {mlflow_ui_command(self.uri)})")
+                how = (
+                    f"open {runs_url(self.uri, self.mlflow.experiment_id)}"
+                    if self.uri.startswith(("http://", "https://"))
+                    else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
+                    f"  (or {mlflow_ui_command(self.uri)})"
+                )
                 print(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}", flush=True)
 
 

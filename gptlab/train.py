@@ -22,8 +22,9 @@ from gptlab.errors import GptlabError
 from gptlab.loop import train
 
 
-def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
-                 tags: Dict[str, str] | None = None) -> Dict[str, Any]:
+def run_training(
+    cfg: DictConfig, run_dir: Path, run_name: str | None = None, tags: Dict[str, str] | None = None
+) -> Dict[str, Any]:
     """config -> build -> loop -> results; also used by tests through Hydra's compose API.
 
     When `hardware` asks for more processes than were launched (hardware=cpu_x2 from a plain
@@ -46,8 +47,11 @@ def run_training(cfg: DictConfig, run_dir: Path, run_name: str | None = None,
         run.tracker.write_results(results)
         if run.dist.is_main:
             best = results["best_val_loss"]
-            print(f"results: best val loss {best if best is None else f'{best:.4f}'} | "
-                  f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}", flush=True)
+            print(
+                f"results: best val loss {best if best is None else f'{best:.4f}'} | "
+                f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}",
+                flush=True,
+            )
         status = "KILLED" if results["stopped_by"] else "FINISHED"
         return results
     finally:

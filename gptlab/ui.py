@@ -14,6 +14,7 @@ and `--cors-allowed-origins` for others, such as a proxy's name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -51,9 +52,11 @@ def compose_tracking(overrides: List[str]):
 def store_uri(uri: Optional[str]) -> str:
     """The store to open; a SQLite store must exist already (no run has been recorded otherwise)."""
     uri = uri or default_uri(Path("outputs"))
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        raise GptlabError(f"no MLflow store at {uri[len('sqlite:///'):]}: no run has been recorded there yet "
-                          "(train one from this folder, or pass tracking.uri=...)")
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+        raise GptlabError(
+            f"no MLflow store at {uri[len('sqlite:///') :]}: no run has been recorded there yet "
+            "(train one from this folder, or pass tracking.uri=...)"
+        )
     return uri
 
 
@@ -71,8 +74,7 @@ def find_experiment(uri: str, name: Optional[str]) -> Tuple[str, str]:
     exps = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
     if not exps:
         raise GptlabError(f"{uri} holds no experiment yet")
-    newest = client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"],
-                                max_results=1)
+    newest = client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"], max_results=1)
     exp = client.get_experiment(newest[0].info.experiment_id) if newest else exps[0]
     return exp.experiment_id, exp.name
 
@@ -104,10 +106,8 @@ def machine_names(host: str, shown: str) -> List[str]:
     names = {shown, socket.gethostname(), socket.getfqdn()}
     if host not in ("0.0.0.0", "::"):
         names.add(host)
-    try:
+    with contextlib.suppress(OSError):  # a host name that does not resolve adds nothing
         names.update(socket.gethostbyname_ex(socket.gethostname())[2])
-    except OSError:
-        pass
     return sorted(n for n in names if n)
 
 
@@ -120,17 +120,48 @@ def network_access(host: str, port: int, shown: str) -> Tuple[Optional[str], Opt
     if host in LOOPBACK:
         return None, None
     names = machine_names(host, shown)
-    defaults = ["localhost", "127.0.0.1", "[::1]", "0.0.0.0", "localhost:*", "127.0.0.1:*", "[[]::1]:*",
-                "0.0.0.0:*", "192.168.*", "10.*", *[f"172.{i}.*" for i in range(16, 32)], "fc00:*", "fd00:*"]
+    defaults = [
+        "localhost",
+        "127.0.0.1",
+        "[::1]",
+        "0.0.0.0",
+        "localhost:*",
+        "127.0.0.1:*",
+        "[[]::1]:*",
+        "0.0.0.0:*",
+        "192.168.*",
+        "10.*",
+        *[f"172.{i}.*" for i in range(16, 32)],
+        "fc00:*",
+        "fd00:*",
+    ]
     hosts = ",".join(defaults + [h for n in names for h in (n, f"{n}:*")])
     origins = ",".join(f"http://{n}:{port}" for n in names)
     return hosts, origins
 
 
-def server_command(uri: str, host: str, port: int, workers: int, allowed_hosts: Optional[str] = None,
-                   allowed_origins: Optional[str] = None) -> List[str]:
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", host,
-           "--port", str(port), "--workers", str(workers)]
+def server_command(
+    uri: str,
+    host: str,
+    port: int,
+    workers: int,
+    allowed_hosts: Optional[str] = None,
+    allowed_origins: Optional[str] = None,
+) -> List[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+    ]
     if (artifacts := artifact_root(uri)) is not None:
         cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", str(artifacts)]
     if allowed_hosts:
@@ -142,7 +173,10 @@ def server_command(uri: str, host: str, port: int, workers: int, allowed_hosts: 
 
 def server_env() -> dict:
     """MLflow's background job runner (a dozen processes, for GenAI judges) is not needed for runs."""
-    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")}
+    return {
+        **os.environ,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
+    }
 
 
 def wait_until_up(proc: subprocess.Popen, url: str, timeout: float) -> None:
@@ -179,12 +213,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("overrides", nargs="*", help="tracking.uri=..., tracking.experiment=..., experiment=...")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--port", type=int, default=None, help="port (default 5000 if free, else any free port)")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="Host headers MLflow accepts (default: localhost and private IPs, and with --host "
-                        "this machine's names and addresses), e.g. 'node01,node01:*'")
-    p.add_argument("--cors-allowed-origins", default=None,
-                   help="page origins whose requests MLflow accepts (default: localhost, and with --host "
-                        "http://<this machine's names and addresses>:<port>), e.g. http://node01.example.org:5000")
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="Host headers MLflow accepts (default: localhost and private IPs, and with --host "
+        "this machine's names and addresses), e.g. 'node01,node01:*'",
+    )
+    p.add_argument(
+        "--cors-allowed-origins",
+        default=None,
+        help="page origins whose requests MLflow accepts (default: localhost, and with --host "
+        "http://<this machine's names and addresses>:<port>), e.g. http://node01.example.org:5000",
+    )
     p.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
     args = p.parse_args(argv)
 
@@ -197,8 +237,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             raise GptlabError(f"tracking.uri={uri}: the tracking server does not answer ({e})") from None
     exp_id, exp_name = find_experiment(uri, tracking.experiment)
     if uri.startswith(("http://", "https://")):
-        print(f"experiment {exp_name!r} on the running server {uri}:\n  {runs_url(uri, exp_id)}\n"
-              f"  best val loss first, sweeps unfolded: {runs_url(uri, exp_id, best_first=True)}", flush=True)
+        print(
+            f"experiment {exp_name!r} on the running server {uri}:\n  {runs_url(uri, exp_id)}\n"
+            f"  best val loss first, sweeps unfolded: {runs_url(uri, exp_id, best_first=True)}",
+            flush=True,
+        )
         return
     port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "::") else "0.0.0.0")
     if args.port and not port_is_free(args.host, port):
@@ -206,9 +249,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     shown = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
     local = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
     hosts, origins = network_access(args.host, port, shown)
-    proc = subprocess.Popen(server_command(uri, args.host, port, args.workers, args.allowed_hosts or hosts,
-                                           args.cors_allowed_origins or origins),
-                            env=server_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        server_command(
+            uri, args.host, port, args.workers, args.allowed_hosts or hosts, args.cors_allowed_origins or origins
+        ),
+        env=server_env(),
+        start_new_session=True,
+    )
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -218,10 +265,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         wait_until_up(proc, local, timeout=120)
         server = f"http://{shown}:{port}"
-        print(f"MLflow UI for {uri}\n"
-              f"  runs of experiment {exp_name!r}: {runs_url(server, exp_id)}\n"
-              f"  best val loss first, sweeps unfolded: {runs_url(server, exp_id, best_first=True)}\n"
-              f"  (server pid {proc.pid}; Ctrl-C stops it)", flush=True)
+        print(
+            f"MLflow UI for {uri}\n"
+            f"  runs of experiment {exp_name!r}: {runs_url(server, exp_id)}\n"
+            f"  best val loss first, sweeps unfolded: {runs_url(server, exp_id, best_first=True)}\n"
+            f"  (server pid {proc.pid}; Ctrl-C stops it)",
+            flush=True,
+        )
         proc.wait()
         raise GptlabError(f"mlflow server exited with code {proc.returncode}")
     except KeyboardInterrupt:

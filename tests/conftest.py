@@ -60,5 +60,6 @@ def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) ->
     """Run `python -m <args>` as a user would, from cwd."""
     env = {**os.environ, **(env_extra or {})}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -7,6 +7,7 @@ then the sorted one it also prints (every run listed), and saves a screenshot ne
 outputs. Stopping gptlab.ui must end the server's whole process group.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -18,20 +19,33 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from gptlab.ui import free_port
 from test_compare import client_for, sweep  # noqa: F401 - the session's real sweep
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--virtual-time-budget=20000"]
+from gptlab.ui import free_port
+
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--virtual-time-budget=20000",
+]
 
 
 def render(exe: str, url: str, profile: Path, *extra: str, timeout: float = 120) -> str:
     """The DOM after the page ran its scripts (--dump-dom), with a new empty profile each time."""
     profile.mkdir(parents=True)
-    proc = subprocess.Popen([exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, "--dump-dom", url],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [exe, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *extra, "--dump-dom", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         dom, _ = proc.communicate(timeout=timeout)
     finally:
@@ -43,10 +57,8 @@ def render(exe: str, url: str, profile: Path, *extra: str, timeout: float = 120)
 
 def kill_group(pgid: int) -> None:
     """SIGKILL whatever is left of a process group this test started."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def text_of(dom: str) -> str:
@@ -55,9 +67,15 @@ def text_of(dom: str) -> str:
 
 def start_ui(cwd: Path, port: int):
     """(process, output so far, server pid) once gptlab.ui has printed the URLs."""
-    ui = subprocess.Popen([sys.executable, "-m", "gptlab.ui", "--port", str(port)], cwd=cwd,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "gptlab.ui", "--port", str(port)],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines, deadline = [], time.monotonic() + 240
     while time.monotonic() < deadline:
         line = ui.stdout.readline()

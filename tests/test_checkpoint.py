@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, compose_config, nano_overrides
+
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
 from gptlab.train import run_training
@@ -61,8 +61,14 @@ def test_a_checkpoint_that_runs_code_on_unpickling_is_refused(tmp_path):
 
 def resume_overrides(shakespeare, *extra):
     # the lr schedule is pinned to 20 steps so a 10-step first leg follows the same curve
-    return nano_overrides(shakespeare, "train.log_every=1", "train.sample_tokens=0", "optimizer.decay_steps=20",
-                          "model.dropout=0.1", *extra)
+    return nano_overrides(
+        shakespeare,
+        "train.log_every=1",
+        "train.sample_tokens=0",
+        "optimizer.decay_steps=20",
+        "model.dropout=0.1",
+        *extra,
+    )
 
 
 def final_params(run_dir: Path):
@@ -89,19 +95,29 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare):
 def test_resume_never_starts_fresh_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), run_dir)
-    again = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", "train.resume=never")),
-                         tmp_path / "fresh")
+    again = run_training(
+        compose_config(resume_overrides(shakespeare, "train.max_steps=10", "train.resume=never")), tmp_path / "fresh"
+    )
     assert again["steps"] == 10
     ckpt = checkpoint.latest(run_dir / "checkpoints")
-    other = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=12", f"train.resume={ckpt}")),
-                         tmp_path / "from_path")
+    other = run_training(
+        compose_config(resume_overrides(shakespeare, "train.max_steps=12", f"train.resume={ckpt}")),
+        tmp_path / "from_path",
+    )
     assert other["steps"] == 12 and other["tokens"] == 12 * 8 * 32
 
 
 def cli(args, cwd, **kw):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "gptlab.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "gptlab.train", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -153,8 +169,9 @@ KILL_DURING_SAVE = textwrap.dedent("""
 def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare):
     run_dir, marker = tmp_path / "run", tmp_path / "saving"
     overrides = resume_overrides(shakespeare, "train.max_steps=20", "train.checkpoint_every=5")
-    script = KILL_DURING_SAVE.format(tests=str(REPO / "tests"), marker=str(marker), overrides=overrides,
-                                     run_dir=str(run_dir))
+    script = KILL_DURING_SAVE.format(
+        tests=str(REPO / "tests"), marker=str(marker), overrides=overrides, run_dir=str(run_dir)
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path)
     try:
         deadline = time.time() + 120
@@ -185,11 +202,21 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(tmp_path, shakespeare):
     run_dir = tmp_path / "run"
-    args = [*nano_overrides(shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0",
-                            "tracking.mlflow=true"), f"hydra.run.dir={run_dir}"]
+    args = [
+        *nano_overrides(
+            shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0", "tracking.mlflow=true"
+        ),
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen([sys.executable, "-m", "gptlab.train", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptlab.train", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
@@ -205,8 +232,14 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
     assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{step:08d}.pt"
     # the same command continues from there
     args = [a for a in args if not a.startswith("train.max_steps=")]
-    r = subprocess.run([sys.executable, "-m", "gptlab.train", *args, f"train.max_steps={step + 5}"], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "gptlab.train", *args, f"train.max_steps={step + 5}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and f"step {step}" in r.stdout, r.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "train_loss" in x]
     assert steps == list(range(1, step + 6))  # every step once: none missing, none logged twice

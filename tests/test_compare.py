@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
-from gptlab.compare import RunRecord, differing_keys, main as compare_main, table
+
+from gptlab.compare import RunRecord, differing_keys, table
+from gptlab.compare import main as compare_main
 from gptlab.errors import GptlabError
 
 _MADE = {}
@@ -20,10 +21,25 @@ def make_sweep(tmp_path_factory, shakespeare):
     third job (lr=-1) fails its config check before it trains."""
     if "sweep" not in _MADE:
         cwd = tmp_path_factory.mktemp("sweep")
-        r = run_cli(["gptlab.train", "-m", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=12",
-                     "train.eval_every=6", "train.eval_steps=2", "train.log_every=3", "train.batch_size=8",
-                     "train.sample_tokens=0", "train.save_checkpoints=false", "optimizer.warmup_steps=2",
-                     "optimizer.lr=1e-3,3e-3,-1"], cwd=cwd, timeout=600)
+        r = run_cli(
+            [
+                "gptlab.train",
+                "-m",
+                "model=gpt_nano",
+                f"data.path={shakespeare}",
+                "train.max_steps=12",
+                "train.eval_every=6",
+                "train.eval_steps=2",
+                "train.log_every=3",
+                "train.batch_size=8",
+                "train.sample_tokens=0",
+                "train.save_checkpoints=false",
+                "optimizer.warmup_steps=2",
+                "optimizer.lr=1e-3,3e-3,-1",
+            ],
+            cwd=cwd,
+            timeout=600,
+        )
         sweeps = list((cwd / "outputs" / "sweeps").glob("*/sweep.json"))
         assert len(sweeps) == 1, r.stdout[-3000:] + r.stderr[-3000:]
         _MADE["sweep"] = (cwd, sweeps[0].parent, json.loads(sweeps[0].read_text()), r)
@@ -53,8 +69,12 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job(sweep):
     assert parent.data.params["optimizer.lr"] == "1e-3,3e-3,-1" and parent.data.params["train.max_steps"] == "12"
     assert parent.data.tags["launcher"] == "basic" and parent.data.tags["sweep_dir"] == str(sweep_dir)
     assert parent.info.status == "FAILED" and parent.data.tags["error"] == "1 of 3 jobs failed"
-    kids = {k.info.run_name: k for k in client.search_runs(
-        [info["experiment_id"]], filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'")}
+    kids = {
+        k.info.run_name: k
+        for k in client.search_runs(
+            [info["experiment_id"]], filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'"
+        )
+    }
     base = "gpt_nano-shakespeare_char-cpu optimizer.lr="
     assert set(kids) == {base + "0.001", base + "0.003", base + "-1"}
     assert kids[base + "0.001"].info.status == kids[base + "0.003"].info.status == "FINISHED"
@@ -121,8 +141,10 @@ def test_table_shows_only_differing_overrides_best_first():
     assert differing_keys(records) == ["optimizer.lr"]
     lines = table(records).splitlines()
     assert lines[0].split()[:3] == ["run", "optimizer.lr", "status"]
-    assert [ln.split()[:4] for ln in lines[2:5]] == [["1", "3e-3", "FINISHED", "2.1000"],
-                                                     ["0", "1e-3", "FINISHED", "2.5000"],
-                                                     ["2", "1e-2", "FAILED", "-"]]
+    assert [ln.split()[:4] for ln in lines[2:5]] == [
+        ["1", "3e-3", "FINISHED", "2.1000"],
+        ["0", "1e-3", "FINISHED", "2.5000"],
+        ["2", "1e-2", "FAILED", "-"],
+    ]
     assert lines[2].split()[4:] == ["1,200", "1.20%", "28s"]
     assert lines[-2:] == ["errors:", "  2: GptlabError: diverged"]

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import CONF, compose_config, run_cli
+
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
@@ -33,7 +33,12 @@ def test_defaults_compose_to_the_cpu_char_model():
     c = to_config(compose_config([]))
     assert isinstance(c, Config)
     assert (c.model.name, c.data.name, c.optimizer.name, c.parallelism.name, c.hardware.name) == (
-        "gpt_char", "shakespeare_char", "adamw", "single", "cpu")
+        "gpt_char",
+        "shakespeare_char",
+        "adamw",
+        "single",
+        "cpu",
+    )
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
@@ -61,18 +66,21 @@ def test_derived_batch_split():
     assert (c.world_size, c.micro_batch_size, c.accum_steps) == (8, 4, 2)
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
-    (["optimizer.lr=0"], "optimizer.lr"),
-    (["optimizer.lr=-1e-3"], "optimizer.lr"),
-    (["train.micro_batch_size=5"], "train.micro_batch_size"),
-    (["train.batch_size=30", "hardware=cpu_x2", "train.micro_batch_size=4"], "train.micro_batch_size"),
-    (["hardware.precision=fp8"], "hardware.precision"),
-    (["model.pos_emb=alibi"], "model.pos_emb"),
-    (["model.dropout=1.5"], "model.dropout"),
-    (["+model.foo=1"], "model.foo"),
-    (["+train.max_step=10"], "train.max_step"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["model.n_embd=100", "model.n_head=3"], "model.n_embd"),
+        (["optimizer.lr=0"], "optimizer.lr"),
+        (["optimizer.lr=-1e-3"], "optimizer.lr"),
+        (["train.micro_batch_size=5"], "train.micro_batch_size"),
+        (["train.batch_size=30", "hardware=cpu_x2", "train.micro_batch_size=4"], "train.micro_batch_size"),
+        (["hardware.precision=fp8"], "hardware.precision"),
+        (["model.pos_emb=alibi"], "model.pos_emb"),
+        (["model.dropout=1.5"], "model.dropout"),
+        (["+model.foo=1"], "model.foo"),
+        (["+train.max_step=10"], "train.max_step"),
+    ],
+)
 def test_impossible_configs_name_the_key(overrides, key):
     with pytest.raises(GptlabError) as e:
         to_config(compose_config(overrides))
@@ -81,15 +89,18 @@ def test_impossible_configs_name_the_key(overrides, key):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("override,fragment", [
-    ("model.n_layer=abc", "model.n_layer"),
-    ("model.foo=1", "model.foo"),
-    ("+model.foo=1", "model.foo"),
-    ("model=gpt_giant", "gpt_char"),  # the error lists the available options
-    ("optimizer.lr=0", "optimizer.lr"),
-    ("data.path=/nonexistent/shakespeare.txt", "/nonexistent/shakespeare.txt"),
-    ("model.block_size=2000000", "model.block_size"),
-])
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("model.n_layer=abc", "model.n_layer"),
+        ("model.foo=1", "model.foo"),
+        ("+model.foo=1", "model.foo"),
+        ("model=gpt_giant", "gpt_char"),  # the error lists the available options
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("data.path=/nonexistent/shakespeare.txt", "/nonexistent/shakespeare.txt"),
+        ("model.block_size=2000000", "model.block_size"),
+    ],
+)
 def test_bad_overrides_give_one_line_and_no_traceback(tmp_path, shakespeare, override, fragment):
     args = ["gptlab.train", f"data.path={shakespeare}", "tracking.mlflow=false", override]
     r = run_cli(args, cwd=tmp_path, timeout=120)

@@ -105,8 +105,10 @@ def test_resume_position_continues_the_sequence():
 def test_ranks_and_micro_steps_split_one_global_batch():
     tokens = np.arange(1000, dtype=np.uint16)
     one = torch_cat(_loader(tokens, micro_batch_size=2).next_step())  # 1 rank x 4 micro-steps
-    two = torch_cat(_loader(tokens, micro_batch_size=2, world_size=2, rank=0).next_step()
-                    + _loader(tokens, micro_batch_size=2, world_size=2, rank=1).next_step())
+    two = torch_cat(
+        _loader(tokens, micro_batch_size=2, world_size=2, rank=0).next_step()
+        + _loader(tokens, micro_batch_size=2, world_size=2, rank=1).next_step()
+    )
     assert one.equal(two)
 
 

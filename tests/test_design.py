@@ -4,8 +4,8 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from conftest import compose_config
+
 from gptlab.config import to_config
 
 PKG = Path(__file__).resolve().parents[1] / "gptlab"
@@ -16,9 +16,12 @@ ALLOWED_FOR_LEAVES = {"gptlab.errors"}
 def gptlab_imports(path: Path):
     """gptlab modules imported at run time (imports under `if TYPE_CHECKING:` are for hints only)."""
     tree = ast.parse(path.read_text())
-    hints_only = {id(n) for node in ast.walk(tree)
-                  if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
-                  for n in ast.walk(node)}
+    hints_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for n in ast.walk(node)
+    }
     for node in ast.walk(tree):
         if id(node) in hints_only:
             continue
@@ -41,16 +44,37 @@ def test_loop_and_train_stay_thin():
     assert "gptlab.config" not in loop and "gptlab.build" not in loop  # the loop sees built objects
     train = set(gptlab_imports(PKG / "train.py"))
     # train.py also asks distributed.py whether this process runs the job or starts its workers
-    assert train <= {"gptlab.config", "gptlab.build", "gptlab.loop", "gptlab.cli", "gptlab.errors", "gptlab",
-                     "gptlab.distributed"}
+    assert train <= {
+        "gptlab.config",
+        "gptlab.build",
+        "gptlab.loop",
+        "gptlab.cli",
+        "gptlab.errors",
+        "gptlab",
+        "gptlab.distributed",
+    }
 
 
 FROZEN_OVERRIDES = {
-    "train.max_steps": 7, "train.batch_size": 16, "train.micro_batch_size": 4, "train.eval_every": 3,
-    "train.eval_steps": 2, "train.log_every": 1, "train.checkpoint_every": 5, "train.seed": 1,
-    "train.resume": "never", "model.block_size": 16, "model.n_layer": 1, "model.n_head": 2,
-    "model.n_embd": 8, "model.dropout": 0.1, "data.path": "/tmp/x.txt", "optimizer.lr": 0.01,
-    "optimizer.warmup_steps": 2, "tracking.uri": "http://127.0.0.1:5000", "tracking.experiment": "e",
+    "train.max_steps": 7,
+    "train.batch_size": 16,
+    "train.micro_batch_size": 4,
+    "train.eval_every": 3,
+    "train.eval_steps": 2,
+    "train.log_every": 1,
+    "train.checkpoint_every": 5,
+    "train.seed": 1,
+    "train.resume": "never",
+    "model.block_size": 16,
+    "model.n_layer": 1,
+    "model.n_head": 2,
+    "model.n_embd": 8,
+    "model.dropout": 0.1,
+    "data.path": "/tmp/x.txt",
+    "optimizer.lr": 0.01,
+    "optimizer.warmup_steps": 2,
+    "tracking.uri": "http://127.0.0.1:5000",
+    "tracking.experiment": "e",
 }
 
 

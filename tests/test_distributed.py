@@ -1,5 +1,6 @@
 """Real multi-process data parallelism: gloo on the CPU, started by gptlab itself or by torchrun."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,12 +11,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import run_cli
 
-COMMON = ["model=gpt_nano", "train.max_steps=8", "train.batch_size=8", "train.log_every=1",
-          "train.eval_every=4", "train.eval_steps=2", "tracking.mlflow=false", "train.sample_tokens=0",
-          "model.dropout=0.0"]
+COMMON = [
+    "model=gpt_nano",
+    "train.max_steps=8",
+    "train.batch_size=8",
+    "train.log_every=1",
+    "train.eval_every=4",
+    "train.eval_steps=2",
+    "tracking.mlflow=false",
+    "train.sample_tokens=0",
+    "model.dropout=0.0",
+]
 
 
 def losses(cwd: Path):
@@ -31,8 +39,14 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
     runs = {
         "cpu": [sys.executable, "-m", "gptlab.train", *args, "hardware=cpu"],
         "spawn": [sys.executable, "-m", "gptlab.train", *args, "hardware=cpu_x2"],
-        "torchrun": [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2", "-m", "gptlab.train",
-                     *args, "hardware=cpu_x2"],
+        "torchrun": [
+            str(Path(sys.executable).parent / "torchrun"),
+            "--nproc_per_node=2",
+            "-m",
+            "gptlab.train",
+            *args,
+            "hardware=cpu_x2",
+        ],
     }
     out = {}
     for name, cmd in runs.items():
@@ -64,16 +78,28 @@ def _wait_for(pred, timeout, what):
 
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespeare):
-    cmd = [sys.executable, "-m", "gptlab.train", "model=gpt_nano", f"data.path={shakespeare}", "hardware=cpu_x2",
-           "train.max_steps=1000000", "train.log_every=1", "tracking.mlflow=false", "parallelism.timeout_s=30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptlab.train",
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "hardware=cpu_x2",
+        "train.max_steps=1000000",
+        "train.log_every=1",
+        "tracking.mlflow=false",
+        "parallelism.timeout_s=30",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         metrics = lambda: list((tmp_path / "outputs").rglob("metrics.jsonl"))  # noqa: E731
         _wait_for(lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 3, 120, "training to start")
         # the spawned ranks, in start order (the resource tracker is not one of them)
-        workers = sorted((p for p in psutil.Process(proc.pid).children()
-                          if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.create_time())
+        workers = sorted(
+            (p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+            key=lambda p: p.create_time(),
+        )
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGKILL)
         t0 = time.time()
@@ -86,17 +112,25 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
     last = [ln for ln in err.splitlines() if ln.strip()][-1]
     assert last.startswith("gptlab.train: error: worker rank 1") and "SIGKILL" in last, err[-2000:]
     for w in workers:  # no orphaned worker keeps running
-        try:
-            _wait_for(lambda: not w.is_running() or w.status() == psutil.STATUS_ZOMBIE, 10, f"pid {w.pid} to end")
-        except psutil.NoSuchProcess:
-            pass
+        with contextlib.suppress(psutil.NoSuchProcess):
+            _wait_for(lambda w=w: not w.is_running() or w.status() == psutil.STATUS_ZOMBIE, 10, f"pid {w.pid} to end")
 
 
 @pytest.mark.slow
 def test_worker_user_error_is_one_line(tmp_path, shakespeare):
     # the per-process micro-batch check passes, the data check fails inside the workers
-    r = run_cli(["gptlab.train", "model=gpt_nano", "hardware=cpu_x2", f"data.path={shakespeare}",
-                 "tracking.mlflow=false", "model.block_size=2000000"], cwd=tmp_path, timeout=120)
+    r = run_cli(
+        [
+            "gptlab.train",
+            "model=gpt_nano",
+            "hardware=cpu_x2",
+            f"data.path={shakespeare}",
+            "tracking.mlflow=false",
+            "model.block_size=2000000",
+        ],
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "error" in ln]
     assert lines and lines[0].startswith("gptlab.train: error: model.block_size") and "Traceback" not in r.stderr

@@ -3,23 +3,45 @@
 from pathlib import Path
 
 import pytest
-
 from conftest import CONF, compose_config
+
 from gptlab.config import to_config
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 # The model shrunk and the run made CPU-sized; everything else is the recipe's.
-SHRINK = ["hardware=cpu", "hardware.memory_gb=null", "hardware.compile=false", "hardware.attention_backend=auto",
-          "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.ffn_dim=null",
-          "train.max_steps=5", "train.batch_size=4", "train.micro_batch_size=2", "train.eval_steps=1",
-          "train.eval_batch_size=2", "train.log_every=1", "train.sample_tokens=0", "train.save_checkpoints=false",
-          "optimizer.warmup_steps=2", "tracking.mlflow=false", "tracking.plots=false"]
+SHRINK = [
+    "hardware=cpu",
+    "hardware.memory_gb=null",
+    "hardware.compile=false",
+    "hardware.attention_backend=auto",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.ffn_dim=null",
+    "train.max_steps=5",
+    "train.batch_size=4",
+    "train.micro_batch_size=2",
+    "train.eval_steps=1",
+    "train.eval_batch_size=2",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "train.save_checkpoints=false",
+    "optimizer.warmup_steps=2",
+    "tracking.mlflow=false",
+    "tracking.plots=false",
+]
 
 
 def test_the_reference_recipes_are_all_there():
-    assert set(RECIPES) >= {"gpt1b_shakespeare", "bpe_25m", "gpt2_124m_gutenberg", "gpt2_124m_fineweb_edu",
-                            "shakespeare_char_baby"}
+    assert set(RECIPES) >= {
+        "gpt1b_shakespeare",
+        "bpe_25m",
+        "gpt2_124m_gutenberg",
+        "gpt2_124m_fineweb_edu",
+        "shakespeare_char_baby",
+    }
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -32,7 +54,13 @@ def test_recipe_composes_and_states_its_expected_result(name):
 
 def test_gpt1b_recipe_is_the_reference_run():
     c = to_config(compose_config(["experiment=gpt1b_shakespeare"]))
-    assert (c.model.name, c.model.n_layer, c.model.n_embd, c.model.n_head, c.model.ffn_dim) == ("gpt1b", 20, 2048, 16, 8192)
+    assert (c.model.name, c.model.n_layer, c.model.n_embd, c.model.n_head, c.model.ffn_dim) == (
+        "gpt1b",
+        20,
+        2048,
+        16,
+        8192,
+    )
     assert c.data.name == "shakespeare_char" and c.hardware.name == "a100x8" and c.world_size == 8
     assert c.parallelism.strategy == "ddp" and c.parallelism.activation_checkpointing
     assert c.model.block_size == 2048 and c.train.batch_size * c.model.block_size == 131_072
@@ -47,7 +75,13 @@ def test_bpe_25m_recipe():
     assert c.data.tokenizer.kind == "bpe" and c.data.tokenizer.vocab_size == 32768
     assert c.hardware.precision == "fp16" and (c.micro_batch_size, c.accum_steps) == (8, 4)
     o = c.optimizer
-    assert (o.warmup_steps, o.lr, o.lr * o.min_lr_ratio, o.grad_clip, o.weight_decay) == (50, 6e-4, pytest.approx(6e-5), 1.0, 0.1)
+    assert (o.warmup_steps, o.lr, o.lr * o.min_lr_ratio, o.grad_clip, o.weight_decay) == (
+        50,
+        6e-4,
+        pytest.approx(6e-5),
+        1.0,
+        0.1,
+    )
     assert c.train.max_steps == 10_000 and c.train.eval_every == 100
 
 
@@ -76,10 +110,16 @@ def local_data(name: str, shakespeare: Path, tmp_path: Path):
         import pyarrow.parquet as pq
 
         text = shakespeare.read_text()
-        docs = [text[i:i + 20_000] for i in range(0, 400_000, 20_000)]
+        docs = [text[i : i + 20_000] for i in range(0, 400_000, 20_000)]
         pq.write_table(pa.table({"text": docs}), tmp_path / "docs.parquet")
-        return [f"data.path={tmp_path / 'docs.parquet'}", "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=300",
-                "data.workers=0", "data.val_fraction=0.2", "data.progress=false"]
+        return [
+            f"data.path={tmp_path / 'docs.parquet'}",
+            "data.tokenizer.kind=bpe",
+            "data.tokenizer.vocab_size=300",
+            "data.workers=0",
+            "data.val_fraction=0.2",
+            "data.progress=false",
+        ]
     extra = [f"data.path={shakespeare}"]
     if name == "bpe_25m":
         extra += ["data.tokenizer.vocab_size=300", "data.workers=0", "data.progress=false"]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import compose_config, nano_overrides
+
 from gptlab.build import build
 from gptlab.config import to_config
 from gptlab.loop import train
@@ -31,7 +31,9 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
         final = {}
         for name, p in run.raw_model.named_parameters():
             # fires after every backward; the last call sees the fully accumulated gradient
-            p.register_post_accumulate_grad_hook(lambda p, name=name: final.__setitem__(name, p.grad.clone()))
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name, final=final: final.__setitem__(name, p.grad.clone())
+            )
         train(run)
         grads.append(final)
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
@@ -47,8 +49,16 @@ def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
     path = tmp_path / "tiny.txt"
     path.write_text(text)
     results = run_training(
-        compose_config(nano_overrides(path, "train.max_steps=300", "optimizer.lr=1e-2", "train.eval_every=300",
-                                      "optimizer.weight_decay=0", "data.val_fraction=0.2")),
+        compose_config(
+            nano_overrides(
+                path,
+                "train.max_steps=300",
+                "optimizer.lr=1e-2",
+                "train.eval_every=300",
+                "optimizer.weight_decay=0",
+                "data.val_fraction=0.2",
+            )
+        ),
         tmp_path / "run",
     )
     assert results["train_loss"] < 0.2  # started near ln(vocab) = 2.9

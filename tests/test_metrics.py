@@ -34,10 +34,13 @@ def analytic(model: GPT):
     return fpt, extra
 
 
-@pytest.mark.parametrize("kw", [
-    dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=65),
-    dict(n_layer=3, n_head=2, n_embd=48, block_size=32, vocab_size=100, vocab_multiple=64, mlp="swiglu"),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=65),
+        dict(n_layer=3, n_head=2, n_embd=48, block_size=32, vocab_size=100, vocab_multiple=64, mlp="swiglu"),
+    ],
+)
 def test_flops_per_token_matches_flop_counter(kw):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw))
@@ -47,8 +50,10 @@ def test_flops_per_token_matches_flop_counter(kw):
     model.activation_checkpointing = True  # HFU: checkpointing's second forward of every block
     counted_ckpt = counted_flops_per_token(model, B=2, T=kw["block_size"])
     assert counted_ckpt == pytest.approx(fpt + recompute, rel=0.05)
-    print(f"flops/token analytic {fpt:,.0f} counted {counted:,.0f}; with recompute "
-          f"{fpt + recompute:,.0f} counted {counted_ckpt:,.0f}")
+    print(
+        f"flops/token analytic {fpt:,.0f} counted {counted:,.0f}; with recompute "
+        f"{fpt + recompute:,.0f} counted {counted_ckpt:,.0f}"
+    )
 
 
 def test_mfu_and_hfu():

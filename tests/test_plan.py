@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import REPO, compose_config, run_cli
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import REPO, compose_config, run_cli
 from gptlab import metrics
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
@@ -18,12 +18,22 @@ def cfg_for(*overrides):
     return to_config(compose_config(list(overrides)))
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model=gpt_char"], ["model=gpt_nano"], ["model=gpt1b", "model.n_layer=1", "model.n_embd=64", "model.n_head=4",
-                                             "model.ffn_dim=100"],
-    ["model=gpt_nano", "model.mlp=swiglu", "model.pos_emb=sinusoidal", "model.tie_weights=false",
-     "model.bias=false", "model.vocab_multiple=64"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=gpt_char"],
+        ["model=gpt_nano"],
+        ["model=gpt1b", "model.n_layer=1", "model.n_embd=64", "model.n_head=4", "model.ffn_dim=100"],
+        [
+            "model=gpt_nano",
+            "model.mlp=swiglu",
+            "model.pos_emb=sinusoidal",
+            "model.tie_weights=false",
+            "model.bias=false",
+            "model.vocab_multiple=64",
+        ],
+    ],
+)
 def test_param_count_matches_the_model(overrides):
     cfg = cfg_for(*overrides)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
@@ -77,13 +87,15 @@ def test_activations_per_layer_match_autograds_saved_tensors():
         saved = {}
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-        def pack(t):
+        def pack(t, saved=saved, params=params):
             if t.untyped_storage().data_ptr() not in params and t.dim() >= 2:
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None),
+        ):
             model(x, x)
         shape, _, _ = shape_for(cfg)
         d, V = cfg.model.n_embd, shape.vocab
@@ -106,13 +118,23 @@ def test_gpt1b_recipe_fits_40gb_only_with_checkpointing():
 
 
 def test_micro_batch_auto_uses_the_planner():
-    cfg = cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.batch_size=64",
-                  "train.micro_batch_size=auto", "hardware.memory_gb=16")
+    cfg = cfg_for(
+        "model=gpt2_124m",
+        "data.tokenizer.kind=gpt2",
+        "train.batch_size=64",
+        "train.micro_batch_size=auto",
+        "hardware.memory_gb=16",
+    )
     mb = cfg.micro_batch_size
     assert 1 <= mb < 64 and 64 % mb == 0
     assert cfg.accum_steps == 64 // mb
-    bigger = cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.batch_size=64",
-                     "train.micro_batch_size=auto", "hardware.memory_gb=64")
+    bigger = cfg_for(
+        "model=gpt2_124m",
+        "data.tokenizer.kind=gpt2",
+        "train.batch_size=64",
+        "train.micro_batch_size=auto",
+        "hardware.memory_gb=64",
+    )
     assert bigger.micro_batch_size > mb
     with pytest.raises(GptlabError, match="would fit"):
         cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.micro_batch_size=auto", "hardware.memory_gb=0.5")
@@ -126,8 +148,11 @@ def test_plan_cli_gpt1b(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "with activation checkpointing: fits at micro-batch 8" in ok.stdout
     assert "without activation checkpointing: does not fit at micro-batch 8" in ok.stdout
-    no = run_cli(["gptlab.plan", "experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"],
-                 cwd=REPO, timeout=120)
+    no = run_cli(
+        ["gptlab.plan", "experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"],
+        cwd=REPO,
+        timeout=120,
+    )
     assert no.returncode == 2
     err = no.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gptlab.plan: error: train.micro_batch_size=8")

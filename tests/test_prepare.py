@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO, run_cli
+
 from gptlab.data import DataConfig, TokenizerConfig, prepare_data
 from gptlab.data.shards import FORMAT_VERSION, TokenShards
 from gptlab.data.sources import clean_gutenberg
@@ -35,9 +35,19 @@ def write_corpus(folder: Path, shakespeare: Path, n_docs: int = 120) -> list:
 
 
 def bpe_cfg(path, cache, **kw) -> DataConfig:
-    args = dict(name="corpus", source="text_files", path=str(path), cache_dir=str(cache),
-                tokenizer=TokenizerConfig(kind="bpe", vocab_size=512), split="documents", val_fraction=0.1,
-                separator="eos", shard_divisor=8, workers=0, progress=False)
+    args = dict(
+        name="corpus",
+        source="text_files",
+        path=str(path),
+        cache_dir=str(cache),
+        tokenizer=TokenizerConfig(kind="bpe", vocab_size=512),
+        split="documents",
+        val_fraction=0.1,
+        separator="eos",
+        shard_divisor=8,
+        workers=0,
+        progress=False,
+    )
     args.update(kw)
     return DataConfig(**args)
 
@@ -50,8 +60,9 @@ def split_docs(data, split):
 
 def test_shards_hold_every_document_exactly_once(tmp_path, shakespeare):
     docs = write_corpus(tmp_path / "corpus", shakespeare)
-    data = prepare_data(bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_divisor=1, workers=2),
-                        log=lambda *_: None)
+    data = prepare_data(
+        bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_divisor=1, workers=2), log=lambda *_: None
+    )
     train, val = split_docs(data, "train"), split_docs(data, "val")
     assert train[-1] == "" and val[-1] == ""  # every document ends with <|eos|>
     assert collections.Counter(train[:-1] + val[:-1]) == collections.Counter(docs)  # exact round trip
@@ -61,8 +72,7 @@ def test_shards_hold_every_document_exactly_once(tmp_path, shakespeare):
 
 def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, shakespeare):
     write_corpus(tmp_path / "corpus", shakespeare)
-    data = prepare_data(bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_tokens=4000),
-                        log=lambda *_: None)
+    data = prepare_data(bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_tokens=4000), log=lambda *_: None)
     m = data.meta
     assert m["dtype"] == "uint16" and m["vocab_size"] == 512 and m["format_version"] == FORMAT_VERSION
     assert m["train_shards"] % 8 == 0 and m["train_shards"] >= 16  # 4000-token cap: more than one group
@@ -73,8 +83,16 @@ def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, 
     per = sizes.pop() // 2
     assert m["train_tokens"] == per * len(bins) and per <= 4000
     side = json.loads(bins[0].with_suffix(".json").read_text())
-    assert side == {**side, "dtype": "uint16", "vocab_size": 512, "tokens": per, "format_version": FORMAT_VERSION,
-                    "tokenizer_sha256": m["tokenizer_sha256"], "split": "train", "index": 0}
+    assert side == {
+        **side,
+        "dtype": "uint16",
+        "vocab_size": 512,
+        "tokens": per,
+        "format_version": FORMAT_VERSION,
+        "tokenizer_sha256": m["tokenizer_sha256"],
+        "split": "train",
+        "index": 0,
+    }
     assert side["sha256"] == hashlib.sha256(bins[0].read_bytes()).hexdigest()
     assert m["tokenizer_sha256"] == hashlib.sha256((data.root / "tokenizer.tiktoken").read_bytes()).hexdigest()
     tokens = data.tokens("train")
@@ -103,8 +121,14 @@ def test_vocabulary_above_65536_switches_to_uint32(tmp_path):
     chars = "".join(map(chr, range(0x10000, 0x10000 + 70_000)))  # astral code points: all valid UTF-8
     (tmp_path / "wide").mkdir()
     (tmp_path / "wide" / "a.txt").write_text(chars + chars[::-1])
-    cfg = DataConfig(name="wide", source="text_files", path=str(tmp_path / "wide"), cache_dir=str(tmp_path),
-                     shard_divisor=1, progress=False)
+    cfg = DataConfig(
+        name="wide",
+        source="text_files",
+        path=str(tmp_path / "wide"),
+        cache_dir=str(tmp_path),
+        shard_divisor=1,
+        progress=False,
+    )
     data = prepare_data(cfg, log=lambda *_: None)
     assert data.vocab_size == 70_000 and data.meta["dtype"] == "uint32"
     train = data.tokens("train")
@@ -163,8 +187,10 @@ Updated editions will replace the previous one.\r
 
 def test_gutenberg_cleaner_strips_boilerplate_and_normalises_whitespace():
     assert clean_gutenberg(BOOK) == "CHAPTER I\n\nIt was a dark and stormy night.\nThe end came soon."
-    legacy = BOOK.replace("*** END OF THIS PROJECT GUTENBERG EBOOK A TEST BOOK ***",
-                          "End of the Project Gutenberg EBook of A Test Book, by Some Author")
+    legacy = BOOK.replace(
+        "*** END OF THIS PROJECT GUTENBERG EBOOK A TEST BOOK ***",
+        "End of the Project Gutenberg EBook of A Test Book, by Some Author",
+    )
     assert clean_gutenberg(legacy) == clean_gutenberg(BOOK)
     assert clean_gutenberg("no markers\n\n\n\nat all  ") == "no markers\n\nat all"
 
@@ -179,20 +205,31 @@ def write_parquet(path: Path, texts):
 
 def gutenberg_books(shakespeare, n=30):
     speeches = shakespeare.read_text().split("\n\n")
-    return [BOOK.replace("It was a dark and stormy night.", "\n\n".join(speeches[i * 8 : i * 8 + 8]))
-            for i in range(n)]
+    return [BOOK.replace("It was a dark and stormy night.", "\n\n".join(speeches[i * 8 : i * 8 + 8])) for i in range(n)]
 
 
 def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
     from conftest import compose_config
+
     from gptlab.config import to_config
 
     books = gutenberg_books(shakespeare)
     write_parquet(tmp_path / "pg" / "en" / "part-0.parquet", books[:20])
     write_parquet(tmp_path / "pg" / "en" / "part-1.parquet", books[20:] + [books[3]])  # one duplicate
-    cfg = to_config(compose_config(["data=gutenberg", f"data.path={tmp_path / 'pg'}", "data.tokenizer.vocab_size=512",
-                                    "data.val_fraction=0.2", "data.shard_divisor=2", "data.workers=0",
-                                    f"data.cache_dir={tmp_path / 'cache'}", "data.progress=false"])).data
+    cfg = to_config(
+        compose_config(
+            [
+                "data=gutenberg",
+                f"data.path={tmp_path / 'pg'}",
+                "data.tokenizer.vocab_size=512",
+                "data.val_fraction=0.2",
+                "data.shard_divisor=2",
+                "data.workers=0",
+                f"data.cache_dir={tmp_path / 'cache'}",
+                "data.progress=false",
+            ]
+        )
+    ).data
     data = prepare_data(cfg, log=lambda *_: None)
     m = data.meta
     assert m["documents"] == 31 and m["duplicate_documents"] == 1
@@ -206,23 +243,39 @@ def test_hf_save_to_disk_copy_and_offline_hub_error(tmp_path, monkeypatch, shake
 
     books = gutenberg_books(shakespeare, 12)
     datasets.DatasetDict({"en": datasets.Dataset.from_dict({"text": books})}).save_to_disk(str(tmp_path / "saved"))
-    cfg = bpe_cfg(tmp_path / "saved", tmp_path / "cache", source="hf", hf_split="en", cleaner="gutenberg",
-                  val_fraction=0.3, shard_divisor=1)
+    cfg = bpe_cfg(
+        tmp_path / "saved",
+        tmp_path / "cache",
+        source="hf",
+        hf_split="en",
+        cleaner="gutenberg",
+        val_fraction=0.3,
+        shard_divisor=1,
+    )
     data = prepare_data(cfg, log=lambda *_: None)
     assert data.meta["documents"] == 12 and data.meta["settings"]["source"]["kind"] == "hf_saved"
     with pytest.raises(GptlabError, match="data.hf_split=train"):
         prepare_data(bpe_cfg(tmp_path / "saved", tmp_path / "cache", source="hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(GptlabError, match="data.hf_dataset=HuggingFaceFW/fineweb-edu.*data.path=") as e:
-        prepare_data(DataConfig(source="hf", hf_dataset="HuggingFaceFW/fineweb-edu", hf_config="sample-10BT",
-                                cache_dir=str(tmp_path / "cache")))
+        prepare_data(
+            DataConfig(
+                source="hf",
+                hf_dataset="HuggingFaceFW/fineweb-edu",
+                hf_config="sample-10BT",
+                cache_dir=str(tmp_path / "cache"),
+            )
+        )
     assert "\n" not in str(e.value)
 
 
 def snapshot(root: Path) -> dict:
     """Every shard, sidecar and tokenizer byte (meta.json minus its timings)."""
-    out = {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-           for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
+    out = {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "meta.json"
+    }
     meta = json.loads((root / "meta.json").read_text())
     out["meta"] = {k: v for k, v in meta.items() if not k.startswith("prepare_")}
     return out
@@ -236,9 +289,19 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
     for i in range(1, 2):
         (corpus / f"big{i}.txt").write_text(big)
     cache = tmp_path / "killed"
-    args = ["-m", "gptlab.prepare", "data=text_files", f"data.path={corpus}", "data.tokenizer.vocab_size=512",
-            "data.tokenizer.train_bytes=300000", "data.val_fraction=0.1", "data.workers=2", "data.progress=false",
-            f"data.cache_dir={cache}", "hydra.run.dir=" + str(tmp_path / "hydra")]
+    args = [
+        "-m",
+        "gptlab.prepare",
+        "data=text_files",
+        f"data.path={corpus}",
+        "data.tokenizer.vocab_size=512",
+        "data.tokenizer.train_bytes=300000",
+        "data.val_fraction=0.1",
+        "data.workers=2",
+        "data.progress=false",
+        f"data.cache_dir={cache}",
+        "hydra.run.dir=" + str(tmp_path / "hydra"),
+    ]
     proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:  # kill once encoding has written tokens, well before the end
@@ -252,29 +315,58 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
     done = [p for p in (cache / "tokens").iterdir() if ".tmp" not in p.name]
     assert done == []  # nothing that looks complete
     assert not list((cache / "tokens").rglob("shard_*.bin"))
-    cfg = DataConfig(name="text_files", source="text_files", path=str(corpus), cache_dir=str(cache),
-                     tokenizer=TokenizerConfig(kind="bpe", vocab_size=512, train_bytes=300000), split="documents",
-                     val_fraction=0.1, separator="eos", workers=2, progress=False, sampling="sequential")
+    cfg = DataConfig(
+        name="text_files",
+        source="text_files",
+        path=str(corpus),
+        cache_dir=str(cache),
+        tokenizer=TokenizerConfig(kind="bpe", vocab_size=512, train_bytes=300000),
+        split="documents",
+        val_fraction=0.1,
+        separator="eos",
+        workers=2,
+        progress=False,
+        sampling="sequential",
+    )
     rerun = prepare_data(cfg, log=lambda *_: None)
     assert [p.name for p in rerun.root.parent.iterdir()] == [rerun.root.name]  # the dead run's tmp swept
-    clean = prepare_data(DataConfig(**{**cfg.__dict__, "cache_dir": str(tmp_path / "clean"), "workers": 0}),
-                         log=lambda *_: None)
+    clean = prepare_data(
+        DataConfig(**{**cfg.__dict__, "cache_dir": str(tmp_path / "clean"), "workers": 0}), log=lambda *_: None
+    )
     assert snapshot(rerun.root) == snapshot(clean.root)  # and 2 workers or none: the same bytes
 
 
 @pytest.mark.slow
 def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
     env = {"GPTLAB_CACHE_DIR": str(tmp_path / "cache")}
-    r = run_cli(["gptlab.prepare", "data=shakespeare", f"data.path={shakespeare}", "data.progress=false"],
-                cwd=tmp_path, env_extra=env, timeout=120)
+    r = run_cli(
+        ["gptlab.prepare", "data=shakespeare", f"data.path={shakespeare}", "data.progress=false"],
+        cwd=tmp_path,
+        env_extra=env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["vocab_size"] == 4096 and out["dtype"] == "uint16" and out["train_shards"] == 8
     assert out["train_tokens"] + out["val_tokens"] > 340_000
-    r = run_cli(["gptlab.train", "data=shakespeare", f"data.path={shakespeare}", "model=gpt_nano",
-                 "train.max_steps=6", "train.eval_every=3", "train.eval_steps=2", "train.log_every=3",
-                 "train.sample_tokens=10", "tracking.mlflow=false", f"hydra.run.dir={tmp_path / 'run'}"],
-                cwd=tmp_path, env_extra=env, timeout=180)
+    r = run_cli(
+        [
+            "gptlab.train",
+            "data=shakespeare",
+            f"data.path={shakespeare}",
+            "model=gpt_nano",
+            "train.max_steps=6",
+            "train.eval_every=3",
+            "train.eval_steps=2",
+            "train.log_every=3",
+            "train.sample_tokens=10",
+            "tracking.mlflow=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env_extra=env,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "prepared" not in r.stdout  # the shards from the prepare command were reused
     results = json.loads((tmp_path / "run" / "results.json").read_text())

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import compose_config, nano_overrides, run_cli
+
 from gptlab.train import run_training
 
 
@@ -26,12 +26,15 @@ def test_sample_command_continues_the_prompt(trained, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,fragment", [
-    (["run=/nonexistent"], "no checkpoint found"),
-    (["run={run}", "temprature=0.5"], "temprature"),
-    (["run={run}", "max_new_tokens=lots"], "max_new_tokens"),
-    (["run={run}", "prompt=€"], "not in"),
-])
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["run=/nonexistent"], "no checkpoint found"),
+        (["run={run}", "temprature=0.5"], "temprature"),
+        (["run={run}", "max_new_tokens=lots"], "max_new_tokens"),
+        (["run={run}", "prompt=€"], "not in"),
+    ],
+)
 def test_sample_bad_arguments_are_one_line(trained, tmp_path, args, fragment):
     r = run_cli(["gptlab.sample", *[a.format(run=trained) for a in args]], cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr

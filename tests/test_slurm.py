@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import List
 
 import pytest
-
 from conftest import run_cli
 
 pytestmark = pytest.mark.slow
@@ -61,23 +60,58 @@ def _run(cmd: List[str], cwd: Path, timeout: float = 60) -> subprocess.Completed
 
 def test_cluster_runs_srun_and_sbatch_with_fake_gpus(tmp_path):
     # 8 tasks on the 16 declared CPUs (2 real cores), each seeing the 8 fake GPUs.
-    r = _run(["srun", f"--partition={PARTITION}", "--ntasks=8", "--gpus-per-node=8", "--time=2",
-              "bash", "-c", 'echo "$SLURM_PROCID $SLURM_NTASKS $CUDA_VISIBLE_DEVICES"'], tmp_path)
+    r = _run(
+        [
+            "srun",
+            f"--partition={PARTITION}",
+            "--ntasks=8",
+            "--gpus-per-node=8",
+            "--time=2",
+            "bash",
+            "-c",
+            'echo "$SLURM_PROCID $SLURM_NTASKS $CUDA_VISIBLE_DEVICES"',
+        ],
+        tmp_path,
+    )
     rows = sorted(line.split() for line in r.stdout.strip().splitlines())
     assert [int(rank) for rank, _, _ in rows] == list(range(8)), r.stdout
     assert {(n, gpus) for _, n, gpus in rows} == {("8", "0,1,2,3,4,5,6,7")}, r.stdout
 
     out = tmp_path / "batch.out"
-    _run(["sbatch", "--wait", f"--partition={PARTITION}", "--time=2", f"--output={out}",
-          "--wrap", "echo batch job $SLURM_JOB_ID on $SLURM_JOB_NODELIST"], tmp_path)
+    _run(
+        [
+            "sbatch",
+            "--wait",
+            f"--partition={PARTITION}",
+            "--time=2",
+            f"--output={out}",
+            "--wrap",
+            "echo batch job $SLURM_JOB_ID on $SLURM_JOB_NODELIST",
+        ],
+        tmp_path,
+    )
     assert re.match(r"batch job \d+ on \S+", out.read_text()), out.read_text()
 
 
 def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path):
-    r = run_cli(["gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano",
-                 f"data.path={shakespeare}", "train.max_steps=10", "train.batch_size=4",
-                 "train.eval_every=10", "train.eval_steps=2", "train.sample_tokens=0",
-                 "tracking.mlflow=false", "optimizer.lr=1e-3,3e-3"], cwd=tmp_path, timeout=240)
+    r = run_cli(
+        [
+            "gptlab.train",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=10",
+            "train.batch_size=4",
+            "train.eval_every=10",
+            "train.eval_steps=2",
+            "train.sample_tokens=0",
+            "tracking.mlflow=false",
+            "optimizer.lr=1e-3,3e-3",
+        ],
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sweeps = list((tmp_path / "outputs" / "sweeps").iterdir())
     assert len(sweeps) == 1, sweeps
@@ -93,8 +127,7 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
     script = submission.read_text()
     # the launching command said which job it submitted and where its logs are
     assert f"submitted SLURM job {submission.parent.name}; logs: " in r.stdout, r.stdout[-2000:]
-    for flag in ("--array=0-1", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1",
-                 "--signal=USR2@"):
+    for flag in ("--array=0-1", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1", "--signal=USR2@"):
         assert flag in script, script
     job_id = submission.parent.name
     for num in ("0", "1"):
@@ -104,10 +137,18 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
 def _submit_held(args: List[str], sweep: Path, cwd: Path) -> tuple[subprocess.Popen, str, str]:
     """Start `python -m gptlab.train -m ...` with the job held in the queue, so that it never runs;
     return the launcher process, the job id and the submission script submitit wrote."""
-    cmd = [sys.executable, "-m", "gptlab.train", "-m", *args, f"hydra.sweep.dir={sweep}",
-           "+hydra.launcher.additional_parameters.hold=true"]
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptlab.train",
+        "-m",
+        *args,
+        f"hydra.sweep.dir={sweep}",
+        "+hydra.launcher.additional_parameters.hold=true",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         found = list(sweep.glob(".submitit/*/*_submission.sh"))
@@ -144,16 +185,34 @@ def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
     # The composed 1B recipe, as `--cfg job` shows it ...
     shown = run_cli(["gptlab.train", "experiment=gpt1b_shakespeare", "--cfg", "job"], cwd=tmp_path, timeout=60)
     assert shown.returncode == 0, shown.stderr
-    for line in ("name: gpt1b", "n_layer: 20", "n_embd: 2048", "block_size: 2048", "batch_size: 64",
-                 "max_steps: 15000", "lr_scaling: sqrt", "activation_checkpointing: true", "nproc_per_node: 8"):
+    for line in (
+        "name: gpt1b",
+        "n_layer: 20",
+        "n_embd: 2048",
+        "block_size: 2048",
+        "batch_size: 64",
+        "max_steps: 15000",
+        "lr_scaling: sqrt",
+        "activation_checkpointing: true",
+        "nproc_per_node: 8",
+    ):
         assert line in shown.stdout, line
     # ... then submitted with the 8-GPU preset.
     sweep = tmp_path / "sweep"
-    proc, job_id, script = _submit_held(["hydra/launcher=slurm_a100x8", "experiment=gpt1b_shakespeare",
-                                         "hydra.launcher.cpus_per_task=2"], sweep, tmp_path)
+    proc, job_id, script = _submit_held(
+        ["hydra/launcher=slurm_a100x8", "experiment=gpt1b_shakespeare", "hydra.launcher.cpus_per_task=2"],
+        sweep,
+        tmp_path,
+    )
     try:
-        for flag in ("--nodes=1", "--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR2@300",
-                     "--time=1440", f"--output={sweep}/.submitit/%j/%j_0_log.out"):
+        for flag in (
+            "--nodes=1",
+            "--ntasks-per-node=8",
+            "--gpus-per-node=8",
+            "--signal=USR2@300",
+            "--time=1440",
+            f"--output={sweep}/.submitit/%j/%j_0_log.out",
+        ):
             assert flag in script, script
         assert "--partition" not in script and "--account" not in script, script
         # What the scheduler accepted, not only what was asked.
@@ -173,8 +232,9 @@ def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
 def test_slurm_local_tasks_per_node_follow_hardware(tmp_path):
     # `tasks_per_node: ${hardware.nproc_per_node}` resolves against the composed config.
     sweep = tmp_path / "sweep"
-    proc, job_id, script = _submit_held(["hydra/launcher=slurm_local", "hardware=cpu_x2", "model=gpt_nano"],
-                                        sweep, tmp_path)
+    proc, job_id, script = _submit_held(
+        ["hydra/launcher=slurm_local", "hardware=cpu_x2", "model=gpt_nano"], sweep, tmp_path
+    )
     try:
         assert "--ntasks-per-node=2" in script and "--gpus-per-node=0" in script, script
         assert _job_field(job_id, "NumTasks", tmp_path) == "2"
@@ -188,10 +248,27 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano",
-         f"data.path={shakespeare}", "train.max_steps=200", "train.log_every=10", "train.eval_every=100",
-         "train.eval_steps=2", "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "gptlab.train",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=200",
+            "train.log_every=10",
+            "train.eval_every=100",
+            "train.eval_steps=2",
+            "train.sample_tokens=0",
+            "hydra.launcher.max_num_timeout=2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.time() + 180
         metrics: List[Path] = []
@@ -220,8 +297,7 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
     assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
     assert results["mlflow_run_id"] == run_ids[0]
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if "train_loss" in x]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
     assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)
 
 
@@ -239,9 +315,23 @@ def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shak
     store = tmp_path / "store"
     store.mkdir()
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--artifacts-destination", str(store / "art")],
-        cwd=store, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(store / "art"),
+        ],
+        cwd=store,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         import urllib.request
@@ -254,10 +344,26 @@ def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shak
             except OSError:
                 assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
                 time.sleep(0.5)
-        r = run_cli(["gptlab.train", "-m", "hydra/launcher=slurm_local", "hardware=cpu_x2", "model=gpt_nano",
-                     f"data.path={shakespeare}", "train.max_steps=30", "train.batch_size=8", "train.eval_every=30",
-                     "train.eval_steps=2", "train.sample_tokens=0", f"tracking.uri={uri}",
-                     "tracking.experiment=slurm-ddp", "optimizer.lr=1e-3,3e-3"], cwd=tmp_path, timeout=400)
+        r = run_cli(
+            [
+                "gptlab.train",
+                "-m",
+                "hydra/launcher=slurm_local",
+                "hardware=cpu_x2",
+                "model=gpt_nano",
+                f"data.path={shakespeare}",
+                "train.max_steps=30",
+                "train.batch_size=8",
+                "train.eval_every=30",
+                "train.eval_steps=2",
+                "train.sample_tokens=0",
+                f"tracking.uri={uri}",
+                "tracking.experiment=slurm-ddp",
+                "optimizer.lr=1e-3,3e-3",
+            ],
+            cwd=tmp_path,
+            timeout=400,
+        )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
         for num in ("0", "1"):

@@ -9,8 +9,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 from conftest import compose_config, nano_overrides
+
 from gptlab.errors import GptlabError
 from gptlab.tracking import Tracker, TrackingConfig, default_uri, runs_url, sweep_run_name, ui_command
 from gptlab.train import run_training
@@ -27,9 +27,17 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
     tensorboard = importlib.util.find_spec("tensorboard") is not None
     run_dir = tmp_path / "outputs" / "runs" / "r1"
-    results = run_training(compose_config(nano_overrides(
-        shakespeare, "tracking.mlflow=true", "tracking.system_metrics=true", f"tracking.tensorboard={tensorboard}")),
-        run_dir)
+    results = run_training(
+        compose_config(
+            nano_overrides(
+                shakespeare,
+                "tracking.mlflow=true",
+                "tracking.system_metrics=true",
+                f"tracking.tensorboard={tensorboard}",
+            )
+        ),
+        run_dir,
+    )
     client = client_for(tmp_path)
     run = client.get_run(results["mlflow_run_id"])
     assert run.info.status == "FINISHED"
@@ -90,12 +98,15 @@ def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(tmp_path, sha
 
 
 def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_missing(
-        tmp_path, shakespeare, monkeypatch, capsys):
+    tmp_path, shakespeare, monkeypatch, capsys
+):
     for name in ("matplotlib", "torch.utils.tensorboard"):
         monkeypatch.setitem(sys.modules, name, None)  # `import` now raises ImportError, as if not installed
     run_dir = tmp_path / "run"
-    results = run_training(compose_config(nano_overrides(
-        shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")), run_dir)
+    results = run_training(
+        compose_config(nano_overrides(shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")),
+        run_dir,
+    )
     assert results["steps"] == 20 and (run_dir / "results.json").is_file()
     assert not (run_dir / "loss.png").exists() and not (run_dir / "tensorboard").exists()
     err = capsys.readouterr().err
@@ -106,23 +117,37 @@ def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_miss
 
 def test_ui_command_names_the_store_and_the_experiment(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert ui_command(default_uri(Path("outputs")), "gpt_nano-shakespeare_char") == \
-        "python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char"
+    assert (
+        ui_command(default_uri(Path("outputs")), "gpt_nano-shakespeare_char")
+        == "python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char"
+    )
     # quoted for the shell, and the values for Hydra
     assert shlex.split(ui_command("sqlite:////data/my runs/mlflow.db", "lr sweep")) == [
-        "python", "-m", "gptlab.ui", "tracking.uri='sqlite:////data/my runs/mlflow.db'", "tracking.experiment='lr sweep'"]
+        "python",
+        "-m",
+        "gptlab.ui",
+        "tracking.uri='sqlite:////data/my runs/mlflow.db'",
+        "tracking.experiment='lr sweep'",
+    ]
     assert runs_url("http://127.0.0.1:5000", "3").startswith("http://127.0.0.1:5000/#/experiments/3/runs?")
     assert "orderByKey=metrics.%60summary%2Fbest_val_loss%60" in runs_url("http://h:1", "3", best_first=True)
 
 
 def test_a_sweep_job_is_named_after_its_own_overrides():
-    sweep = {"overrides": ["model=gpt_nano", "train.save_checkpoints=false", "optimizer.lr=1e-3,3e-3"],
-             "swept": ["optimizer.lr"]}
+    sweep = {
+        "overrides": ["model=gpt_nano", "train.save_checkpoints=false", "optimizer.lr=1e-3,3e-3"],
+        "swept": ["optimizer.lr"],
+    }
     job = ["model=gpt_nano", "train.save_checkpoints=False", "optimizer.lr=0.003"]  # as Hydra passes it on
-    assert sweep_run_name("gpt_nano-shakespeare_char-cpu", job, sweep) == "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003"
+    assert (
+        sweep_run_name("gpt_nano-shakespeare_char-cpu", job, sweep)
+        == "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003"
+    )
     # a sweeper that makes the values itself (Optuna, ...): whatever the job has that the sweep had not
-    assert sweep_run_name("b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]}) == \
-        "b optimizer.lr=0.0042"
+    assert (
+        sweep_run_name("b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]})
+        == "b optimizer.lr=0.0042"
+    )
 
 
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
@@ -130,8 +155,9 @@ def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     first = Tracker(tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 10, "a": 1}, {})
     first.log_metrics(5, {"train_loss": 3.0, "tokens": 100})
     first.finish("KILLED")  # stopped (preempted) with a checkpoint holding first.run_id
-    again = Tracker(tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 20, "b": 2}, {},
-                    resume_run_id=first.run_id)
+    again = Tracker(
+        tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 20, "b": 2}, {}, resume_run_id=first.run_id
+    )
     again.log_metrics(10, {"train_loss": 2.0, "tokens": 200})
     again.finish("FINISHED")
     assert again.run_id == first.run_id
@@ -149,8 +175,16 @@ def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, 
 
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
     for bound, met in (("10.0", True), ("0.1", False)):
-        results = run_training(compose_config(nano_overrides(
-            shakespeare, "tracking.mlflow=true", f"+expected.best_val_loss={bound}", "hardware.attention_backend=math")),
-            tmp_path / f"run{bound}")
+        results = run_training(
+            compose_config(
+                nano_overrides(
+                    shakespeare,
+                    "tracking.mlflow=true",
+                    f"+expected.best_val_loss={bound}",
+                    "hardware.attention_backend=math",
+                )
+            ),
+            tmp_path / f"run{bound}",
+        )
         assert results["expected_met"] is met
         assert client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()

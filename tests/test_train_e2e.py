@@ -4,15 +4,24 @@ import json
 import sqlite3
 
 import pytest
-
 from conftest import run_cli
 
 
 @pytest.mark.slow
 def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
-    r = run_cli(["gptlab.train", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=30",
-                 "train.eval_every=15", "train.eval_steps=4", "train.log_every=10", "train.batch_size=8"],
-                cwd=tmp_path)
+    r = run_cli(
+        [
+            "gptlab.train",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=30",
+            "train.eval_every=15",
+            "train.eval_steps=4",
+            "train.log_every=10",
+            "train.batch_size=8",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     # plain progress lines when not on a terminal, then the UI command for the store used
     assert "step 10/30 | loss" in r.stdout
@@ -30,9 +39,20 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
 
 @pytest.mark.slow
 def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
-    r = run_cli(["gptlab.train", "-m", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=5",
-                 "train.eval_steps=1", "train.batch_size=4", "tracking.mlflow=false",
-                 "optimizer.lr=1e-3,3e-3"], cwd=tmp_path)
+    r = run_cli(
+        [
+            "gptlab.train",
+            "-m",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=5",
+            "train.eval_steps=1",
+            "train.batch_size=4",
+            "tracking.mlflow=false",
+            "optimizer.lr=1e-3,3e-3",
+        ],
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
     lrs = sorted(json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1"))

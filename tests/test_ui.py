@@ -4,7 +4,8 @@ page it serves, are tested in tests/test_browser.py)."""
 import pytest
 
 from gptlab.errors import GptlabError
-from gptlab.ui import compose_tracking, find_experiment, main as ui_main, store_uri
+from gptlab.ui import compose_tracking, find_experiment, store_uri
+from gptlab.ui import main as ui_main
 
 
 def test_no_store_yet_is_one_clear_error(tmp_path, monkeypatch):

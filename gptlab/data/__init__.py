@@ -11,11 +11,16 @@ from typing import Any
 from gptlab.data.config import DataConfig, TokenizerConfig
 
 _WHERE = {
-    "PreparedData": "prepare", "prepare_data": "prepare",
-    "RandomWindowLoader": "loader", "SequentialLoader": "loader", "build_train_loader": "loader",
+    "PreparedData": "prepare",
+    "prepare_data": "prepare",
+    "RandomWindowLoader": "loader",
+    "SequentialLoader": "loader",
+    "build_train_loader": "loader",
     "eval_batches": "loader",
     "TokenShards": "shards",
-    "CharTokenizer": "tokenizers", "TiktokenTokenizer": "tokenizers", "Tokenizer": "tokenizers",
+    "CharTokenizer": "tokenizers",
+    "TiktokenTokenizer": "tokenizers",
+    "Tokenizer": "tokenizers",
     "load_tokenizer": "tokenizers",
 }
 

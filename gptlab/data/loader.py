@@ -43,8 +43,18 @@ class _StepLoader:
 
     kind = ""
 
-    def __init__(self, tokens, block_size: int, batch_size: int, micro_batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, pin_memory: bool = False, prefetch: Optional[bool] = None):
+    def __init__(
+        self,
+        tokens,
+        block_size: int,
+        batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        pin_memory: bool = False,
+        prefetch: Optional[bool] = None,
+    ):
         if batch_size % (micro_batch_size * world_size):
             raise ValueError("batch_size must be a multiple of micro_batch_size * world_size")
         self.tokens = tokens
@@ -57,8 +67,11 @@ class _StepLoader:
         self.accum_steps = batch_size // (micro_batch_size * world_size)
         self.pin_memory = pin_memory
         # Preparing the next step on a thread overlaps memory-map reads with the model's step.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="gptlab-loader") if (
-            pin_memory if prefetch is None else prefetch) else None
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="gptlab-loader")
+            if (pin_memory if prefetch is None else prefetch)
+            else None
+        )
         self._ahead: Optional[Tuple[Any, Future]] = None
 
     # subclasses: the position as a hashable value, the step's batches at a position, the next position
@@ -127,15 +140,25 @@ class SequentialLoader(_StepLoader):
 
     kind = "sequential"
 
-    def __init__(self, tokens, block_size: int, batch_size: int, micro_batch_size: int,
-                 rank: int = 0, world_size: int = 1, seed: int = 0, pin_memory: bool = False,
-                 prefetch: Optional[bool] = None):
-        super().__init__(tokens, block_size, batch_size, micro_batch_size, rank, world_size, seed,
-                         pin_memory, prefetch)
+    def __init__(
+        self,
+        tokens,
+        block_size: int,
+        batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        pin_memory: bool = False,
+        prefetch: Optional[bool] = None,
+    ):
+        super().__init__(tokens, block_size, batch_size, micro_batch_size, rank, world_size, seed, pin_memory, prefetch)
         self.span = batch_size * block_size  # tokens a step consumes
         if self.span + 1 > len(tokens):
-            raise GptlabError(f"train.batch_size x model.block_size = {self.span:,} tokens per step is more than "
-                              f"the {len(tokens):,} training tokens; lower them or use more data")
+            raise GptlabError(
+                f"train.batch_size x model.block_size = {self.span:,} tokens per step is more than "
+                f"the {len(tokens):,} training tokens; lower them or use more data"
+            )
         self.epoch = 0
         self.position = 0  # global tokens into the current epoch's stream
         self._streams: Dict[int, Any] = {}
@@ -192,12 +215,15 @@ class SequentialLoader(_StepLoader):
 def _check_kind(state: Dict[str, Any], kind: str) -> None:
     got = state.get("kind", "random_windows")
     if got != kind:
-        raise GptlabError(f"data.sampling: the checkpoint's loader position is {got!r} but this run samples "
-                          f"{kind!r}; resume with the same data.sampling or start with train.resume=never")
+        raise GptlabError(
+            f"data.sampling: the checkpoint's loader position is {got!r} but this run samples "
+            f"{kind!r}; resume with the same data.sampling or start with train.resume=never"
+        )
 
 
-def eval_batches(tokens, block_size: int, batch_size: int, n_batches: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> List[Batch]:
+def eval_batches(
+    tokens, block_size: int, batch_size: int, n_batches: int, seed: int, rank: int = 0, world_size: int = 1
+) -> List[Batch]:
     """A fixed set of validation batches (the same at every evaluation), split across ranks."""
     out = []
     for i in range(rank, n_batches, world_size):
@@ -206,9 +232,17 @@ def eval_batches(tokens, block_size: int, batch_size: int, n_batches: int, seed:
     return out
 
 
-def build_train_loader(tokens, block_size: int, batch_size: int, micro_batch_size: int,
-                       rank: int, world_size: int, seed: int, sampling: str = "random",
-                       pin_memory: bool = False) -> _StepLoader:
+def build_train_loader(
+    tokens,
+    block_size: int,
+    batch_size: int,
+    micro_batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    sampling: str = "random",
+    pin_memory: bool = False,
+) -> _StepLoader:
     """The training loader for a prepared split: random windows or sequential epochs (data.sampling)."""
     if sampling == "random":
         cls = RandomWindowLoader

@@ -34,11 +34,17 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 
 from gptlab.data.config import DataConfig
-from gptlab.data.shards import (FORMAT_VERSION, ShardWriter, TokenShards, _write_json, open_shards, shard_plan,
-                                token_dtype)
+from gptlab.data.shards import (
+    FORMAT_VERSION,
+    ShardWriter,
+    TokenShards,
+    _write_json,
+    open_shards,
+    shard_plan,
+    token_dtype,
+)
 from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
-from gptlab.data.tokenizers import (CharTokenizer, Tokenizer, bpe_from_ranks, gpt2_tokenizer,
-                                    load_tokenizer, train_bpe)
+from gptlab.data.tokenizers import CharTokenizer, Tokenizer, bpe_from_ranks, gpt2_tokenizer, load_tokenizer, train_bpe
 from gptlab.errors import GptlabError
 
 SOURCES = ("shakespeare", "text_files", "hf")
@@ -105,10 +111,17 @@ def dataset_key(cfg: DataConfig, source: Source) -> Tuple[str, Dict[str, Any]]:
     elif cfg.tokenizer.path:
         tok = {"kind": "bpe", "ranks_sha256": _read_ranks_file(cfg.tokenizer.path)[1]}
     settings = {
-        "format_version": FORMAT_VERSION, "source": source.fingerprint, "tokenizer": tok,
-        "cleaner": cfg.cleaner, "dedup": cfg.dedup, "max_documents": cfg.max_documents,
-        "split": cfg.split, "val_fraction": cfg.val_fraction, "separator": cfg.separator,
-        "shard_divisor": cfg.shard_divisor, "shard_tokens": cfg.shard_tokens,
+        "format_version": FORMAT_VERSION,
+        "source": source.fingerprint,
+        "tokenizer": tok,
+        "cleaner": cfg.cleaner,
+        "dedup": cfg.dedup,
+        "max_documents": cfg.max_documents,
+        "split": cfg.split,
+        "val_fraction": cfg.val_fraction,
+        "separator": cfg.separator,
+        "shard_divisor": cfg.shard_divisor,
+        "shard_tokens": cfg.shard_tokens,
     }
     if cfg.split == "documents":
         settings.update(seed=cfg.seed, shuffle=cfg.shuffle)
@@ -129,10 +142,10 @@ def _read_ranks_file(path: str) -> Tuple[str, str]:
 _W: Dict[str, Any] = {}
 
 
-def _worker_init(tok_meta: Dict[str, Any], cleaner: str, dedup: bool, sep: Optional[Tuple[str, int]],
-                 dtype: str) -> None:
-    _W.update(tok=load_tokenizer(tok_meta), clean=CLEANERS[cleaner], dedup=dedup, sep=sep,
-              dtype=np.dtype(dtype))
+def _worker_init(
+    tok_meta: Dict[str, Any], cleaner: str, dedup: bool, sep: Optional[Tuple[str, int]], dtype: str
+) -> None:
+    _W.update(tok=load_tokenizer(tok_meta), clean=CLEANERS[cleaner], dedup=dedup, sep=sep, dtype=np.dtype(dtype))
 
 
 def _encode_batch(docs: List[str]) -> Tuple[np.ndarray, np.ndarray, List[int], int]:
@@ -206,8 +219,15 @@ class _Progress:
 
             by_bytes = total_bytes is not None or total_docs is None
             self.by_bytes = by_bytes
-            self.bar = tqdm(total=total_bytes if by_bytes else total_docs, unit="B" if by_bytes else "doc",
-                            unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+            self.bar = tqdm(
+                total=total_bytes if by_bytes else total_docs,
+                unit="B" if by_bytes else "doc",
+                unit_scale=True,
+                desc=desc,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
 
     def update(self, docs: int, nbytes: int) -> None:
         self.docs += docs
@@ -215,8 +235,7 @@ class _Progress:
         if self.bar is not None:
             dt = max(time.perf_counter() - self.t0, 1e-9)
             self.bar.update(nbytes if self.by_bytes else docs)
-            self.bar.set_postfix_str(f"{self.docs / dt:,.0f} docs/s {self.bytes / dt / 1e6:,.1f} MB/s",
-                                     refresh=False)
+            self.bar.set_postfix_str(f"{self.docs / dt:,.0f} docs/s {self.bytes / dt / 1e6:,.1f} MB/s", refresh=False)
 
     def close(self) -> float:
         if self.bar is not None:
@@ -260,8 +279,10 @@ def _build_tokenizer(cfg: DataConfig, source: Source, log: Callable[[str], None]
     else:
         t0 = time.perf_counter()
         ranks = train_bpe(_training_texts(cfg, source), cfg.tokenizer.vocab_size)
-        log(f"trained a byte-level BPE of {len(ranks.splitlines()):,} merges + 3 special tokens "
-            f"in {time.perf_counter() - t0:.1f}s")
+        log(
+            f"trained a byte-level BPE of {len(ranks.splitlines()):,} merges + 3 special tokens "
+            f"in {time.perf_counter() - t0:.1f}s"
+        )
     return bpe_from_ranks(ranks), ranks
 
 
@@ -287,13 +308,17 @@ def _sweep_stale(root: Path) -> None:
 def _open_prepared(root: Path) -> PreparedData:
     meta = json.loads((root / "meta.json").read_text())
     if meta.get("format_version") != FORMAT_VERSION:
-        raise GptlabError(f"{root}: made by token-file format {meta.get('format_version')}, "
-                          f"this gptlab reads {FORMAT_VERSION}; delete the folder to rebuild it")
+        raise GptlabError(
+            f"{root}: made by token-file format {meta.get('format_version')}, "
+            f"this gptlab reads {FORMAT_VERSION}; delete the folder to rebuild it"
+        )
     if meta["tokenizer"]["kind"] == "bpe":
         got = hashlib.sha256((root / TOKENIZER_FILE).read_bytes()).hexdigest()
         if got != meta["tokenizer_sha256"]:
-            raise GptlabError(f"{root / TOKENIZER_FILE}: SHA-256 {got[:12]} differs from the shards' "
-                              f"{meta['tokenizer_sha256'][:12]}; delete {root} to prepare it again")
+            raise GptlabError(
+                f"{root / TOKENIZER_FILE}: SHA-256 {got[:12]} differs from the shards' "
+                f"{meta['tokenizer_sha256'][:12]}; delete {root} to prepare it again"
+            )
     return PreparedData(root, meta)
 
 
@@ -321,14 +346,17 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
     except OSError:  # another process finished first: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
         return _open_prepared(root)
-    log(f"prepared {cfg.name}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
+    log(
+        f"prepared {cfg.name}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
         f"{meta['train_shards']}+{meta['val_shards']} shards, vocab {meta['vocab_size']:,} "
-        f"({meta['dtype']}), {meta['prepare_mb_per_s']:.1f} MB/s -> {root}")
+        f"({meta['dtype']}), {meta['prepare_mb_per_s']:.1f} MB/s -> {root}"
+    )
     return PreparedData(root, meta)
 
 
-def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path,
-                  log: Callable[[str], None]) -> Dict[str, Any]:
+def _prepare_into(
+    cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path, log: Callable[[str], None]
+) -> Dict[str, Any]:
     tok, ranks = _build_tokenizer(cfg, source, log)
     if ranks is not None:
         (tmp / TOKENIZER_FILE).write_text(ranks)
@@ -338,8 +366,9 @@ def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp
 
     # Pass 1: encode every document, in order, into a flat file per split.
     splits = ("train", "val") if cfg.split == "documents" else ("all",)
-    flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}
-    tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}
+    # open for the whole pass and closed in its `finally:` below
+    flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}  # noqa: SIM115
+    tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}  # noqa: SIM115
     written = {s: 0 for s in splits}
     seen: set = set()
     index, dropped_dups, empty = 0, 0, 0
@@ -362,8 +391,11 @@ def _prepare_into(cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp
                         dropped_dups += 1
                         continue
                     seen.add(hashes[j])
-                s = splits[0] if len(splits) == 1 else ("val" if is_val_document(cfg.seed, i, cfg.val_fraction)
-                                                         else "train")
+                s = (
+                    splits[0]
+                    if len(splits) == 1
+                    else ("val" if is_val_document(cfg.seed, i, cfg.val_fraction) else "train")
+                )
                 flat[s].write(piece.tobytes())
                 tables[s].write(np.array([written[s], n], dtype=np.int64).tobytes())
                 written[s] += n
@@ -443,16 +475,20 @@ def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int
         yield np.concatenate(parts)
 
 
-def _write_split(folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int,
-                 pieces: Iterator[np.ndarray]) -> Tuple[int, int, int]:
+def _write_split(
+    folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int, pieces: Iterator[np.ndarray]
+) -> Tuple[int, int, int]:
     n, per = shard_plan(n_tokens, cfg.shard_divisor, cfg.shard_tokens)
     if n_tokens == 0:
-        raise GptlabError(f"data.val_fraction={cfg.val_fraction}: the {folder.name} split got no documents; "
-                          f"use more documents or change data.val_fraction")
+        raise GptlabError(
+            f"data.val_fraction={cfg.val_fraction}: the {folder.name} split got no documents; "
+            f"use more documents or change data.val_fraction"
+        )
     if per == 0:
         raise GptlabError(
             f"data.shard_divisor={cfg.shard_divisor}: the {folder.name} split has only {n_tokens} tokens, too few "
-            f"for {n} shards; use more text, a larger data.val_fraction or a smaller data.shard_divisor")
+            f"for {n} shards; use more text, a larger data.val_fraction or a smaller data.shard_divisor"
+        )
     w = ShardWriter(folder, n, per, dtype, {**header, "split": folder.name})
     for p in pieces:
         w.write(p)

@@ -49,7 +49,8 @@ class ShardWriter:
         self.dropped = 0
 
     def _open(self) -> None:
-        self.f = open(self.folder / f"{shard_name(self.index)}.bin.partial", "wb")
+        # open until the shard is full (or the writer closes): one handle per shard
+        self.f = open(self.folder / f"{shard_name(self.index)}.bin.partial", "wb")  # noqa: SIM115
         self.h = hashlib.sha256()
         self.filled = 0
 
@@ -59,8 +60,13 @@ class ShardWriter:
         os.fsync(self.f.fileno())
         self.f.close()
         name = shard_name(self.index)
-        side = {**self.header, "index": self.index, "tokens": self.per, "dtype": self.dtype.name,
-                "sha256": self.h.hexdigest()}
+        side = {
+            **self.header,
+            "index": self.index,
+            "tokens": self.per,
+            "dtype": self.dtype.name,
+            "sha256": self.h.hexdigest(),
+        }
         _write_json(self.folder / f"{name}.json", side)
         os.replace(self.folder / f"{name}.bin.partial", self.folder / f"{name}.bin")
         self.f, self.h = None, None
@@ -126,7 +132,7 @@ class TokenShards:
         if s == e:
             o = self.offsets[s]
             return self.shards[s][start - o : stop - o]
-        parts = [self.shards[s][start - self.offsets[s]:]]
+        parts = [self.shards[s][start - self.offsets[s] :]]
         parts += [self.shards[k][:] for k in range(s + 1, e)]
         parts.append(self.shards[e][: stop - self.offsets[e]])
         return np.concatenate(parts)
@@ -148,12 +154,14 @@ def open_shards(folder: Path, expect: Dict[str, Any]) -> List[np.ndarray]:
             if meta.get(key) != expect[key]:
                 raise GptlabError(
                     f"{side}: {key} is {meta.get(key)!r} but the dataset expects {expect[key]!r} (made by a "
-                    f"different tokenizer or gptlab version); delete {folder.parent} to prepare it again")
+                    f"different tokenizer or gptlab version); delete {folder.parent} to prepare it again"
+                )
         path = side.with_suffix(".bin")
         dtype = np.dtype(meta["dtype"])
         if not path.is_file() or path.stat().st_size != meta["tokens"] * dtype.itemsize:
-            raise GptlabError(f"{path}: missing or not {meta['tokens']} tokens long; delete {folder.parent} "
-                              f"to prepare it again")
+            raise GptlabError(
+                f"{path}: missing or not {meta['tokens']} tokens long; delete {folder.parent} to prepare it again"
+            )
         out.append(np.memmap(path, dtype=dtype, mode="r"))
     return out
 

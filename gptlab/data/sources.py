@@ -59,8 +59,7 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "reason", e)
         raise GptlabError(
-            f"could not download {url} ({reason}); offline? pass a local copy with "
-            f"data.path=/path/to/{dest.name}"
+            f"could not download {url} ({reason}); offline? pass a local copy with data.path=/path/to/{dest.name}"
         ) from None
     if sha256 is not None and (got := sha256_file(tmp)) != sha256:
         tmp.unlink(missing_ok=True)
@@ -69,9 +68,7 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
     return dest
 
 
-def fetch_text_file(
-    path: Optional[str], url: str, sha256: Optional[str], cache: Path, filename: str
-) -> Path:
+def fetch_text_file(path: Optional[str], url: str, sha256: Optional[str], cache: Path, filename: str) -> Path:
     """The local file to read: data.path when given, else the cached download of url."""
     if path:
         return local_text_file(path)
@@ -149,8 +146,9 @@ def _parquet_docs(files: List[Path], column: str) -> Iterator[str]:
     for f in files:
         pf = pq.ParquetFile(f)
         if column not in pf.schema_arrow.names:
-            raise GptlabError(f"data.text_column={column}: {f} has no such column "
-                              f"(columns: {', '.join(pf.schema_arrow.names)})")
+            raise GptlabError(
+                f"data.text_column={column}: {f} has no such column (columns: {', '.join(pf.schema_arrow.names)})"
+            )
         # Row-group batches keep memory bounded whatever the file size.
         for batch in pf.iter_batches(batch_size=1024, columns=[column]):
             yield from (t for t in batch.column(0).to_pylist() if t is not None)
@@ -173,8 +171,10 @@ def _saved_docs(path: Path, split: str, column: str) -> Iterator[str]:
 def _hub_docs(cfg) -> Iterator[str]:
     # Checked here, when documents are first needed, so that shards prepared earlier open offline.
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
-        raise GptlabError(f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
-                          f"pass a local copy (parquet files or a save_to_disk folder) with data.path=")
+        raise GptlabError(
+            f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
+            f"pass a local copy (parquet files or a save_to_disk folder) with data.path="
+        )
     import datasets
 
     try:
@@ -182,16 +182,17 @@ def _hub_docs(cfg) -> Iterator[str]:
         for row in ds:
             text = row.get(cfg.text_column)
             if text is None and cfg.text_column not in row:
-                raise GptlabError(f"data.text_column={cfg.text_column}: {cfg.hf_dataset} rows have "
-                                  f"{', '.join(row)}")
+                raise GptlabError(f"data.text_column={cfg.text_column}: {cfg.hf_dataset} rows have {', '.join(row)}")
             if text is not None:
                 yield text
     except GptlabError:
         raise
-    except Exception as e:  # the Hub is unreachable, the name is wrong, or the stream broke
-        raise GptlabError(f"data.hf_dataset={cfg.hf_dataset}: could not stream it from the Hugging Face Hub "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? pass a local copy "
-                          f"(parquet files or a save_to_disk folder) with data.path=") from None
+    except Exception as e:  # noqa: BLE001 - the Hub is unreachable, the name is wrong, or the stream broke
+        raise GptlabError(
+            f"data.hf_dataset={cfg.hf_dataset}: could not stream it from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? pass a local copy "
+            f"(parquet files or a save_to_disk folder) with data.path="
+        ) from None
 
 
 def hf_source(cfg) -> Source:
@@ -200,27 +201,48 @@ def hf_source(cfg) -> Source:
         if _is_saved_dataset(p):
             p = p.resolve()
             files = sorted(q for q in p.rglob("*") if q.is_file())
-            return Source({"kind": "hf_saved", "split": cfg.hf_split, "column": cfg.text_column,
-                           "stat_sha256": _stat_fingerprint(files)},
-                          lambda: _saved_docs(p, cfg.hf_split, cfg.text_column))
+            return Source(
+                {
+                    "kind": "hf_saved",
+                    "split": cfg.hf_split,
+                    "column": cfg.text_column,
+                    "stat_sha256": _stat_fingerprint(files),
+                },
+                lambda: _saved_docs(p, cfg.hf_split, cfg.text_column),
+            )
         files = _expand(cfg.path, "*.parquet")
         import pyarrow.parquet as pq
 
         rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
-        return Source({"kind": "hf_parquet", "column": cfg.text_column, **_fingerprint_files(files)},
-                      lambda: _parquet_docs(files, cfg.text_column), total_docs=rows)
+        return Source(
+            {"kind": "hf_parquet", "column": cfg.text_column, **_fingerprint_files(files)},
+            lambda: _parquet_docs(files, cfg.text_column),
+            total_docs=rows,
+        )
     if not cfg.hf_dataset:
         raise GptlabError("data.hf_dataset: source=hf needs a Hub dataset id or a local copy in data.path")
-    return Source({"kind": "hf_hub", "dataset": cfg.hf_dataset, "config": cfg.hf_config,
-                   "split": cfg.hf_split, "column": cfg.text_column}, lambda: _hub_docs(cfg))
+    return Source(
+        {
+            "kind": "hf_hub",
+            "dataset": cfg.hf_dataset,
+            "config": cfg.hf_config,
+            "split": cfg.hf_split,
+            "column": cfg.text_column,
+        },
+        lambda: _hub_docs(cfg),
+    )
 
 
 def open_source(cfg, cache: Path) -> Source:
     """The document stream for a DataConfig."""
     if cfg.source == "shakespeare":
         f = fetch_text_file(cfg.path, cfg.url, cfg.sha256, cache, "tinyshakespeare.txt")
-        return Source({"kind": "file", "file_sha256": sha256_file(f)}, lambda: iter([_read_text(f)]),
-                      total_bytes=f.stat().st_size, total_docs=1)
+        return Source(
+            {"kind": "file", "file_sha256": sha256_file(f)},
+            lambda: iter([_read_text(f)]),
+            total_bytes=f.stat().st_size,
+            total_docs=1,
+        )
     if cfg.source == "text_files":
         return text_files_source(cfg.path)
     if cfg.source == "hf":
@@ -268,7 +290,7 @@ def clean_gutenberg(text: str) -> str:
     text = text.replace("\r\n", "\n").replace("\r", "\n").lstrip("\ufeff")
     start = _PG_START.search(text)
     if start:
-        text = text[start.end():]
+        text = text[start.end() :]
     end = _PG_END.search(text)
     if end:
         text = text[: end.start()]

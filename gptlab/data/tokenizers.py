@@ -113,8 +113,7 @@ class CharTokenizer:
 class TiktokenTokenizer:
     """A byte-level BPE (trained here, or GPT-2's) encoded and decoded by ``tiktoken``."""
 
-    def __init__(self, kind: str, ranks_text: str, specials: Dict[str, int], pat_str: str,
-                 eos: str, bos: str):
+    def __init__(self, kind: str, ranks_text: str, specials: Dict[str, int], pat_str: str, eos: str, bos: str):
         import tiktoken
 
         self.kind = kind
@@ -122,8 +121,9 @@ class TiktokenTokenizer:
         ranks = parse_ranks(ranks_text)
         self.specials = dict(specials)
         self.pat_str = pat_str
-        self.enc = tiktoken.Encoding(name=f"gptlab-{kind}", pat_str=pat_str, mergeable_ranks=ranks,
-                                     special_tokens=self.specials)
+        self.enc = tiktoken.Encoding(
+            name=f"gptlab-{kind}", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=self.specials
+        )
         self.vocab_size = self.enc.n_vocab
         self.eos_id = self.specials[eos]
         self.bos_id = self.specials[bos]
@@ -146,8 +146,13 @@ class TiktokenTokenizer:
     def to_meta(self) -> Dict[str, Any]:
         if self.kind == "gpt2":  # a public, fixed encoding: the name and hash suffice
             return {"kind": "gpt2", "sha256": self._sha}
-        return {"kind": self.kind, "sha256": self._sha, "ranks": self.ranks_text,
-                "specials": self.specials, "pat_str": self.pat_str}
+        return {
+            "kind": self.kind,
+            "sha256": self._sha,
+            "ranks": self.ranks_text,
+            "specials": self.specials,
+            "pat_str": self.pat_str,
+        }
 
 
 def parse_ranks(text: str) -> Dict[bytes, int]:
@@ -194,12 +199,19 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> str:
 
     n_merge_vocab = vocab_size - len(SPECIAL_TOKENS)
     if n_merge_vocab < 256:
-        raise GptlabError(f"data.tokenizer.vocab_size={vocab_size}: a byte-level BPE needs at least "
-                          f"{256 + len(SPECIAL_TOKENS)} ids (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        raise GptlabError(
+            f"data.tokenizer.vocab_size={vocab_size}: a byte-level BPE needs at least "
+            f"{256 + len(SPECIAL_TOKENS)} ids (256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    trainer = trainers.BpeTrainer(vocab_size=n_merge_vocab, min_frequency=2, special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=n_merge_vocab,
+        min_frequency=2,
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     vocab = tok.get_vocab()  # token string (in the byte alphabet) -> id
@@ -224,23 +236,25 @@ def gpt2_tokenizer() -> TiktokenTokenizer:
     path = gpt2_cache_path()
     data = path.read_bytes() if path.is_file() else None
     if data is not None and hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
-        raise GptlabError(f"{path} is not GPT-2's ranks file (SHA-256 mismatch); delete it and pre-fill "
-                          f"TIKTOKEN_CACHE_DIR again")
+        raise GptlabError(
+            f"{path} is not GPT-2's ranks file (SHA-256 mismatch); delete it and pre-fill TIKTOKEN_CACHE_DIR again"
+        )
     if data is None:
         try:
             import tiktoken.load
 
             data = tiktoken.load.read_file_cached(GPT2_RANKS_URL, GPT2_RANKS_SHA256)
-        except Exception as e:  # offline: requests' connection error, or a proxy's
+        except Exception as e:  # noqa: BLE001 - offline: requests' connection error, or a proxy's
             raise GptlabError(
                 f"data.tokenizer.kind=gpt2: tiktoken's GPT-2 file is not in TIKTOKEN_CACHE_DIR="
                 f"{_tiktoken_cache_dir()} and could not be downloaded ({type(e).__name__}); on a machine "
-                f"with internet run `TIKTOKEN_CACHE_DIR=DIR python -c \"import tiktoken; "
+                f'with internet run `TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
                 f"tiktoken.get_encoding('r50k_base')\"`, copy DIR here and set TIKTOKEN_CACHE_DIR=DIR"
             ) from None
     ranks_text = data.decode()
-    return TiktokenTokenizer("gpt2", ranks_text, {"<|endoftext|>": GPT2_EOT}, R50K_PAT,
-                             eos="<|endoftext|>", bos="<|endoftext|>")
+    return TiktokenTokenizer(
+        "gpt2", ranks_text, {"<|endoftext|>": GPT2_EOT}, R50K_PAT, eos="<|endoftext|>", bos="<|endoftext|>"
+    )
 
 
 def load_tokenizer(meta: Dict[str, Any]) -> Tokenizer:
@@ -249,8 +263,7 @@ def load_tokenizer(meta: Dict[str, Any]) -> Tokenizer:
     if kind == "char":
         return CharTokenizer(meta["chars"], meta.get("specials", ()))
     if kind == "bpe":
-        return TiktokenTokenizer("bpe", meta["ranks"], meta["specials"], meta["pat_str"],
-                                 eos="<|eos|>", bos="<|bos|>")
+        return TiktokenTokenizer("bpe", meta["ranks"], meta["specials"], meta["pat_str"], eos="<|eos|>", bos="<|bos|>")
     if kind == "gpt2":
         return gpt2_tokenizer()
     raise GptlabError(f"unknown tokenizer kind {kind!r} in dataset metadata")

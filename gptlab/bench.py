@@ -98,7 +98,6 @@ def summarise(
     step_ms = [1e3 * sec for _, sec, _ in timed]
     fpt, hfpt, peak = run.flops_per_token, run.derived["hardware_flops_per_token"], run.peak_flops
     hw, m = cfg.hardware, cfg.model
-    compiled = cfg.parallelism.compile if cfg.parallelism.compile is not None else hw.compile
     return {
         "tokens_per_s": round(tok_s, 1),
         "step_ms": round(statistics.median(step_ms), 2) if step_ms else None,
@@ -126,7 +125,7 @@ def summarise(
         "device": str(run.dist.device),
         "world_size": run.dist.world_size,
         "precision": hw.precision,
-        "compile": bool(compiled),
+        "compile": cfg.compile,
         "activation_checkpointing": cfg.parallelism.activation_checkpointing,
         "attention_backend": hw.attention_backend,
         "threads": torch.get_num_threads(),
@@ -150,10 +149,10 @@ def _configured_peak(hw) -> bool:
 
 def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str, Any]:
     """Build, time, and print one JSON line (rank 0). Also used by tests through compose."""
-    from gptlab.plan import DEFAULT_MFU, make_plan, plan_json, step_estimate
+    from gptlab.plan import DEFAULT_MFU, make_plan, plan_json, resolve_micro_batch, step_estimate
 
     cfg = bench_config(cfg, flags)
-    config = to_config(cfg)
+    config = resolve_micro_batch(to_config(cfg))
     if distributed.role(config.hardware) == "parent":
         n = config.hardware.nproc_per_node
         raise GptlabError(

@@ -31,7 +31,8 @@ from gptlab.metrics import (
 )
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
-from gptlab.tracking import NullTracker, Tracker, flatten
+from gptlab.plan import resolve_micro_batch
+from gptlab.tracking import NullTracker, Tracker, flatten, last_logged_step
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,6 +72,15 @@ class Run:
     derived: Dict[str, Any] = field(default_factory=dict)
     timings: List[Any] = field(default_factory=list)  # (step, seconds, tokens) per logged window
 
+    def stateful(self) -> Dict[str, Any]:
+        """The live objects a checkpoint saves, by checkpoint.STATEFUL name."""
+        return {
+            "model": self.raw_model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "loader": self.train_loader,
+        }
+
     def close(self, status: str) -> None:
         """Finish the records (FINISHED / FAILED) and leave the process group."""
         self.tracker.finish(status)
@@ -81,47 +91,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def load_resume_state(resume: str, checkpoint_dir: Path, warn) -> Optional[Dict[str, Any]]:
-    """The checkpoint state to continue from: train.resume=auto|never|<path>.
-
-    auto takes the newest checkpoint in the run folder that loads, naming and skipping broken ones.
-    """
-    if resume == "never":
-        return None
-    if resume == "auto":
-        found = checkpoint.load_latest_good(checkpoint_dir, warn=warn)
-        if found is None:
-            return None
-        path, state = found
-    else:
-        path = Path(resume).expanduser()
-        state = checkpoint.load(path)
-    warn(f"resuming from {path} (step {state['step']})")
-    return state
-
-
-def last_logged_step(metrics_file: Path) -> int:
-    """The last step recorded in a run folder's metrics.jsonl (0 when there is none)."""
-    if not metrics_file.is_file():
-        return 0
-    last = 0
-    for line in metrics_file.read_text().splitlines():
-        try:
-            last = max(last, int(json.loads(line)["step"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a crash
-    return last
-
-
-def restore_rng(state: Dict[str, Any]) -> None:
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def autocast_factory(
@@ -158,6 +127,7 @@ def build(
     log: Callable[[str], None] = print,
 ) -> Run:
     """Build every object of a training run from a validated Config."""
+    cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     say = log if d.is_main else (lambda *_: None)
     # Every rank uses rank 0's run folder (under torchrun each rank's Hydra picked its own timestamp).
@@ -184,8 +154,9 @@ def build(
     seed_everything(cfg.train.seed)
     raw_model = GPT(mcfg).to(d.device)
     seed_everything(cfg.train.seed + d.rank)
-    compile_model = cfg.parallelism.compile if cfg.parallelism.compile is not None else cfg.hardware.compile
-    model = distributed.wrap_model(raw_model, d, cfg.parallelism.activation_checkpointing, compile_model)
+    model = distributed.wrap_model(
+        raw_model, d, cfg.parallelism.strategy, cfg.parallelism.activation_checkpointing, cfg.compile
+    )
 
     world = d.world_size
     mb = cfg.micro_batch_size
@@ -244,16 +215,12 @@ def build(
     checkpoint_dir = run_dir / "checkpoints"
     start = {"step": 0, "tokens": 0, "best_val": math.inf}
     mlflow_run_id = None
-    state = load_resume_state(cfg.train.resume, checkpoint_dir, say)
+    state = checkpoint.find_resume(cfg.train.resume, checkpoint_dir, say)
     state_loaded = state is not None
     if state is not None:
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
-        loader.load_state_dict(state["loader"])
-        restore_rng(state["rng"])
-        start = {"step": state["step"], "tokens": state["tokens"], "best_val": state["best_val_loss"]}
-        mlflow_run_id = state.get("mlflow_run_id")
+        state.restore({"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": loader})
+        start = {"step": state.step, "tokens": state.tokens, "best_val": state.best_val_loss}
+        mlflow_run_id = state.mlflow_run_id
         del state
 
     model_name = f"{cfg.model.name}-{cfg.data.name}"
@@ -317,7 +284,7 @@ def build(
         start_tokens=start["tokens"],
         start_best_val=start["best_val"],
         derived=derived,
-        logged_until_step=last_logged_step(run_dir / "metrics.jsonl") if state_loaded else 0,
+        logged_until_step=last_logged_step(run_dir) if state_loaded else 0,
     )
 
 

@@ -1,13 +1,22 @@
-"""Checkpoints: atomic save, safe load, and finding the newest one. Knows no model class."""
+"""Checkpoints: what one holds (``TrainingState``), atomic save, safe load, and which one to resume.
+
+The one module that knows a checkpoint's keys. The loop captures a ``TrainingState`` from the live
+objects and saves it; build restores one into freshly built objects; sample and export read the
+model part of one (``read_model``). Adding a field to what a run saves is a change here only.
+Knows no model class: it sees objects with ``state_dict()`` / ``load_state_dict()``.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
@@ -107,3 +116,137 @@ def prune(folder: Path, keep: int) -> None:
     for stale in Path(folder).glob(".ckpt_*.pt.tmp*"):  # left by a process killed mid-save
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------------------ the training state
+
+# the live objects whose state_dict() a checkpoint holds, by name (build.Run.stateful() gives them)
+STATEFUL = ("model", "optimizer", "scaler", "loader")
+
+
+@dataclass
+class TrainingState:
+    """Everything a run needs to continue exactly, and to rebuild its model without the config tree."""
+
+    step: int
+    tokens: int  # tokens trained on so far (the loader's position is in `loader`)
+    best_val_loss: float
+    model: Dict[str, Any]  # the unwrapped model's state_dict
+    optimizer: Dict[str, Any]
+    scaler: Dict[str, Any]  # the fp16 GradScaler (a disabled scaler's state on other precisions)
+    loader: Dict[str, Any]
+    rng: Dict[str, Any]  # rng_state(): python, numpy, torch (and cuda) generators, as plain types
+    config: Dict[str, Any]  # the resolved run config
+    model_config: Dict[str, Any]  # GPTConfig's fields with the real vocabulary
+    tokenizer: Dict[str, Any]  # the tokenizer's to_meta()
+    mlflow_run_id: Optional[str]  # a resumed run goes on in the same MLflow run
+
+    @classmethod
+    def capture(cls, objects: Dict[str, Any], **fields_: Any) -> "TrainingState":
+        """The state now: objects maps each STATEFUL name to its live object; fields_ the rest."""
+        return cls(**{k: objects[k].state_dict() for k in STATEFUL}, rng=rng_state(), **fields_)
+
+    def restore(self, objects: Dict[str, Any]) -> None:
+        """Load every object's state and the random generators (the run continues exactly)."""
+        for name in STATEFUL:
+            objects[name].load_state_dict(getattr(self, name))
+        restore_rng(self.rng)
+
+    def save(self, path: Path) -> Path:
+        return save(path, {f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainingState":
+        return cls.from_dict(path, load(path))
+
+    @classmethod
+    def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise GptlabError(f"checkpoint {path} is not a gptlab training checkpoint (no {', '.join(missing)})")
+        return cls(**{n: state[n] for n in names})
+
+
+@dataclass
+class SavedModel:
+    """The read-only part of a checkpoint that sample and export use."""
+
+    path: Path
+    step: int
+    model_config: Dict[str, Any]
+    weights: Dict[str, Any]
+    tokenizer: Dict[str, Any]
+
+
+def read_model(path: Path) -> SavedModel:
+    """The model part of a checkpoint (its weights, shape and tokenizer), loaded without code execution."""
+    state = TrainingState.load(path)
+    return SavedModel(Path(path), state.step, state.model_config, state.model, state.tokenizer)
+
+
+def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int) -> Path:
+    """Save the state as the step's checkpoint, remember it as the best when val_loss is the best so
+    far, and prune to the newest `keep` checkpoints plus the best."""
+    path = state.save(checkpoint_path(folder, state.step))
+    if val_loss is not None and val_loss <= state.best_val_loss:
+        mark_best(folder, path, val_loss)
+    prune(folder, keep)
+    return path
+
+
+def find_resume(resume: str, folder: Path, log: Callable[[str], None]) -> Optional[TrainingState]:
+    """The state to continue from: train.resume=auto|never|<path>.
+
+    auto takes the newest checkpoint in the run's folder that loads, naming and skipping broken ones.
+    """
+    if resume == "never":
+        return None
+    if resume == "auto":
+        found = load_latest_good(folder, warn=log)
+        if found is None:
+            return None
+        path, raw = found
+        state = TrainingState.from_dict(path, raw)
+    else:
+        path = Path(resume).expanduser()
+        state = TrainingState.load(path)
+    log(f"resuming from {path} (step {state.step})")
+    return state
+
+
+def find(run: str, which: str = "latest") -> Path:
+    """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest (or, with
+    which=best, its best by validation loss)."""
+    path = Path(run).expanduser()
+    if path.is_file():
+        return path
+    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if which == "best" and (found := best(folder)) is not None:
+        return found
+    found = latest(folder)
+    if found is None:
+        raise GptlabError(f"run={run}: no checkpoint found (expected {folder}/ckpt_*.pt)")
+    return found
+
+
+def rng_state() -> Dict[str, Any]:
+    """RNG states as plain types (safe for weights_only loading)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -23,7 +23,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from gptlab.cli import run_entry
 from gptlab.errors import GptlabError
-from gptlab.tracking import PARENT_TAG, default_uri, error_text, note, read_metrics, read_overrides, read_sweep
+from gptlab.tracking import (
+    children,
+    default_uri,
+    error_text,
+    mlflow_client,
+    note,
+    read_metrics,
+    read_overrides,
+    read_sweep,
+    sqlite_path,
+)
 
 VAL_PNG = "compare_val_loss.png"
 
@@ -56,6 +66,17 @@ def _finite(x: Any) -> Optional[float]:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
+def _best(recorded: Any, curve: List[Tuple[float, float]]) -> Optional[float]:
+    """The recorded best val loss, else the lowest point of the val curve."""
+    best = _finite(recorded)
+    return min(v for _, v in curve) if best is None and curve else best
+
+
+def _run_wall_s(run: Any) -> Optional[float]:
+    """An MLflow run's seconds from start to end (None until it ends)."""
+    return (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time and run.info.start_time else None
+
+
 # ---- reading runs ---------------------------------------------------------------------------
 
 
@@ -73,15 +94,12 @@ def from_folder(folder: Path) -> List[RunRecord]:
         rows = read_metrics(d)
         results = json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else {}
         curve = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "tokens" in r]
-        best = _finite(results.get("best_val_loss"))
-        if best is None and curve:
-            best = min(v for _, v in curve)
         records.append(
             RunRecord(
                 name=d.name,
                 overrides=parse_overrides(read_overrides(d)),
                 status="FINISHED" if results else "INCOMPLETE",
-                best_val_loss=best,
+                best_val_loss=_best(results.get("best_val_loss"), curve),
                 tokens_per_s=_finite(results.get("tokens_per_s")),
                 mfu=_finite(results.get("mfu")),
                 wall_s=_finite(results.get("wall_s")),
@@ -99,15 +117,12 @@ def from_folder(folder: Path) -> List[RunRecord]:
 def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> None:
     """FAILED / RUNNING and the error, from the sweep's MLflow children (when the store answers)."""
     uri = sweep["uri"]
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
         return
     try:
-        client = _client(uri)
-        runs = client.search_runs(
-            [sweep["experiment_id"]],
-            max_results=10000,
-            filter_string=f"tags.`{PARENT_TAG}` = '{sweep['parent_run_id']}'",
-        )
+        client = mlflow_client(uri)
+        runs = children(client, sweep["experiment_id"], sweep["parent_run_id"])
     except Exception as e:  # noqa: BLE001 - the folders alone still make the table
         note(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
         return
@@ -116,18 +131,8 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
         run = by_dir.get(rec.run_dir)
         if run is not None:
             rec.status, rec.error, rec.run_id = run.info.status, run.data.tags.get("error"), run.info.run_id
-            if rec.wall_s is None and run.info.end_time and run.info.start_time:
-                rec.wall_s = (run.info.end_time - run.info.start_time) / 1000
-
-
-def _client(uri: str):
-    import os
-
-    from mlflow.tracking import MlflowClient
-
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
-    return MlflowClient(tracking_uri=uri)
+            if rec.wall_s is None:
+                rec.wall_s = _run_wall_s(run)
 
 
 def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
@@ -137,22 +142,17 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
         (tokens_at.get(p.step, float(p.step)), p.value)
         for p in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step)
     ]
-    best = _finite(m.get("summary/best_val_loss"))
-    if best is None and curve:
-        best = min(v for _, v in curve)
     wall = _finite(m.get("summary/wall_s"))
-    if wall is None and run.info.end_time and run.info.start_time:
-        wall = (run.info.end_time - run.info.start_time) / 1000
     name = Path(tags["run_dir"]).name if job_names and "run_dir" in tags else run.info.run_name
     overrides = tags.get("overrides")
     return RunRecord(
         name=name,
         overrides=parse_overrides(overrides.split(" ")) if overrides else {},
         status=run.info.status,
-        best_val_loss=best,
+        best_val_loss=_best(m.get("summary/best_val_loss"), curve),
         tokens_per_s=_finite(m.get("summary/tokens_per_s")),
         mfu=_finite(m.get("summary/mfu")),
-        wall_s=wall,
+        wall_s=wall if wall is not None else _run_wall_s(run),
         val_curve=curve,
         error=tags.get("error"),
         run_id=run.info.run_id,
@@ -162,12 +162,13 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
 
 def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
     """(records, a title) for a run id or an experiment name in the store at uri."""
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
         raise GptlabError(
-            f"{target}: not a folder, and there is no MLflow store at {uri[len('sqlite:///') :]} "
+            f"{target}: not a folder, and there is no MLflow store at {db} "
             "(pass tracking.uri=... or run from the folder holding outputs/)"
         )
-    client = _client(uri)
+    client = mlflow_client(uri)
     runs, title, job_names = None, target, False
     if re.fullmatch(r"[0-9a-f]{32}", target):
         try:
@@ -175,9 +176,7 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
         except Exception:  # noqa: BLE001 - not a run id: maybe an experiment named like one
             run = None
         if run is not None:
-            kids = client.search_runs(
-                [run.info.experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{target}'", max_results=10000
-            )
+            kids = children(client, run.info.experiment_id, target)
             runs, title, job_names = (kids or [run]), run.info.run_name, bool(kids)
     if runs is None:
         exp = client.get_experiment_by_name(target)

@@ -1,4 +1,11 @@
-"""The root config: the modules' own dataclasses composed into one schema, registered with Hydra.
+"""The run's schema: one typed dataclass per section, composed into ``Config`` and registered with Hydra.
+
+The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
+here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
+exactly one YAML file and a key that no file sets is a one-line error naming it;
+tests/test_config_schema.py keeps it so. The leaf modules own their sections' classes (``GPTConfig``
+in model.py, ``DataConfig`` in data/config.py, ``OptimizerConfig`` in optim.py, ``TrackingConfig``
+in tracking.py); the run-wide sections (train, hardware, parallelism) live here.
 
 ``to_config`` is the one DictConfig -> dataclass conversion. Past it, code reads typed objects.
 It re-validates the composed config against the schema (a ``+key=value`` override slips past
@@ -7,48 +14,98 @@ Hydra's own checks) and then checks the combinations no type can express.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gptlab.data.config import DataConfig
-from gptlab.distributed import HardwareConfig, ParallelismConfig
 from gptlab.errors import GptlabError
-from gptlab.loop import TrainConfig
 from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
 from gptlab.tracking import TrackingConfig
 
+STRATEGIES = ("single", "ddp")  # parallelism.strategy (distributed.wrap_model reads it)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int
+    batch_size: int  # global sequences per optimizer step (all processes, all micro-steps)
+    # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
+    micro_batch_size: Any
+    eval_every: int  # steps between evaluations (0: only at the end)
+    eval_steps: int  # validation batches per evaluation
+    eval_batch_size: Optional[int]  # null: the micro-batch size
+    log_every: int
+    checkpoint_every: int  # 0: only at the end
+    keep_checkpoints: int
+    seed: int
+    resume: str  # auto (newest checkpoint in the run folder) | never | a checkpoint path
+    sample_tokens: int  # text generated at the end into samples.txt (0: none)
+    sample_prompt: str
+    save_checkpoints: bool  # false: no checkpoints at all (benchmarks)
+
+
+@dataclass
+class HardwareConfig:
+    name: str
+    device: str  # cpu | cuda
+    nproc_per_node: int
+    nodes: int
+    precision: str  # fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler)
+    micro_batch_size: Optional[int]  # per-process sequences per forward; null: as large as the batch allows
+    peak_tflops: Optional[float]  # per device, bf16/fp16, for MFU; null: measure the CPU's matmul rate
+    tf32: bool  # TF32 tensor-core matmuls on Ampere and newer
+    compile: bool  # torch.compile by default on this hardware
+    attention_backend: str  # auto | flash | efficient | math
+    threads: Optional[int]  # CPU threads per process; null: torch's default
+    peak_tflops_tf32: Optional[float]  # per device, fp32 matmuls as TF32 (when tf32 is on)
+    peak_tflops_fp32: Optional[float]  # per device, plain fp32
+    memory_gb: Optional[float]  # per device (GiB), for gptlab.plan; null: this machine's RAM on cpu
+
+
+@dataclass
+class ParallelismConfig:
+    name: str
+    strategy: str  # single | ddp: how the model is wrapped across processes (distributed.wrap_model)
+    activation_checkpointing: bool
+    compile: Optional[bool]  # null: the hardware's default
+    timeout_s: int  # a collective waiting longer than this ends the job
+
 
 @dataclass
 class Config:
-    model: GPTConfig = field(default_factory=GPTConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
-    hardware: HardwareConfig = field(default_factory=HardwareConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    model: GPTConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    parallelism: ParallelismConfig
+    hardware: HardwareConfig
+    train: TrainConfig
+    tracking: TrackingConfig
     # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
-    expected: Dict[str, Any] = field(default_factory=dict)
+    expected: Dict[str, Any]
 
     @property
     def world_size(self) -> int:
         return self.hardware.nproc_per_node * self.hardware.nodes
 
     @property
+    def compile(self) -> bool:
+        """torch.compile: the parallelism's choice when it makes one, else the hardware's default."""
+        return self.parallelism.compile if self.parallelism.compile is not None else self.hardware.compile
+
+    @property
     def micro_batch_size(self) -> int:
-        """Per-process sequences per forward: train's override, else the hardware's, else all of it."""
+        """Per-process sequences per forward: train's setting, else the hardware's, else all of it.
+
+        ``auto`` is resolved by the planner when the run is built (plan.resolve_micro_batch).
+        """
         setting = self.train.micro_batch_size
         if setting == "auto":
-            from gptlab.plan import auto_micro_batch  # the memory planner (imports this module)
-
-            return auto_micro_batch(self)
-        if setting is not None and (isinstance(setting, bool) or not isinstance(setting, int)):
-            raise GptlabError(f"train.micro_batch_size={setting}: must be a positive integer, null or auto")
+            raise GptlabError("train.micro_batch_size=auto: resolve it with plan.resolve_micro_batch first")
         per_rank = self.train.batch_size // self.world_size
         mb = setting or self.hardware.micro_batch_size or per_rank
         return min(mb, per_rank) if setting is None else mb
@@ -94,7 +151,15 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 def validate(c: Config) -> None:
     """Cross-field checks; each failure names the key to change."""
-    m, t, o, h, p, d = c.model, c.train, c.optimizer, c.hardware, c.parallelism, c.data
+    _validate_model(c.model)
+    _validate_optimizer(c.optimizer)
+    _validate_processes(c)
+    _check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {c.data.val_fraction}")
+    _validate_train(c)
+    _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")
+
+
+def _validate_model(m: GPTConfig) -> None:
     _check(m.n_layer > 0, "model.n_layer", f"must be positive, got {m.n_layer}")
     _check(m.n_head > 0, "model.n_head", f"must be positive, got {m.n_head}")
     _check(
@@ -111,6 +176,8 @@ def validate(c: Config) -> None:
         _check((m.n_embd // m.n_head) % 2 == 0, "model.n_embd", "rotary positions need an even head size")
     _check(m.ffn_dim is None or m.ffn_dim > 0, "model.ffn_dim", "must be positive")
 
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
     _check(o.lr > 0, "optimizer.lr", f"must be > 0, got {o.lr}")
     _check(0.0 <= o.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio", "must be in [0, 1]")
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
@@ -120,16 +187,20 @@ def validate(c: Config) -> None:
     _choice("optimizer.schedule", o.schedule, ["cosine", "linear", "constant"])
     _choice("optimizer.lr_scaling", o.lr_scaling, ["none", "sqrt", "linear"])
 
+
+def _validate_processes(c: Config) -> None:
+    h, p = c.hardware, c.parallelism
     _choice("hardware.device", h.device, ["cpu", "cuda"])
     _choice("hardware.precision", h.precision, ["fp32", "bf16", "fp16"])
     _choice("hardware.attention_backend", h.attention_backend, ["auto", "flash", "efficient", "math"])
     _check(h.nproc_per_node >= 1, "hardware.nproc_per_node", "must be >= 1")
     _check(h.nodes >= 1, "hardware.nodes", "must be >= 1")
-    _choice("parallelism.strategy", p.strategy, ["single", "ddp"])
+    _choice("parallelism.strategy", p.strategy, list(STRATEGIES))
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
 
-    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {d.val_fraction}")
 
+def _validate_train(c: Config) -> None:
+    t = c.train
     _check(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
     _check(t.batch_size > 0, "train.batch_size", f"must be positive, got {t.batch_size}")
     _check(
@@ -137,13 +208,7 @@ def validate(c: Config) -> None:
         "train.batch_size",
         f"{t.batch_size} sequences do not split over {c.world_size} processes",
     )
-    mb = c.micro_batch_size
-    _check(mb > 0, "train.micro_batch_size", "must be positive")
-    _check(
-        t.batch_size % (mb * c.world_size) == 0,
-        "train.micro_batch_size",
-        f"{mb} x {c.world_size} processes does not divide train.batch_size={t.batch_size}",
-    )
+    _validate_micro_batch(c)
     for key in ("eval_every", "eval_steps", "log_every", "checkpoint_every", "keep_checkpoints", "sample_tokens"):
         _check(getattr(t, key) >= 0, f"train.{key}", "must be >= 0")
     _check(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size", "must be positive")
@@ -152,4 +217,18 @@ def validate(c: Config) -> None:
         "train.resume",
         f"{t.resume!r} must be auto, never, or a checkpoint path",
     )
-    _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")
+
+
+def _validate_micro_batch(c: Config) -> None:
+    setting = c.train.micro_batch_size
+    if setting == "auto":
+        return  # the planner picks a divisor of the per-process batch that fits (plan.resolve_micro_batch)
+    if setting is not None and (isinstance(setting, bool) or not isinstance(setting, int)):
+        raise GptlabError(f"train.micro_batch_size={setting}: must be a positive integer, null or auto")
+    mb = c.micro_batch_size
+    _check(mb > 0, "train.micro_batch_size", "must be positive")
+    _check(
+        c.train.batch_size % (mb * c.world_size) == 0,
+        "train.micro_batch_size",
+        f"{mb} x {c.world_size} processes does not divide train.batch_size={c.train.batch_size}",
+    )

@@ -15,38 +15,14 @@ import signal
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-
-@dataclass
-class HardwareConfig:
-    name: str = "cpu"
-    device: str = "cpu"  # cpu | cuda
-    nproc_per_node: int = 1
-    nodes: int = 1
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler)
-    micro_batch_size: Optional[int] = None  # per-process sequences per forward; null: as large as the batch allows
-    peak_tflops: Optional[float] = None  # per device, for MFU; null: measure the CPU's matmul rate
-    tf32: bool = False  # TF32 tensor-core matmuls on Ampere and newer
-    compile: bool = False  # torch.compile by default on this hardware
-    attention_backend: str = "auto"  # auto | flash | efficient | math
-    threads: Optional[int] = None  # CPU threads per process; null: torch's default
-    peak_tflops_tf32: Optional[float] = None  # per device, fp32 matmuls as TF32 (when tf32 is on)
-    peak_tflops_fp32: Optional[float] = None  # per device, plain fp32 (peak_tflops is bf16/fp16)
-    memory_gb: Optional[float] = None  # per device (GiB), for gptlab.plan; null: this machine's RAM on cpu
-
-
-@dataclass
-class ParallelismConfig:
-    name: str = "single"
-    strategy: str = "single"  # single | ddp
-    activation_checkpointing: bool = False
-    compile: Optional[bool] = None  # null: the hardware's default
-    timeout_s: int = 600  # a collective waiting longer than this ends the job
+if TYPE_CHECKING:  # hints only: the config classes are data this module reads
+    from gptlab.config import HardwareConfig, ParallelismConfig
 
 
 _CONTROL_GROUP = None  # a gloo group for CPU-side control messages when the main backend is NCCL
@@ -64,15 +40,6 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launched_world() -> int:
-    """How many processes were started for this job by something outside gptlab (torchrun, SLURM)."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if slurm_task():
-        return int(os.environ["SLURM_STEP_NUM_TASKS"])
-    return 1
 
 
 def slurm_task() -> bool:
@@ -256,17 +223,27 @@ def teardown() -> None:
     _CONTROL_GROUP = None
 
 
-def wrap_model(model: nn.Module, d: Dist, checkpointing: bool, compile: bool) -> nn.Module:
-    """checkpointing -> compile -> DDP, in that fixed order."""
+def wrap_model(model: nn.Module, d: Dist, strategy: str, checkpointing: bool, compile: bool) -> nn.Module:
+    """checkpointing -> compile -> the strategy's data-parallel wrapper, in that fixed order."""
     if checkpointing:
         model.activation_checkpointing = True
     if compile:
         model = torch.compile(model)
-    if d.world_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
+    return _DATA_PARALLEL[strategy](model, d)
 
-        model = DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    return model
+
+def _replicate(model: nn.Module, d: Dist) -> nn.Module:
+    """A whole copy per process: alone, the model itself; with others, DDP keeps the copies in step."""
+    if d.world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+
+
+# parallelism.strategy -> wrapper (config.STRATEGIES lists the names). single and ddp are both unsharded
+# data parallelism today; they differ in their presets (activation checkpointing, collective timeout).
+_DATA_PARALLEL = {"single": _replicate, "ddp": _replicate}
 
 
 def no_sync(model: nn.Module, sync: bool):

@@ -85,7 +85,7 @@ def main(argv: List[str]) -> Path:
     from safetensors.torch import save_file
 
     cfg = parse_args(argv, ExportConfig)
-    model, _, state = load_model(cfg.run, cfg.which)
+    model, _, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
     out = Path(cfg.out) if cfg.out else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
     out.mkdir(parents=True, exist_ok=True)
@@ -93,14 +93,14 @@ def main(argv: List[str]) -> Path:
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
     (out / "config.json").write_text(
-        json.dumps({"model": state["model_config"], "tokenizer": state["tokenizer"], "step": state["step"]}, indent=1)
+        json.dumps({"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step}, indent=1)
     )
     print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"
         hf.mkdir(exist_ok=True)
         save_file(hf_gpt2_state(model), str(hf / "model.safetensors"), metadata={"format": "pt"})
-        (hf / "config.json").write_text(json.dumps(hf_gpt2_config(model, state["tokenizer"]), indent=1))
+        (hf / "config.json").write_text(json.dumps(hf_gpt2_config(model, saved.tokenizer), indent=1))
         print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel.from_pretrained)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")

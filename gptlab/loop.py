@@ -8,15 +8,12 @@ checkpoint steps, so the accelerator can run ahead of Python everywhere else.
 from __future__ import annotations
 
 import math
-import random
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-import numpy as np
 import torch
 
 from gptlab import checkpoint, distributed
@@ -25,26 +22,6 @@ from gptlab.metrics import mfu
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
     from gptlab.build import Run
-
-
-@dataclass
-class TrainConfig:
-    max_steps: int = 5000
-    batch_size: int = 32  # global sequences per optimizer step (all processes, all micro-steps)
-    micro_batch_size: Any = (
-        None  # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
-    )
-    eval_every: int = 500  # steps between evaluations (0: only at the end)
-    eval_steps: int = 50  # validation batches per evaluation
-    eval_batch_size: Optional[int] = None  # null: the micro-batch size
-    log_every: int = 50
-    checkpoint_every: int = 0  # 0: only at the end
-    keep_checkpoints: int = 2
-    seed: int = 1337
-    resume: str = "auto"  # auto (newest checkpoint in the run folder) | never | a checkpoint path
-    sample_tokens: int = 500  # text generated at the end into samples.txt (0: none)
-    sample_prompt: str = "\n"
-    save_checkpoints: bool = True  # false: no checkpoints at all (benchmarks)
 
 
 class StopOnSignal:
@@ -130,19 +107,6 @@ def evaluate(run: "Run") -> float:
     return (stats[0] / stats[1]).item()
 
 
-def rng_state() -> Dict[str, Any]:
-    """RNG states as plain types (safe for weights_only loading)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
 def seed_step(seed: int, step: int, rank: int) -> None:
     """Dropout (and any other sampling) draws from a stream fixed by (seed, step, rank).
 
@@ -154,24 +118,17 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 def save_checkpoint(run: "Run", step: int, tokens: int, best_val: float, val: Optional[float]) -> None:
     """Rank 0 writes the checkpoint; every rank waits so nobody races ahead of a slow save."""
     if run.dist.is_main:
-        state = {
-            "step": step,
-            "tokens": tokens,
-            "best_val_loss": best_val,
-            "model": run.raw_model.state_dict(),
-            "optimizer": run.optimizer.state_dict(),
-            "scaler": run.scaler.state_dict(),
-            "loader": run.train_loader.state_dict(),
-            "rng": rng_state(),
-            "config": run.resolved_config,
-            "model_config": run.model_config,
-            "tokenizer": run.tokenizer.to_meta(),
-            "mlflow_run_id": run.tracker.run_id,
-        }
-        path = checkpoint.save(checkpoint.checkpoint_path(run.checkpoint_dir, step), state)
-        if val is not None and val <= best_val:
-            checkpoint.mark_best(run.checkpoint_dir, path, val)
-        checkpoint.prune(run.checkpoint_dir, run.train.keep_checkpoints)
+        state = checkpoint.TrainingState.capture(
+            run.stateful(),
+            step=step,
+            tokens=tokens,
+            best_val_loss=best_val,
+            config=run.resolved_config,
+            model_config=run.model_config,
+            tokenizer=run.tokenizer.to_meta(),
+            mlflow_run_id=run.tracker.run_id,
+        )
+        checkpoint.save_state(run.checkpoint_dir, state, val, run.train.keep_checkpoints)
     if run.dist.world_size > 1:
         torch.distributed.barrier()
 

@@ -26,20 +26,20 @@ KVCache = List[Tuple[torch.Tensor, torch.Tensor]]
 class GPTConfig:
     """Shape and flavour of the model; ``vocab_size`` is filled in from the tokenizer when null."""
 
-    name: str = "gpt"
-    vocab_size: Optional[int] = None
-    vocab_multiple: int = 1  # pad the embedding/LM head to a multiple of this (64 for tensor cores)
-    block_size: int = 256
-    n_layer: int = 6
-    n_head: int = 6
-    n_embd: int = 384
-    ffn_dim: Optional[int] = None  # null: 4 * n_embd (GELU) or the usual 8/3 * n_embd rounded (SwiGLU)
-    dropout: float = 0.0
-    bias: bool = True
-    pos_emb: str = "learned"  # learned | sinusoidal | rotary
-    mlp: str = "gelu"  # gelu | swiglu
-    tie_weights: bool = True
-    rope_base: float = 10000.0
+    name: str
+    vocab_size: Optional[int]
+    vocab_multiple: int  # pad the embedding/LM head to a multiple of this (64 for tensor cores)
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    ffn_dim: Optional[int]  # null: 4 * n_embd (GELU) or the usual 8/3 * n_embd rounded (SwiGLU)
+    dropout: float
+    bias: bool
+    pos_emb: str  # learned | sinusoidal | rotary
+    mlp: str  # gelu | swiglu
+    tie_weights: bool
+    rope_base: float
 
     @property
     def padded_vocab_size(self) -> int:

@@ -12,18 +12,18 @@ import torch.nn as nn
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
-    lr: float = 1e-3  # peak learning rate (before lr_scaling)
-    min_lr_ratio: float = 0.1  # the cosine floor, as a fraction of the peak
-    betas: Tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # on matrices only (not biases, LayerNorm gains)
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    warmup_steps: int = 100
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
-    decay_steps: Optional[int] = None  # null: decay over train.max_steps
-    lr_scaling: str = "none"  # none | sqrt | linear: scale lr with the number of data-parallel ranks
-    fused: Optional[bool] = None  # null: fused kernels where the device supports them
+    name: str
+    lr: float  # peak learning rate (before lr_scaling)
+    min_lr_ratio: float  # the cosine floor, as a fraction of the peak
+    betas: Tuple[float, float]
+    eps: float
+    weight_decay: float  # on matrices only (not biases, LayerNorm gains)
+    grad_clip: float  # max global grad norm; 0 disables clipping
+    warmup_steps: int
+    schedule: str  # cosine | linear | constant (after warmup)
+    decay_steps: Optional[int]  # null: decay over train.max_steps
+    lr_scaling: str  # none | sqrt | linear: scale lr with the number of data-parallel ranks
+    fused: Optional[bool]  # null: fused kernels where the device supports them
 
 
 def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:

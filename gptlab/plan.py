@@ -6,13 +6,15 @@ the device, the accumulation steps that follow, and the step time, tokens/s and 
 train.max_steps at a stated MFU (``--mfu 0.4``; ``--json`` prints one JSON object instead).
 A run whose micro-batch does not fit ends with one line saying what would.
 
-``train.micro_batch_size=auto`` asks ``auto_micro_batch`` for the largest micro-batch that fits.
+``train.micro_batch_size=auto`` is resolved once, by ``resolve_micro_batch`` when a run is built: the
+largest micro-batch that fits.
 The memory model is in ``metrics.memory_estimate``; tests/test_plan.py checks it against measured
 allocations on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -194,6 +196,13 @@ def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
         per_rank_batch=per_rank,
         world_size=cfg.world_size,
     )
+
+
+def resolve_micro_batch(cfg: Config) -> Config:
+    """The config with train.micro_batch_size=auto replaced by the planner's choice (else unchanged)."""
+    if cfg.train.micro_batch_size != "auto":
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=auto_micro_batch(cfg)))
 
 
 def auto_micro_batch(cfg: Config) -> int:
@@ -392,7 +401,7 @@ _FLAGS: Dict[str, Any] = {"mfu": None, "json": False}
 def run_plan(cfg_dict, flags: Dict[str, Any]) -> Dict[str, Any]:
     from gptlab.config import to_config
 
-    cfg = to_config(cfg_dict)
+    cfg = resolve_micro_batch(to_config(cfg_dict))
     plan = make_plan(cfg)
     mfu_value = flags.get("mfu") or DEFAULT_MFU[cfg.hardware.device]
     est = step_estimate(plan, cfg, mfu_value)

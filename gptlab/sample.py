@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
@@ -54,37 +53,24 @@ def parse_args(argv: List[str], schema) -> object:
         raise GptlabError(condense(str(e))) from None
 
 
-def resolve_checkpoint(run: str, which: str = "latest") -> Path:
-    path = Path(run).expanduser()
-    if path.is_file():
-        return path
-    folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if which == "best" and (best := checkpoint.best(folder)) is not None:
-        return best
-    found = checkpoint.latest(folder)
-    if found is None:
-        raise GptlabError(f"run={run}: no checkpoint found (expected {folder}/ckpt_*.pt)")
-    return found
-
-
-def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, dict]:
-    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint."""
-    state = checkpoint.load(resolve_checkpoint(run, which))
-    model = GPT(GPTConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), load_tokenizer(state["tokenizer"]), state
+def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.SavedModel]:
+    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model."""
+    saved = checkpoint.read_model(checkpoint.find(run, which))
+    model = GPT(GPTConfig(**saved.model_config))
+    model.load_state_dict(saved.weights)
+    return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
 
 
 def main(argv: List[str]) -> None:
     cfg = parse_args(argv, SampleConfig)
-    model, tok, state = load_model(cfg.run, cfg.which, cfg.device)
+    model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
     prompt = tok.encode(cfg.prompt) or [0]
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     out = model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
     for i, row in enumerate(out.tolist()):
         if cfg.num_samples > 1:
-            print(f"--- sample {i + 1} (step {state['step']}) ---")
+            print(f"--- sample {i + 1} (step {saved.step}) ---")
         print(tok.decode(row))
 
 

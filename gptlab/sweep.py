@@ -29,21 +29,17 @@ from gptlab.tracking import (
     SWEEP_FILE,
     SWEEP_KIND,
     artifact_root,
+    children,
     default_uri,
     error_text,
     get_or_create_experiment,
+    log_params,
+    mlflow_client,
     note,
     read_sweep,
+    run_name,
     sweep_run_name,
 )
-
-
-def _client(uri: str):
-    from mlflow.tracking import MlflowClient
-
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
-    return MlflowClient(tracking_uri=uri)
 
 
 def _is_first_task() -> bool:
@@ -52,7 +48,7 @@ def _is_first_task() -> bool:
 
 
 def _base_name(config: DictConfig) -> str:
-    return config.tracking.run_name or f"{config.model.name}-{config.data.name}-{config.hardware.name}"
+    return config.tracking.run_name or run_name(config.model.name, config.data.name, config.hardware.name)
 
 
 def swept(overrides: List[str]) -> List[str]:
@@ -63,12 +59,6 @@ def swept(overrides: List[str]) -> List[str]:
         return [o.input_line for o in OverridesParser.create().parse_overrides(overrides) if o.is_sweep_override()]
     except Exception:  # noqa: BLE001 - a name is not worth failing a sweep for
         return [o for o in overrides if "," in o]
-
-
-def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
-    return client.search_runs(
-        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=10000
-    )
 
 
 class SweepCallback(Callback):
@@ -89,7 +79,7 @@ class SweepCallback(Callback):
             launcher = str(config.hydra.runtime.choices.get("hydra/launcher") or "basic")
             uri = t.uri or default_uri(Path("outputs"))
             experiment = t.experiment or f"{config.model.name}-{config.data.name}"
-            client = _client(uri)  # for SQLite: creates and migrates the store, once, before any job
+            client = mlflow_client(uri)  # for SQLite: creates and migrates the store, once, before any job
             exp_id = get_or_create_experiment(client, experiment, artifact_root(uri))
             sweeping = swept(overrides)
             name = f"{_base_name(config)} sweep {' '.join(sweeping)}".rstrip()
@@ -103,15 +93,11 @@ class SweepCallback(Callback):
                     "overrides": " ".join(overrides),
                 },
             )
-            from mlflow.entities import Param
-
             params = {}
             for o in overrides:
                 key, _, value = o.partition("=")
-                params[key.lstrip("+~")[:250]] = value[:6000]
-            items = [Param(k, v) for k, v in params.items()]
-            for i in range(0, len(items), 100):
-                client.log_batch(run.info.run_id, params=items[i : i + 100])
+                params[key.lstrip("+~")[:250]] = value
+            log_params(client, run.info.run_id, params)
             self.parent = {
                 "kind": SWEEP_KIND,
                 "parent_run_id": run.info.run_id,
@@ -144,7 +130,7 @@ class SweepCallback(Callback):
         self.ended = True
         p = self.parent
         try:
-            client = _client(p["uri"])
+            client = mlflow_client(p["uri"])
             runs = children(client, p["experiment_id"], p["parent_run_id"])
             failed = [r for r in runs if r.info.status in ("FAILED", "KILLED")]
             client.set_tag(p["parent_run_id"], "jobs", str(len(runs)))
@@ -172,7 +158,7 @@ class SweepCallback(Callback):
             sweep = read_sweep(run_dir)
             if sweep is None or not config.tracking.mlflow:
                 return
-            client = _client(sweep["uri"])
+            client = mlflow_client(sweep["uri"])
             runs = children(client, sweep["experiment_id"], sweep["parent_run_id"])
             if any(r.data.tags.get("run_dir") == str(run_dir) for r in runs):
                 return  # the tracker made the run and marked it FAILED with the error

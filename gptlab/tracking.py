@@ -46,18 +46,20 @@ SWEEP_FILE = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs n
 SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
 LOSS_PLOT = "loss.png"
+SQLITE_PREFIX = "sqlite:///"  # a SQLite store's URI is this and the path of its database file
+NAME_TAGS = ("model", "data", "hardware")  # the run tags run_name() is made of
 
 
 @dataclass
 class TrackingConfig:
-    mlflow: bool = True  # false: only the run folder is written
-    uri: Optional[str] = None  # null: the local store sqlite:///<cwd>/outputs/mlflow.db
-    experiment: Optional[str] = None  # null: "<model>-<data>"
-    run_name: Optional[str] = None  # null: "<model>-<data>-<hardware>" (+ the job's overrides in a sweep)
-    flush_every: int = 50  # metric points buffered before one batched MLflow call
-    system_metrics: bool = False  # CPU, memory, disk, network (+ GPU with nvidia-ml-py) as system/* metrics
-    tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
-    plots: bool = True  # loss.png (train/val loss and lr against tokens) at the end of the run
+    mlflow: bool  # false: only the run folder is written
+    uri: Optional[str]  # null: the local store sqlite:///<cwd>/outputs/mlflow.db
+    experiment: Optional[str]  # null: "<model>-<data>"
+    run_name: Optional[str]  # null: "<model>-<data>-<hardware>" (+ the job's overrides in a sweep)
+    flush_every: int  # metric points buffered before one batched MLflow call
+    system_metrics: bool  # CPU, memory, disk, network (+ GPU with nvidia-ml-py) as system/* metrics
+    tensorboard: bool  # also write TensorBoard event files to <run folder>/tensorboard
+    plots: bool  # loss.png (train/val loss and lr against tokens) at the end of the run
 
 
 def note(message: str) -> None:
@@ -65,15 +67,55 @@ def note(message: str) -> None:
     print(f"gptlab: {message}", file=sys.stderr, flush=True)
 
 
+def run_name(model: str, data: str, hardware: str) -> str:
+    """A run's default name: `<model>-<data>-<hardware>`."""
+    return f"{model}-{data}-{hardware}"
+
+
 def default_uri(outputs: Path) -> str:
-    return f"sqlite:///{outputs.resolve() / 'mlflow.db'}"
+    return f"{SQLITE_PREFIX}{outputs.resolve() / 'mlflow.db'}"
+
+
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a SQLite store's URI; None for any other store."""
+    return Path(uri[len(SQLITE_PREFIX) :]) if uri.startswith(SQLITE_PREFIX) else None
 
 
 def artifact_root(uri: str) -> Optional[Path]:
     """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by default)."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri[len("sqlite:///") :]).parent / "mlartifacts"
-    return None  # a server stores (or proxies) its own artifacts
+    db = sqlite_path(uri)
+    return db.parent / "mlartifacts" if db is not None else None  # a server stores (or proxies) its own
+
+
+def mlflow_client(uri: str) -> Any:
+    """An MlflowClient on the store at uri that gives up on a down server in seconds, not minutes."""
+    # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def log_params(client: Any, run_id: str, params: Dict[str, Any]) -> None:
+    """params as strings (cut at 6,000 characters), in batches of 100: the most MLflow accepts at once."""
+    from mlflow.entities import Param
+
+    items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i : i + 100])
+
+
+def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
+    """The runs nested under parent_run_id (a sweep's jobs)."""
+    return client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{parent_run_id}'", max_results=10000
+    )
+
+
+def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
+    """The run-folder metrics that MLflow records, under their MLflow names (None values left out)."""
+    return {METRIC_NAMES[k]: float(v) for k, v in metrics.items() if k in METRIC_NAMES and v is not None}
 
 
 def _hydra_value(value: str) -> str:
@@ -204,6 +246,12 @@ def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
     return rows
 
 
+def last_logged_step(run_dir: Path) -> int:
+    """The last step recorded in a run folder's metrics.jsonl (0 when there is none)."""
+    steps = [row["step"] for row in read_metrics(run_dir) if isinstance(row, dict) and isinstance(row.get("step"), int)]
+    return max(steps, default=0)
+
+
 def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
     """PNG of train and val loss against tokens, with lr on a second axis (needs matplotlib)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -284,15 +332,9 @@ class MLflowRun:
         self._client = None
         self._monitor = None
         self.resumed = False
-        # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
         try:
             self._check_reachable(uri)
-            from mlflow.entities import Param
-            from mlflow.tracking import MlflowClient
-
-            client = MlflowClient(tracking_uri=uri)
+            client = mlflow_client(uri)
             run = self._reopen(client, resume_run_id) if resume_run_id else None
             if run is not None:  # a resumed run goes on in the same MLflow run
                 exp_id, self.resumed = run.info.experiment_id, True
@@ -305,9 +347,7 @@ class MLflowRun:
                 exp_id = experiment_id or get_or_create_experiment(client, experiment, artifact_root)
                 run = client.create_run(exp_id, run_name=run_name, tags=tags)
             self.run_id = run.info.run_id
-            items = [Param(k, str(v)[:6000]) for k, v in params.items()]
-            for i in range(0, len(items), 100):  # MLflow accepts at most 100 params per batch
-                client.log_batch(self.run_id, params=items[i : i + 100])
+            log_params(client, self.run_id, params)
             self._client = client
             self.experiment_id = exp_id
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
@@ -362,29 +402,26 @@ class MLflowRun:
         if gpu_expected and not any(type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors):
             note("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
 
-    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
-        if self._client is None:
-            return
-        import time
-
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        for k, v in metrics.items():
-            if k in METRIC_NAMES and v is not None:
-                self._buffer.append(Metric(METRIC_NAMES[k], float(v), now, step))
-        if len(self._buffer) >= self.flush_every * 4:
-            self.flush()
-
-    def log_summary(self, step: int, values: Dict[str, float]) -> None:
-        if self._client is None:
-            return
+    def _buffer_points(self, step: int, values: Dict[str, float]) -> None:
+        """values (MLflow name -> value) as points at step, sent by the next flush()."""
         import time
 
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+
+    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+        if self._client is None:
+            return
+        self._buffer_points(step, mlflow_metrics(metrics))
+        if len(self._buffer) >= self.flush_every * 4:
+            self.flush()
+
+    def log_summary(self, step: int, values: Dict[str, float]) -> None:
+        if self._client is None:
+            return
+        self._buffer_points(step, values)
         self.flush()
 
     def flush(self) -> None:
@@ -467,8 +504,7 @@ class Tracker:
                 self.uri, self.experiment = sweep["uri"], sweep["experiment"]
                 experiment_id = sweep["experiment_id"]
                 tags.update({PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"]})
-                base = cfg.run_name or "-".join(tags[k] for k in ("model", "data", "hardware") if k in tags)
-                self.run_name = sweep_run_name(base or run_name, overrides, sweep)
+                self.run_name = sweep_run_name(cfg.run_name or _tags_name(tags) or run_name, overrides, sweep)
             tags["host"] = socket.gethostname()
             if commit := git_commit():
                 tags["git_commit"] = commit
@@ -506,9 +542,8 @@ class Tracker:
         if self.mlflow:
             self.mlflow.log_metrics(step, metrics)
         if self._tb is not None:
-            for k, v in metrics.items():
-                if k in METRIC_NAMES and v is not None:
-                    self._tb.add_scalar(METRIC_NAMES[k], float(v), step)
+            for name, value in mlflow_metrics(metrics).items():
+                self._tb.add_scalar(name, value, step)
 
     def log_artifact(self, path: Path) -> None:
         if self.mlflow:
@@ -573,6 +608,12 @@ class Tracker:
                     f"  (or {mlflow_ui_command(self.uri)})"
                 )
                 print(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}", flush=True)
+
+
+def _tags_name(tags: Dict[str, str]) -> str:
+    """run_name() of the run's model, data and hardware tags (those there when some are missing)."""
+    parts = [tags[k] for k in NAME_TAGS if k in tags]
+    return run_name(*parts) if len(parts) == len(NAME_TAGS) else "-".join(parts)
 
 
 def _cuda_available() -> bool:

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 
 from gptlab.cli import run_entry
 from gptlab.errors import GptlabError
-from gptlab.tracking import artifact_root, default_uri, runs_url
+from gptlab.tracking import artifact_root, default_uri, mlflow_client, runs_url, sqlite_path
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -52,9 +52,10 @@ def compose_tracking(overrides: List[str]):
 def store_uri(uri: Optional[str]) -> str:
     """The store to open; a SQLite store must exist already (no run has been recorded otherwise)."""
     uri = uri or default_uri(Path("outputs"))
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
+    db = sqlite_path(uri)
+    if db is not None and not db.is_file():
         raise GptlabError(
-            f"no MLflow store at {uri[len('sqlite:///') :]}: no run has been recorded there yet "
+            f"no MLflow store at {db}: no run has been recorded there yet "
             "(train one from this folder, or pass tracking.uri=...)"
         )
     return uri
@@ -62,9 +63,7 @@ def store_uri(uri: Optional[str]) -> str:
 
 def find_experiment(uri: str, name: Optional[str]) -> Tuple[str, str]:
     """(id, name) of experiment `name`, or of the experiment with the newest run."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=uri)
+    client = mlflow_client(uri)
     if name:
         exp = client.get_experiment_by_name(name)
         if exp is None:
@@ -208,7 +207,7 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gptlab.ui", description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="tracking.uri=..., tracking.experiment=..., experiment=...")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0: all)")
@@ -226,7 +225,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         "http://<this machine's names and addresses>:<port>), e.g. http://node01.example.org:5000",
     )
     p.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = _parser().parse_args(argv)
 
     tracking = compose_tracking(args.overrides)
     uri = store_uri(tracking.uri)

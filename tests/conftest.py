@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -37,6 +38,35 @@ def shakespeare() -> Path:
 def compose_config(overrides: List[str]) -> DictConfig:
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
         return compose(config_name="config", overrides=overrides)
+
+
+def typed(section: str, *overrides: str, **changes: Any) -> Any:
+    """One typed section of the composed config (conf/ gives every value), with some fields changed.
+
+    A dict for a nested section (data's tokenizer) changes only the fields it names.
+    """
+    from gptlab.config import to_config
+
+    return _replace(getattr(to_config(compose_config(list(overrides))), section), changes)
+
+
+def _replace(obj: Any, changes: Dict[str, Any]) -> Any:
+    nested = {
+        k: _replace(getattr(obj, k), v)
+        for k, v in changes.items()
+        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k))
+    }
+    return dataclasses.replace(obj, **{**changes, **nested})
+
+
+def model_config(**changes: Any):
+    """gpt_nano's GPTConfig with fields changed (vocab_size must be given to build a GPT)."""
+    return typed("model", "model=gpt_nano", **changes)
+
+
+def data_config(**changes: Any):
+    """The Tiny Shakespeare data section, split into 8-way shards unless changed."""
+    return typed("data", **{"shard_divisor": 8, **changes})
 
 
 def nano_overrides(data_path: Path, *extra: str) -> List[str]:

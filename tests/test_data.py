@@ -2,8 +2,9 @@ import json
 
 import numpy as np
 import pytest
+from conftest import data_config
 
-from gptlab.data import CharTokenizer, DataConfig, RandomWindowLoader, eval_batches, prepare_data
+from gptlab.data import CharTokenizer, RandomWindowLoader, eval_batches, prepare_data
 from gptlab.errors import GptlabError
 
 
@@ -20,7 +21,7 @@ def test_char_tokenizer_round_trip(shakespeare):
 
 
 def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
-    cfg = DataConfig(path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False)
+    cfg = data_config(path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False)
     logs = []
     data = prepare_data(cfg, log=logs.append)
     assert len(logs) == 1
@@ -39,18 +40,18 @@ def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
 
 
 def test_prepare_leaves_no_half_written_folder(shakespeare, tmp_path):
-    data = prepare_data(DataConfig(path=str(shakespeare), cache_dir=str(tmp_path)), log=lambda *_: None)
+    data = prepare_data(data_config(path=str(shakespeare), cache_dir=str(tmp_path)), log=lambda *_: None)
     names = [p.name for p in data.root.parent.iterdir()]
     assert names == [data.root.name]  # the temporary folder was renamed into place
 
 
 def test_missing_local_file_is_one_clear_error(tmp_path):
     with pytest.raises(GptlabError, match="data.path=.*no such file"):
-        prepare_data(DataConfig(path=str(tmp_path / "nope.txt"), cache_dir=str(tmp_path)))
+        prepare_data(data_config(path=str(tmp_path / "nope.txt"), cache_dir=str(tmp_path)))
 
 
 def test_offline_download_says_how_to_pass_a_local_copy(tmp_path):
-    cfg = DataConfig(url="http://127.0.0.1:9/tinyshakespeare.txt", cache_dir=str(tmp_path))
+    cfg = data_config(url="http://127.0.0.1:9/tinyshakespeare.txt", cache_dir=str(tmp_path))
     with pytest.raises(GptlabError, match=r"data.path=/path/to/tinyshakespeare.txt"):
         prepare_data(cfg)
     assert not list((tmp_path / "downloads").glob("*"))  # no partial download left behind
@@ -67,10 +68,10 @@ def test_download_checks_sha256(tmp_path, shakespeare):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/{shakespeare.name}"
-        ok = prepare_data(DataConfig(url=url, cache_dir=str(tmp_path / "a")), log=lambda *_: None)
+        ok = prepare_data(data_config(url=url, cache_dir=str(tmp_path / "a")), log=lambda *_: None)
         assert ok.vocab_size == 65
         with pytest.raises(GptlabError, match="SHA-256"):
-            prepare_data(DataConfig(url=url, sha256="0" * 64, cache_dir=str(tmp_path / "b")))
+            prepare_data(data_config(url=url, sha256="0" * 64, cache_dir=str(tmp_path / "b")))
     finally:
         server.shutdown()
 

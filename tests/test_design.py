@@ -14,7 +14,8 @@ ALLOWED_FOR_LEAVES = {"gptlab.errors"}
 
 
 def gptlab_imports(path: Path):
-    """gptlab modules imported at run time (imports under `if TYPE_CHECKING:` are for hints only)."""
+    """gptlab modules imported at run time, lazily inside functions too (imports under
+    `if TYPE_CHECKING:` are for hints only). `from gptlab import x` yields gptlab.x for a module x."""
     tree = ast.parse(path.read_text())
     hints_only = {
         id(n)
@@ -27,6 +28,10 @@ def gptlab_imports(path: Path):
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gptlab"):
             yield node.module
+            base = PKG.parent.joinpath(*node.module.split("."))
+            for alias in node.names:
+                if (base / f"{alias.name}.py").is_file() or (base / alias.name).is_dir():
+                    yield f"{node.module}.{alias.name}"
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names if a.name.startswith("gptlab"))
 
@@ -37,6 +42,51 @@ def test_leaf_modules_import_no_other_gptlab_module(leaf):
     for f in files:
         for mod in gptlab_imports(f):
             assert mod in ALLOWED_FOR_LEAVES or mod.startswith(f"gptlab.{leaf}"), f"{f.name} imports {mod}"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph():
+    """gptlab module -> the gptlab modules it imports (a package counts as its __init__)."""
+    graph = {}
+    for path in sorted(PKG.rglob("*.py")):
+        graph[module_name(path)] = {m for m in gptlab_imports(path) if m != module_name(path)}
+    return graph
+
+
+def find_cycle(graph):
+    """One import cycle as a list of modules (first == last), or None."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycle_inside_gptlab():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_loop_and_train_stay_thin():

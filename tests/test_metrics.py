@@ -3,11 +3,12 @@
 import pytest
 import torch
 import torch.nn as nn
+from conftest import model_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from gptlab import metrics
-from gptlab.model import GPT, GPTConfig
+from gptlab.model import GPT
 
 
 def counted_flops_per_token(model: GPT, B: int, T: int) -> float:
@@ -43,7 +44,7 @@ def analytic(model: GPT):
 )
 def test_flops_per_token_matches_flop_counter(kw):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**kw))
+    model = GPT(model_config(**kw))
     fpt, recompute = analytic(model)
     counted = counted_flops_per_token(model, B=2, T=kw["block_size"])
     assert counted == pytest.approx(fpt, rel=0.05)

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import model_config
 
 from gptlab.model import GPT, GPTConfig
 
@@ -10,7 +11,7 @@ from gptlab.model import GPT, GPTConfig
 def tiny(**kw) -> GPTConfig:
     base = dict(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
     base.update(kw)
-    return GPTConfig(**base)
+    return model_config(**base)
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
@@ -64,7 +65,7 @@ def test_weight_tying_and_residual_init():
 
 def count_params(**kw) -> int:
     with torch.device("meta"):
-        return GPT(GPTConfig(**kw)).num_params()
+        return GPT(model_config(**kw)).num_params()
 
 
 def test_gpt1b_parameter_count():

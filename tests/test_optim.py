@@ -1,9 +1,14 @@
 import math
 
 import pytest
+from conftest import model_config, typed
 
-from gptlab.model import GPT, GPTConfig
-from gptlab.optim import OptimizerConfig, build_optimizer, lr_at, scaled_lr
+from gptlab.model import GPT
+from gptlab.optim import build_optimizer, lr_at, scaled_lr
+
+
+def OptimizerConfig(**changes):  # noqa: N802 - conf/optimizer/adamw.yaml with fields changed
+    return typed("optimizer", **changes)
 
 
 def test_warmup_then_cosine_to_floor():
@@ -24,7 +29,7 @@ def test_lr_scaling_rules():
 
 
 def test_weight_decay_only_on_matrices():
-    model = GPT(GPTConfig(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), 1e-3, "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])

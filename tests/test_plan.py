@@ -11,11 +11,11 @@ from gptlab import metrics
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.plan import make_plan, param_count, shape_for
+from gptlab.plan import make_plan, param_count, resolve_micro_batch, shape_for
 
 
 def cfg_for(*overrides):
-    return to_config(compose_config(list(overrides)))
+    return resolve_micro_batch(to_config(compose_config(list(overrides))))
 
 
 @pytest.mark.parametrize(

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, data_config, run_cli
 
-from gptlab.data import DataConfig, TokenizerConfig, prepare_data
+from gptlab.data import DataConfig, prepare_data
 from gptlab.data.shards import FORMAT_VERSION, TokenShards
 from gptlab.data.sources import clean_gutenberg
 from gptlab.errors import GptlabError
@@ -40,7 +40,7 @@ def bpe_cfg(path, cache, **kw) -> DataConfig:
         source="text_files",
         path=str(path),
         cache_dir=str(cache),
-        tokenizer=TokenizerConfig(kind="bpe", vocab_size=512),
+        tokenizer=dict(kind="bpe", vocab_size=512),
         split="documents",
         val_fraction=0.1,
         separator="eos",
@@ -49,7 +49,7 @@ def bpe_cfg(path, cache, **kw) -> DataConfig:
         progress=False,
     )
     args.update(kw)
-    return DataConfig(**args)
+    return data_config(**args)
 
 
 def split_docs(data, split):
@@ -121,7 +121,7 @@ def test_vocabulary_above_65536_switches_to_uint32(tmp_path):
     chars = "".join(map(chr, range(0x10000, 0x10000 + 70_000)))  # astral code points: all valid UTF-8
     (tmp_path / "wide").mkdir()
     (tmp_path / "wide" / "a.txt").write_text(chars + chars[::-1])
-    cfg = DataConfig(
+    cfg = data_config(
         name="wide",
         source="text_files",
         path=str(tmp_path / "wide"),
@@ -259,7 +259,7 @@ def test_hf_save_to_disk_copy_and_offline_hub_error(tmp_path, monkeypatch, shake
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(GptlabError, match="data.hf_dataset=HuggingFaceFW/fineweb-edu.*data.path=") as e:
         prepare_data(
-            DataConfig(
+            data_config(
                 source="hf",
                 hf_dataset="HuggingFaceFW/fineweb-edu",
                 hf_config="sample-10BT",
@@ -315,12 +315,12 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
     done = [p for p in (cache / "tokens").iterdir() if ".tmp" not in p.name]
     assert done == []  # nothing that looks complete
     assert not list((cache / "tokens").rglob("shard_*.bin"))
-    cfg = DataConfig(
+    cfg = data_config(
         name="text_files",
         source="text_files",
         path=str(corpus),
         cache_dir=str(cache),
-        tokenizer=TokenizerConfig(kind="bpe", vocab_size=512, train_bytes=300000),
+        tokenizer=dict(kind="bpe", vocab_size=512, train_bytes=300000),
         split="documents",
         val_fraction=0.1,
         separator="eos",

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Sequence, Union
 
 import numpy as np
 
@@ -164,7 +164,3 @@ def open_shards(folder: Path, expect: Dict[str, Any]) -> List[np.ndarray]:
             )
         out.append(np.memmap(path, dtype=dtype, mode="r"))
     return out
-
-
-def file_digest(path: Path) -> Optional[str]:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import glob as globlib
 import hashlib
-import json
 import os
 import re
 import urllib.error
@@ -312,7 +311,3 @@ def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
     """Whether document `index` of the stream belongs to the validation split (seeded, streaming)."""
     h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") / 2**64 < val_fraction
-
-
-def describe(fp: Dict[str, Any]) -> str:
-    return json.dumps(fp, sort_keys=True)

@@ -1,82 +1,76 @@
-"""python -m gptlab.bench [--warmup N] [--steps N] [--mlflow] [overrides]: time the real training loop.
+"""python -m gptlab.bench [overrides]: time the real training loop.
 
 Builds the run exactly as ``gptlab.train`` does, runs warm-up + timed steps of ``loop.train``
 (logging every step, no checkpoints, no evaluation until the end, no sample), and prints ONE JSON
 line: tokens_per_s, step_ms (median), mfu, hfu, peak_mem_bytes (CUDA max allocated, or the peak
 RSS on the CPU), the planner's memory and speed prediction beside them, and a config summary.
+The root config is conf/bench.yaml: the training config, the benchmark's own keys ``bench.warmup``,
+``bench.steps`` and ``bench.mlflow`` (``BenchConfig``), and what a benchmark changes in the run. E.g.
+    python -m gptlab.bench bench.warmup=1 bench.steps=3 model=gpt2_124m train.batch_size=1
 A sweep over settings is Hydra's ``-m``: one JSON line per job, e.g.
     python -m gptlab.bench -m train.micro_batch_size=1,2,4 hardware.compile=false,true
-With ``--mlflow`` the figures are also recorded as an MLflow run (tag kind=bench).
-Multi-process benchmarks are started by torchrun (every rank times; rank 0 prints).
+With ``bench.mlflow=true`` the figures are also recorded as an MLflow run (tag kind=bench), and a
+sweep as an MLflow parent run. Multi-process benchmarks are started by torchrun (every rank times;
+rank 0 prints).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-import hydra
 import torch
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab import distributed, metrics
 from gptlab.build import build
-from gptlab.cli import fail, run_entry
-from gptlab.config import to_config
+from gptlab.cli import command
+from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
 
-FLAGS: Dict[str, Any] = {"warmup": 3, "steps": 10, "mlflow": False}
 
-# What a benchmark changes in the run: time steps, not evaluation, checkpoints or text samples.
-BENCH_OVERRIDES = {
-    "train.log_every": 1,  # one timing window per step (run.timings)
-    "train.save_checkpoints": False,
-    "train.eval_every": 10**9,  # the loop still evaluates once after the last step, outside the timings
-    "train.eval_steps": 1,
-    "train.eval_batch_size": None,  # one micro-batch, not the default 64 sequences
-    "train.sample_tokens": 0,
-    "train.resume": "never",
-    "tracking.plots": False,
-    "tracking.system_metrics": False,
-}
+@dataclass
+class BenchSettings:
+    """The benchmark's own keys (values in conf/bench.yaml)."""
+
+    warmup: int  # steps run first and not timed
+    steps: int  # timed steps (train.max_steps = warmup + steps)
+    mlflow: bool  # also record an MLflow run (conf/bench.yaml: tracking.mlflow follows it)
 
 
-def parse_flags(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
-    """--warmup N, --steps N and --mlflow, taken out of argv before Hydra parses it."""
-    flags, rest, i = dict(FLAGS), [], 0
-    while i < len(argv):
-        a = argv[i]
-        name = a[2:].split("=", 1)[0] if a.startswith("--") else None
-        if name == "mlflow":
-            flags["mlflow"] = True
-        elif name in ("warmup", "steps"):
-            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 0 if "=" in a else 1
-            if not value.isdigit() or (name == "steps" and int(value) < 1):
-                raise GptlabError(
-                    f"--{name} {value!r}: give a whole number of steps" + (" (at least 1)" if name == "steps" else "")
-                )
-            flags[name] = int(value)
-        else:
-            rest.append(a)
-        i += 1
-    return flags, rest
+@dataclass
+class BenchConfig(Config):
+    """The training config with the `bench` section: the schema of conf/bench.yaml."""
+
+    bench: BenchSettings
 
 
-def bench_config(cfg: DictConfig, flags: Dict[str, Any]) -> DictConfig:
-    """The composed config with the benchmark's settings (warm-up + timed steps, nothing else)."""
+ConfigStore.instance().store(name="gptlab_bench_schema", node=BenchConfig)
+
+
+def bench_config(cfg: DictConfig) -> DictConfig:
+    """The composed config with train.max_steps = bench.warmup + bench.steps.
+
+    Everything else a benchmark changes in the run (log every step, no checkpoints, evaluation or
+    sample) is in conf/bench.yaml.
+    """
+    warmup, steps = cfg.bench.warmup, cfg.bench.steps
+    if warmup < 0:
+        raise GptlabError(f"bench.warmup={warmup}: give a whole number of steps (0 or more)")
+    if steps < 1:
+        raise GptlabError(f"bench.steps={steps}: give a whole number of steps (at least 1)")
     cfg = cfg.copy()
     with open_dict(cfg):
-        for key, value in BENCH_OVERRIDES.items():
-            OmegaConf.update(cfg, key, value)
-        cfg.train.max_steps = flags["warmup"] + flags["steps"]
-        cfg.tracking.mlflow = bool(flags["mlflow"])
+        cfg.train.max_steps = warmup + steps
     return cfg
 
 
@@ -147,12 +141,13 @@ def _configured_peak(hw) -> bool:
     )
 
 
-def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str, Any]:
-    """Build, time, and print one JSON line (rank 0). Also used by tests through compose."""
+def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
+    """Build, time, and print one JSON line (rank 0). cfg: from conf/bench.yaml (or cli.compose("bench", ...))."""
     from gptlab.plan import DEFAULT_MFU, make_plan, plan_json, resolve_micro_batch, step_estimate
 
-    cfg = bench_config(cfg, flags)
-    config = resolve_micro_batch(to_config(cfg))
+    cfg = bench_config(cfg)
+    config = resolve_micro_batch(to_config(cfg, BenchConfig))
+    flags = dataclasses.asdict(config.bench)  # warmup, steps, mlflow
     if distributed.role(config.hardware) == "parent":
         n = config.hardware.nproc_per_node
         raise GptlabError(
@@ -168,7 +163,6 @@ def run_bench(cfg: DictConfig, run_dir: Path, flags: Dict[str, Any]) -> Dict[str
         resolved,
         run_name=f"bench-{config.model.name}-{config.hardware.name}",
         tags={"kind": "bench"},
-        log=lambda *_: None,
     )
     status = "FAILED"
     try:
@@ -220,35 +214,15 @@ class _redirect_stdout:
         sys.stdout = self.saved
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> Dict[str, Any]:
-    hc = HydraConfig.get()
-    try:
-        return run_bench(cfg, Path(hc.runtime.output_dir), FLAGS)
-    except GptlabError as e:
-        fail("gptlab.bench", e)  # one line, before Hydra reports the job as failed
-        raise
+def _job(cfg: DictConfig) -> Dict[str, Any]:
+    """One benchmark (one job of a sweep): its run folder is Hydra's output folder."""
+    return run_bench(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
-def _defaults(argv: List[str]) -> List[str]:
-    """Benchmarks keep their run folders apart from training runs."""
-    extra = []
-    if not any(a.startswith("hydra.run.dir=") for a in argv):
-        extra.append("hydra.run.dir=outputs/bench/${now:%Y-%m-%d_%H-%M-%S.%f}")
-    if not any(a.startswith("hydra.sweep.dir=") for a in argv):
-        extra.append("hydra.sweep.dir=outputs/bench_sweeps/${now:%Y-%m-%d_%H-%M-%S.%f}")
-    if "--mlflow" not in sys.argv:  # (checked before the flags are taken out)
-        extra.append("~hydra.callbacks.mlflow_sweep")  # no MLflow parent run for a plain sweep
-    # after the user's words: argparse wants `-m` and the overrides in one run of positionals
-    return [*argv, *extra, "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+def main() -> None:
+    """python -m gptlab.bench [overrides]: a Hydra app on conf/bench.yaml."""
+    command("bench", _job)
 
 
 if __name__ == "__main__":
-    try:
-        flags, args = parse_flags(sys.argv[1:])
-    except GptlabError as e:
-        print(f"gptlab.bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    FLAGS.update(flags)
-    sys.argv[1:] = _defaults(args)
-    run_entry(main, "gptlab.bench")
+    main()

@@ -5,34 +5,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from gptlab import checkpoint, distributed
+from gptlab import checkpoint, console, distributed
 from gptlab.config import Config
+from gptlab.console import Reporter
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
-from gptlab.metrics import (
-    expectation_met,
-    flops_per_token,
-    measured_cpu_peak,
-    peak_tflops_for,
-    recompute_flops_per_token,
-    recomputed_matmul_params,
-)
-from gptlab.model import GPT
+from gptlab.metrics import expectation_met
+from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
-from gptlab.plan import resolve_micro_batch
-from gptlab.tracking import NullTracker, Tracker, flatten, last_logged_step
+from gptlab.plan import device_peak, flops_for, resolve_micro_batch
+from gptlab.tracking import NullTracker, Tracker, experiment_name, flatten, last_logged_step
+from gptlab.tracking import run_name as default_run_name
+
+log = logging.getLogger(__name__)
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,7 +50,8 @@ class Run:
     train_loader: RandomWindowLoader
     val_batches: List[Any]
     tokenizer: Tokenizer
-    tracker: Any  # Tracker or NullTracker
+    tracker: Any  # Tracker on rank 0, NullTracker elsewhere
+    reporter: Reporter  # progress lines and timing windows (speaks on rank 0)
     autocast: Callable[[], contextlib.AbstractContextManager]
     block_size: int
     num_params: int
@@ -70,7 +69,11 @@ class Run:
     # are not logged again: an exact resume recomputes the same values
     logged_until_step: int = 0
     derived: Dict[str, Any] = field(default_factory=dict)
-    timings: List[Any] = field(default_factory=list)  # (step, seconds, tokens) per logged window
+
+    @property
+    def timings(self) -> List[Tuple[int, float, int]]:
+        """(step, seconds, tokens) per timing window of the loop (gptlab.bench reads them)."""
+        return self.reporter.timings
 
     def stateful(self) -> Dict[str, Any]:
         """The live objects a checkpoint saves, by checkpoint.STATEFUL name."""
@@ -124,84 +127,42 @@ def build(
     outputs: Path = Path("outputs"),
     run_name: Optional[str] = None,
     tags: Optional[Dict[str, str]] = None,
-    log: Callable[[str], None] = print,
 ) -> Run:
-    """Build every object of a training run from a validated Config."""
+    """Build every object of a training run from a validated Config: this process's place in the
+    job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the records."""
     cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
     d = distributed.setup(cfg.hardware, cfg.parallelism)
-    say = log if d.is_main else (lambda *_: None)
-    # Every rank uses rank 0's run folder (under torchrun each rank's Hydra picked its own timestamp).
-    own_dir, run_dir = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
-    if own_dir != run_dir and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {".hydra", "train.log"}:
-        shutil.rmtree(own_dir, ignore_errors=True)  # this rank's unused, empty Hydra folder
-
-    # Data: rank 0 prepares the token files first so the others only read them.
-    if d.is_main:
-        data = prepare_data(cfg.data, log=say)
-    if d.world_size > 1:
-        torch.distributed.barrier()
-    if not d.is_main:
-        data = prepare_data(cfg.data, log=say)
-    train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
-    T = cfg.model.block_size
-    if min(len(train_tokens), len(val_tokens)) < T + 1:
-        raise GptlabError(
-            f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation tokens)"
-        )
-
-    # Model: identical initialisation on every rank, then per-rank seeds for dropout.
+    console.for_rank(d.rank)
+    run_dir = shared_run_dir(run_dir)
+    data, train_tokens, val_tokens = build_data(cfg, d)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
-    seed_everything(cfg.train.seed)
-    raw_model = GPT(mcfg).to(d.device)
-    seed_everything(cfg.train.seed + d.rank)
-    model = distributed.wrap_model(
-        raw_model, d, cfg.parallelism.strategy, cfg.parallelism.activation_checkpointing, cfg.compile
-    )
-
-    world = d.world_size
-    mb = cfg.micro_batch_size
-    peak_lr = scaled_lr(cfg.optimizer, world)
-    optimizer = build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=cfg.hardware.precision == "fp16")
-    loader = build_train_loader(
-        train_tokens,
-        T,
-        cfg.train.batch_size,
-        mb,
-        d.rank,
-        world,
-        cfg.train.seed,
-        sampling=cfg.data.sampling,
-        pin_memory=d.device.type == "cuda",
-    )
-    eval_bs = cfg.train.eval_batch_size or mb
-    val = eval_batches(val_tokens, T, eval_bs, cfg.train.eval_steps, cfg.train.seed, d.rank, world)
-
-    matmul_params = sum(m.weight.numel() for m in raw_model.modules() if isinstance(m, nn.Linear))
-    fpt = flops_per_token(mcfg.n_layer, mcfg.n_embd, T, matmul_params)
-    # activation checkpointing runs every block's forward twice: hardware FLOPs (HFU) count it
-    recomputed = recomputed_matmul_params(mcfg.n_layer, mcfg.n_embd, mcfg.hidden_dim, mcfg.mlp == "swiglu")
-    hfpt = fpt + (
-        recompute_flops_per_token(mcfg.n_layer, mcfg.n_embd, T, recomputed)
-        if cfg.parallelism.activation_checkpointing
-        else 0.0
-    )
+    raw_model, model = build_model(cfg, mcfg, d)
+    peak_lr = scaled_lr(cfg.optimizer, d.world_size)
+    loader, val = build_loaders(cfg, d, train_tokens, val_tokens)
+    fpt, hfpt = flops_for(mcfg, data.vocab_size, cfg.parallelism.activation_checkpointing)
+    # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
+    peak = device_peak(cfg.hardware)[0] * d.world_size
     hw = cfg.hardware
-    peak_tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
-    if peak_tflops:
-        peak = peak_tflops * 1e12
-    elif d.device.type == "cpu":
-        peak = measured_cpu_peak("bfloat16" if cfg.hardware.precision == "bf16" else "float32")
-    else:
-        peak = 0.0
-    peak *= world  # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
-    num_params = raw_model.num_params()
-    derived = {
-        "params": num_params,
-        "world_size": world,
-        "micro_batch_size": mb,
+    # fmt: off
+    run = Run(
+        train=cfg.train, dist=d, model=model, raw_model=raw_model,
+        optimizer=build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type),
+        scaler=torch.amp.GradScaler(d.device.type, enabled=hw.precision == "fp16"),
+        lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps), grad_clip=cfg.optimizer.grad_clip,
+        train_loader=loader, val_batches=val, tokenizer=data.tokenizer,
+        tracker=NullTracker(), reporter=Reporter(d.is_main, cfg.train.max_steps),
+        autocast=autocast_factory(d.device.type, hw.precision, hw.attention_backend),
+        block_size=cfg.model.block_size, num_params=raw_model.num_params(), flops_per_token=fpt, peak_flops=peak,
+        run_dir=run_dir, checkpoint_dir=run_dir / "checkpoints", resolved_config=resolved,
+        model_config=dataclasses.asdict(mcfg),
+    )
+    # fmt: on
+    run.derived = {
+        "params": run.num_params,
+        "world_size": d.world_size,
+        "micro_batch_size": cfg.micro_batch_size,
         "accum_steps": loader.accum_steps,
-        "tokens_per_step": cfg.train.batch_size * T,
+        "tokens_per_step": cfg.train.batch_size * cfg.model.block_size,
         "peak_lr": peak_lr,
         "flops_per_token": fpt,
         "hardware_flops_per_token": hfpt,
@@ -210,82 +171,109 @@ def build(
         "train_tokens": len(train_tokens),
         "val_tokens": len(val_tokens),
         "tokenizer_sha256": data.tokenizer_sha256,
+        "vocab_size": data.vocab_size,
     }
-
-    checkpoint_dir = run_dir / "checkpoints"
-    start = {"step": 0, "tokens": 0, "best_val": math.inf}
-    mlflow_run_id = None
-    state = checkpoint.find_resume(cfg.train.resume, checkpoint_dir, say)
-    state_loaded = state is not None
-    if state is not None:
-        state.restore({"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": loader})
-        start = {"step": state.step, "tokens": state.tokens, "best_val": state.best_val_loss}
-        mlflow_run_id = state.mlflow_run_id
-        del state
-
-    model_name = f"{cfg.model.name}-{cfg.data.name}"
+    mlflow_run_id = resume(run, cfg.train.resume)
     if d.is_main:
-        params = {**flatten(resolved), **{f"derived.{k}": v for k, v in derived.items()}}
-        all_tags = {
-            "hardware": cfg.hardware.name,
-            "model": cfg.model.name,
-            "data": cfg.data.name,
-            "run_dir": str(run_dir.resolve()),
-            **(tags or {}),
-        }
-        tracker: Any = Tracker(
-            run_dir,
-            cfg.tracking,
-            outputs,
-            cfg.tracking.experiment or model_name,
-            run_name or cfg.tracking.run_name or f"{model_name}-{cfg.hardware.name}",
-            params,
-            all_tags,
-            resume_run_id=mlflow_run_id,
+        run.tracker = open_tracker(cfg, run, resolved, outputs, run_name, tags, mlflow_run_id)
+        record_slurm_job(run_dir)
+    run.summary = summary_line(cfg, run.derived)
+    return run
+
+
+def summary_line(cfg: Config, derived: Dict[str, Any]) -> str:
+    """The run in one line, printed when the loop starts."""
+    x = derived
+    return (
+        f"{cfg.model.name}: {x['params'] / 1e6:.2f}M params | data {cfg.data.name} "
+        f"({x['train_tokens']:,} train tokens, vocab {x['vocab_size']}) | {cfg.hardware.name} "
+        f"x{x['world_size']} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {x['micro_batch_size']} x "
+        f"{x['accum_steps']} accum x {x['world_size']} ranks of {cfg.model.block_size} tokens | "
+        f"peak lr {x['peak_lr']:g} | {cfg.train.max_steps} steps"
+    )
+
+
+def build_loaders(cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any) -> Tuple[Any, List[Any]]:
+    """(this rank's training loader, its fixed validation batches)."""
+    mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
+    loader = build_train_loader(
+        train_tokens, T, t.batch_size, mb, d.rank, d.world_size, t.seed,
+        sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda",
+    )  # fmt: skip
+    val = eval_batches(val_tokens, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size)
+    return loader, val
+
+
+def shared_run_dir(run_dir: Path) -> Path:
+    """Rank 0's run folder, on every rank (under torchrun each rank's Hydra picked its own timestamp)."""
+    own_dir, shared = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
+    if own_dir != shared and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(own_dir, ignore_errors=True)  # this rank's unused, empty Hydra folder
+    return shared
+
+
+def build_data(cfg: Config, d: Dist):
+    """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read them."""
+    if d.is_main:
+        data = prepare_data(cfg.data, log=log.info)
+    if d.world_size > 1:
+        torch.distributed.barrier()
+    if not d.is_main:
+        data = prepare_data(cfg.data, log=log.info)
+    train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
+    T = cfg.model.block_size
+    if min(len(train_tokens), len(val_tokens)) < T + 1:
+        raise GptlabError(
+            f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation tokens)"
         )
-    else:
-        tracker = NullTracker()
+    return data, train_tokens, val_tokens
 
-    if d.is_main and (job := distributed.slurm_job_info()) is not None:
-        # the job's logs live in submitit's folder: say where from the run folder
+
+def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
+    """(the plain model, the model as trained: checkpointing -> compile -> data-parallel wrapper)."""
+    seed_everything(cfg.train.seed)  # identical initialisation on every rank
+    raw_model = GPT(mcfg).to(d.device)
+    seed_everything(cfg.train.seed + d.rank)  # then per-rank streams
+    p = cfg.parallelism
+    return raw_model, distributed.wrap_model(raw_model, d, p.strategy, p.activation_checkpointing, cfg.compile)
+
+
+def resume(run: Run, setting: str) -> Optional[str]:
+    """Restore train.resume's checkpoint into the run (when there is one); its MLflow run id."""
+    state = checkpoint.find_resume(setting, run.checkpoint_dir, log.info if run.dist.is_main else log.debug)
+    if state is None:
+        return None
+    state.restore(run.stateful())
+    run.start_step, run.start_tokens, run.start_best_val = state.step, state.tokens, state.best_val_loss
+    # steps logged after the checkpoint (a crash) are not logged again: an exact resume recomputes them
+    run.logged_until_step = last_logged_step(run.run_dir)
+    return state.mlflow_run_id
+
+
+def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any], outputs: Path, name: Optional[str],
+                 tags: Optional[Dict[str, str]], mlflow_run_id: Optional[str]) -> Tracker:  # fmt: skip
+    """Rank 0's records: the run folder and MLflow, with the config and derived figures as params."""
+    params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
+    m, dt, hw = cfg.model.name, cfg.data.name, cfg.hardware.name
+    all_tags = {"hardware": hw, "model": m, "data": dt, "run_dir": str(run.run_dir.resolve()), **(tags or {})}
+    return Tracker(
+        run.run_dir,
+        cfg.tracking,
+        outputs,
+        cfg.tracking.experiment or experiment_name(m, dt),
+        name or cfg.tracking.run_name or default_run_name(m, dt, hw),
+        params,
+        all_tags,
+        resume_run_id=mlflow_run_id,
+    )
+
+
+def record_slurm_job(run_dir: Path) -> None:
+    """A SLURM job's logs live in submitit's folder: say where, in the run folder and the log."""
+    job = distributed.slurm_job_info()
+    if job is not None:
         (run_dir / "slurm.json").write_text(json.dumps(job, indent=1) + "\n")
-        say(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
-
-    summary = (
-        f"{cfg.model.name}: {num_params / 1e6:.2f}M params | data {cfg.data.name} "
-        f"({len(train_tokens):,} train tokens, vocab {data.vocab_size}) | {cfg.hardware.name} "
-        f"x{world} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {mb} x {loader.accum_steps} "
-        f"accum x {world} ranks of {T} tokens | peak lr {peak_lr:g} | {cfg.train.max_steps} steps"
-    )
-    return Run(
-        train=cfg.train,
-        dist=d,
-        model=model,
-        raw_model=raw_model,
-        optimizer=optimizer,
-        scaler=scaler,
-        lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps),
-        grad_clip=cfg.optimizer.grad_clip,
-        train_loader=loader,
-        val_batches=val,
-        tokenizer=data.tokenizer,
-        tracker=tracker,
-        autocast=autocast_factory(d.device.type, cfg.hardware.precision, cfg.hardware.attention_backend),
-        block_size=T,
-        num_params=num_params,
-        flops_per_token=fpt,
-        peak_flops=peak,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        resolved_config=resolved,
-        model_config=dataclasses.asdict(mcfg),
-        summary=summary,
-        start_step=start["step"],
-        start_tokens=start["tokens"],
-        start_best_val=start["best_val"],
-        derived=derived,
-        logged_until_step=last_logged_step(run_dir) if state_loaded else 0,
-    )
+        log.info(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
 
 
 def write_sample(run: Run) -> Optional[str]:

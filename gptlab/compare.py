@@ -1,4 +1,4 @@
-"""python -m gptlab.compare TARGET [tracking.uri=...] [--out PNG]: a sweep's runs side by side.
+"""python -m gptlab.compare TARGET [tracking.uri=...] [compare.out=PNG]: a sweep's runs side by side.
 
 TARGET is a sweep folder (outputs/sweeps/<date>_<time>; any folder of run folders works), an MLflow
 run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name (its
@@ -9,11 +9,13 @@ validation loss against tokens (<sweep folder>/compare_val_loss.png, or outputs/
 A sweep folder is read from its run folders (metrics.jsonl, results.json, .hydra/overrides.yaml),
 which are written whether or not MLflow was reachable; when it records an MLflow parent run
 (sweep.json), the jobs' statuses and errors come from MLflow.
+
+The root config is conf/compare.yaml: the training config (its `tracking` section names the store) and
+the command's own keys `compare.target` and `compare.out`; a first argument without `=` is the target.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -21,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from gptlab.cli import run_entry
+from hydra.core.config_store import ConfigStore
+
+from gptlab.cli import command, require, text_keys
+from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.tracking import (
     children,
@@ -36,6 +41,27 @@ from gptlab.tracking import (
 )
 
 VAL_PNG = "compare_val_loss.png"
+
+
+@dataclass
+class CompareSettings:
+    """The command's own keys (values in conf/compare.yaml)."""
+
+    target: str  # a sweep folder, an MLflow (parent) run id, or an experiment name
+    out: Optional[str]  # the val-loss PNG; null: <sweep folder>/compare_val_loss.png or outputs/compare/<target>.png
+
+
+@dataclass
+class CompareConfig(Config):
+    """The training config with the `compare` section: the schema of conf/compare.yaml."""
+
+    compare: CompareSettings
+
+
+ConfigStore.instance().store(name="gptlab_compare_schema", node=CompareConfig)
+# How the command reads its arguments (cli.hydra_words): TARGET is compare.target=TARGET, taken as typed.
+POSITIONAL = "compare.target"
+TEXT_KEYS = text_keys(CompareSettings, "compare.")
 
 
 @dataclass
@@ -267,27 +293,23 @@ def plot_val_curves(records: List[RunRecord], path: Path, title: str) -> None:
     fig.savefig(path)
 
 
-def compose_uri(overrides: List[str]) -> str:
-    from gptlab.ui import compose_tracking
-
-    return compose_tracking(overrides).uri or default_uri(Path("outputs"))
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m gptlab.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("target", help="a sweep folder, an MLflow (parent) run id, or an experiment name")
-    p.add_argument("overrides", nargs="*", help="tracking.uri=... (for a run id or an experiment)")
-    p.add_argument("--out", type=Path, default=None, help="where to write the val-loss PNG")
-    args = p.parse_intermixed_args(argv)
-
-    folder = Path(args.target).expanduser()
+def run_compare(cfg: Any) -> None:
+    """Print the table and write the PNG. cfg: composed from conf/compare.yaml."""
+    require(
+        cfg,
+        "compare.target",
+        "a sweep folder, an MLflow run id or an experiment name (python -m gptlab.compare TARGET)",
+    )
+    config = to_config(cfg, CompareConfig)
+    target, out_setting = config.compare.target, config.compare.out
+    folder = Path(target).expanduser()
     if folder.is_dir():
         records, title = from_folder(folder), str(folder)
-        out = args.out or folder / VAL_PNG
+        out = Path(out_setting) if out_setting else folder / VAL_PNG
     else:
-        records, title = from_mlflow(compose_uri(args.overrides), args.target)
-        safe = re.sub(r"[^\w.-]+", "_", args.target)
-        out = args.out or Path("outputs") / "compare" / f"{safe}.png"
+        records, title = from_mlflow(config.tracking.uri or default_uri(Path("outputs")), target)
+        safe = re.sub(r"[^\w.-]+", "_", target)
+        out = Path(out_setting) if out_setting else Path("outputs") / "compare" / f"{safe}.png"
     print(table(records), flush=True)
     try:
         plot_val_curves(records, out, title)
@@ -296,5 +318,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         note("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
 
 
+def main(argv: Optional[List[str]] = None) -> None:
+    """python -m gptlab.compare TARGET [overrides]: a Hydra app on conf/compare.yaml.
+
+    A first argument without `=` is the target (compare.target=TARGET). argv: the same arguments, to
+    run it in this process (errors raise GptlabError).
+    """
+    command("compare", run_compare, argv)
+
+
 if __name__ == "__main__":
-    run_entry(main, "gptlab.compare")
+    main()

@@ -125,17 +125,21 @@ def _one_line(e: Exception) -> str:
     return f"{first} (key: {key})" if key and key not in first else first
 
 
-def to_config(cfg: DictConfig) -> Config:
-    """Validate a composed DictConfig and convert it to the typed Config (raises GptlabError)."""
+def to_config(cfg: DictConfig, schema: type = Config) -> Any:
+    """Validate a composed DictConfig and convert it to the typed schema (raises GptlabError).
+
+    schema: Config, or a command's subclass of it that adds the command's own section (gptlab.bench).
+    """
     try:
         # Merge a plain copy: a DictConfig node already typed by Hydra would carry `+key=` extras along.
         plain = OmegaConf.to_container(cfg, resolve=True)
-        merged = OmegaConf.merge(OmegaConf.structured(Config), plain)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise GptlabError(f"invalid config: {_one_line(e)}") from None
-    assert isinstance(config, Config)
-    validate(config)
+    assert isinstance(config, schema)
+    if isinstance(config, Config):
+        validate(config)
     return config
 
 

@@ -2,31 +2,38 @@
 
 For GPT-2-shaped models (learned positions, GELU MLP of 4 x d, biases, tied head) it also writes
 a folder that Hugging Face ``transformers`` loads as ``GPT2LMHeadModel`` (when transformers is
-installed; the layout needs no transformers to write, only to check).
+installed; the layout needs no transformers to write, only to check). The root config,
+conf/export.yaml, holds only the settings below (``ExportConfig``), as top-level keys.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+from hydra.core.config_store import ConfigStore
 
-from gptlab.cli import fail
-from gptlab.errors import GptlabError
+from gptlab.cli import command, require, text_keys
+from gptlab.config import to_config
 from gptlab.model import GPT
-from gptlab.sample import load_model, parse_args
+from gptlab.sample import load_model
 
 
 @dataclass
 class ExportConfig:
-    run: str = "???"
-    out: Optional[str] = None  # null: <run folder>/export
-    which: str = "latest"  # latest | best
-    hf: bool = True  # also write a Hugging Face GPT-2 folder when the model is GPT-2-shaped
+    """The schema of conf/export.yaml (the values are there)."""
+
+    run: str  # run folder or checkpoint file (mandatory: ???)
+    out: Optional[str]  # null: <run folder>/export
+    which: str  # latest | best
+    hf: bool  # also write a Hugging Face GPT-2 folder when the model is GPT-2-shaped
+
+
+ConfigStore.instance().store(name="gptlab_export_schema", node=ExportConfig)
+TEXT_KEYS = text_keys(ExportConfig)  # run=, out=, which= are text as typed (cli.hydra_words)
 
 
 def gpt2_shaped(model: GPT) -> bool:
@@ -81,10 +88,12 @@ def hf_gpt2_config(model: GPT, tokenizer_meta: dict) -> dict:
     }
 
 
-def main(argv: List[str]) -> Path:
+def run_export(config: Any) -> Path:
+    """Write the export folder and return it. config: composed from conf/export.yaml."""
     from safetensors.torch import save_file
 
-    cfg = parse_args(argv, ExportConfig)
+    require(config, "run", "run=PATH, a run folder or a checkpoint file")
+    cfg = to_config(config, ExportConfig)
     model, _, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
     out = Path(cfg.out) if cfg.out else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
@@ -107,8 +116,14 @@ def main(argv: List[str]) -> Path:
     return out
 
 
+def main(argv: Optional[List[str]] = None) -> Optional[Path]:
+    """python -m gptlab.export run=PATH [key=value ...]: a Hydra app on conf/export.yaml.
+
+    argv: the same key=value arguments, to export in this process (returns the export folder; errors
+    raise GptlabError).
+    """
+    return command("export", run_export, argv)
+
+
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except GptlabError as e:
-        fail("gptlab.export", e)
+    main()

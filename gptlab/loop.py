@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
@@ -50,41 +50,6 @@ class StopOnSignal:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
-
-
-class Console:
-    """Progress output on rank 0: a live bar on a terminal, plain lines in logs (SLURM, pipes)."""
-
-    def __init__(self, enabled: bool, total: int, start: int):
-        self.enabled = enabled
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def step(self, step: int, line: Optional[str], postfix: Optional[Dict[str, str]] = None) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.n = step
-            if postfix:
-                self.bar.set_postfix(postfix, refresh=False)
-            self.bar.refresh()
-        elif line:
-            print(line, flush=True)
-
-    def write(self, line: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 @torch.no_grad()
@@ -159,119 +124,108 @@ def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tenso
     return grad_norm
 
 
+@dataclass
+class Progress:
+    """Where the loop stands: what it has trained, the latest losses, and why it stopped."""
+
+    step: int
+    tokens: int
+    best_val: float
+    loss_sum: torch.Tensor  # this rank's summed micro-step losses since the last logging step
+    loss_count: int = 0
+    train_loss: float = float("nan")
+    last_val: Optional[float] = None
+    stopped_by: Optional[str] = None
+
+
+def due(t: Any, p: Progress, start_step: int) -> Tuple[bool, bool, bool]:
+    """(log, evaluate, save) at step p.step: their cadences, the first and last steps, and a stop."""
+    last = p.step == t.max_steps
+    stopping = p.stopped_by is not None
+    log = p.step % t.log_every == 0 or last or p.step == start_step + 1 or stopping
+    evaluate_now = bool(t.eval_every and p.step % t.eval_every == 0) or last
+    every = bool(t.checkpoint_every and p.step % t.checkpoint_every == 0)
+    return log, evaluate_now, t.save_checkpoints and (every or last or stopping)
+
+
 def train(run: "Run") -> Dict[str, Any]:
     """Run the training loop from run.start_step to train.max_steps; return the results dict.
 
     Stops early, with a checkpoint, when SIGTERM or SIGUSR2 arrives (results["stopped_by"]).
     """
-    t = run.train
-    dev = run.dist.device
+    t, dev, report = run.train, run.dist.device, run.reporter
     tokens_per_step = t.batch_size * run.block_size
-    step, tokens = run.start_step, run.start_tokens
-    best_val, last_val, train_loss = run.start_best_val, None, float("nan")
-    console = Console(run.dist.is_main, t.max_steps, step)
-    console.write(run.summary)
-    run.model.train()
+    p = Progress(run.start_step, run.start_tokens, run.start_best_val, torch.zeros((), device=dev))
     wall0 = time.perf_counter()
-    train_time, window_t0, window_tokens = 0.0, time.perf_counter(), 0
-    loss_sum = torch.zeros((), device=dev)
-    loss_count = 0
+    run.model.train()
+    report.begin(p.step, run.summary)
     stop = StopOnSignal()
-    stopped_by: Optional[str] = None
     try:
-        while step < t.max_steps and stopped_by is None:
-            seed_step(t.seed, step, run.dist.rank)
-            lr = run.lr_at(step)
-            grad_norm = optimizer_step(run, lr, loss_sum)
-            step += 1
-            loss_count += 1
-            tokens += tokens_per_step
-            window_tokens += tokens_per_step
+        while p.step < t.max_steps and p.stopped_by is None:
+            seed_step(t.seed, p.step, run.dist.rank)
+            lr = run.lr_at(p.step)
+            grad_norm = optimizer_step(run, lr, p.loss_sum)
+            p.step, p.tokens, p.loss_count = p.step + 1, p.tokens + tokens_per_step, p.loss_count + 1
+            report.trained(tokens_per_step)
             # every rank must agree to stop at the same step, or the others would wait in a collective
-            stopped_by = distributed.agree_on_signal(stop.received, dev)
-            last = step == t.max_steps
-            do_log = step % t.log_every == 0 or last or step == run.start_step + 1 or stopped_by is not None
-            do_eval = bool(t.eval_every and step % t.eval_every == 0) or last
-            do_save = t.save_checkpoints and (
-                bool(t.checkpoint_every and step % t.checkpoint_every == 0) or last or stopped_by is not None
-            )
+            p.stopped_by = distributed.agree_on_signal(stop.received, dev)
+            do_log, do_eval, do_save = due(t, p, run.start_step)
             if not (do_log or do_eval or do_save):
-                console.step(step, None)
+                report.tick(p.step)
                 continue
             # The one host sync of a logging step: close the timing window before eval / save run.
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-            window_s = time.perf_counter() - window_t0
-            train_time += window_s
-            run.timings.append((step, window_s, window_tokens))  # per-window timings for gptlab.bench
-            tok_s = window_tokens / window_s if window_s > 0 else 0.0
-            step_mfu = mfu(tok_s, run.flops_per_token, run.peak_flops)
-            metrics: Dict[str, Any] = {"tokens": tokens}
+            _, tok_s = report.close_window(p.step)
+            figures = {"lr": lr, "tokens_per_s": tok_s, "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops)}
+            metrics: Dict[str, Any] = {"tokens": p.tokens}
             if do_log:
-                train_loss = distributed.all_reduce_mean(loss_sum / loss_count).item()
-                if not math.isfinite(train_loss):
-                    raise GptlabError(
-                        f"train loss is {train_loss} at step {step}: training diverged; "
-                        f"lower optimizer.lr or use a more stable precision"
-                    )
-                metrics.update(
-                    {
-                        "train_loss": train_loss,
-                        "lr": lr,
-                        "grad_norm": float(grad_norm),
-                        "tokens_per_s": tok_s,
-                        "mfu": step_mfu,
-                    }
-                )
-                loss_sum.zero_()
-                loss_count = 0
+                loss = mean_train_loss(p)
+                metrics.update({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), **figures})
             if do_eval:
-                last_val = evaluate(run)
-                best_val = min(best_val, last_val)
-                metrics["val_loss"] = last_val
-            if (do_log or do_eval) and step > run.logged_until_step:
-                run.tracker.log_metrics(step, metrics)
-                eta = (t.max_steps - step) * train_time / max(1, step - run.start_step)
-                line = (
-                    f"step {step}/{t.max_steps} | loss {train_loss:.4f}"
-                    + (f" | val {last_val:.4f}" if do_eval else "")
-                    + f" | lr {lr:.2e} | {tok_s:,.0f} tok/s | mfu {100 * step_mfu:.1f}% | eta {eta:,.0f}s"
-                )
-                console.step(
-                    step,
-                    line,
-                    {
-                        "loss": f"{train_loss:.4f}",
-                        "best_val": f"{best_val:.4f}",
-                        "lr": f"{lr:.1e}",
-                        "tok/s": f"{tok_s:,.0f}",
-                        "mfu": f"{100 * step_mfu:.1f}%",
-                        "eta": f"{eta:,.0f}s",
-                    },
-                )
+                p.last_val = metrics["val_loss"] = evaluate(run)
+                p.best_val = min(p.best_val, p.last_val)
+            if (do_log or do_eval) and p.step > run.logged_until_step:
+                run.tracker.log_metrics(p.step, metrics)
+                report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
             if do_save:
-                save_checkpoint(run, step, tokens, best_val, last_val if do_eval else None)
-            if stopped_by is not None:
-                console.write(
-                    f"{stopped_by} received: stopped at step {step} with a checkpoint in "
-                    f"{run.checkpoint_dir}; run the same command again to continue"
-                )
-            # evaluation, checkpointing and logging are not training throughput
-            window_t0, window_tokens = time.perf_counter(), 0
+                save_checkpoint(run, p.step, p.tokens, p.best_val, p.last_val if do_eval else None)
+            if p.stopped_by is not None:
+                report.stopped(p.stopped_by, p.step, run.checkpoint_dir)
+            report.open_window()  # evaluation, checkpointing and logging are not training throughput
     finally:
         stop.restore()
-        console.close()
-    session_tokens = tokens - run.start_tokens
+        report.close()
+    return results(run, p, time.perf_counter() - wall0)
+
+
+def mean_train_loss(p: Progress) -> float:
+    """The mean loss over every rank's micro-steps since the last logging step (then reset)."""
+    p.train_loss = distributed.all_reduce_mean(p.loss_sum / p.loss_count).item()
+    if not math.isfinite(p.train_loss):
+        raise GptlabError(
+            f"train loss is {p.train_loss} at step {p.step}: training diverged; "
+            f"lower optimizer.lr or use a more stable precision"
+        )
+    p.loss_sum.zero_()
+    p.loss_count = 0
+    return p.train_loss
+
+
+def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
+    """The run's final figures (results.json); throughput counts this session's training time only."""
+    session_tokens, train_time = p.tokens - run.start_tokens, run.reporter.train_time
+    tok_s = session_tokens / train_time if train_time > 0 else None
     return {
         "params": run.num_params,
-        "steps": step,
-        "tokens": tokens,
-        "train_loss": train_loss,
-        "val_loss": last_val,
-        "best_val_loss": best_val if math.isfinite(best_val) else None,
-        "tokens_per_s": session_tokens / train_time if train_time > 0 else None,
-        "mfu": mfu(session_tokens / train_time, run.flops_per_token, run.peak_flops) if train_time > 0 else None,
-        "wall_s": time.perf_counter() - wall0,
+        "steps": p.step,
+        "tokens": p.tokens,
+        "train_loss": p.train_loss,
+        "val_loss": p.last_val,
+        "best_val_loss": p.best_val if math.isfinite(p.best_val) else None,
+        "tokens_per_s": tok_s,
+        "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops) if tok_s is not None else None,
+        "wall_s": wall_s,
         "mlflow_run_id": run.tracker.run_id,
-        "stopped_by": stopped_by,
+        "stopped_by": p.stopped_by,
     }

@@ -44,8 +44,7 @@ class GPTConfig:
     @property
     def padded_vocab_size(self) -> int:
         assert self.vocab_size is not None, "vocab_size must be set before building the model"
-        m = max(1, self.vocab_multiple)
-        return (self.vocab_size + m - 1) // m * m
+        return padded_vocab(self.vocab_size, self.vocab_multiple)
 
     @property
     def hidden_dim(self) -> int:
@@ -55,6 +54,12 @@ class GPTConfig:
             # 2/3 of 4d keeps the parameter count of a GELU MLP; rounded up to a multiple of 64
             return (int(8 * self.n_embd / 3) + 63) // 64 * 64
         return 4 * self.n_embd
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls fast)."""
+    k = max(1, multiple)
+    return (vocab + k - 1) // k * k
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:

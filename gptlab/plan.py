@@ -3,8 +3,9 @@
 Prints the parameters, FLOPs per token, memory per device by part (weights, gradients, optimizer
 state, activations with and without activation checkpointing), the largest micro-batch that fits
 the device, the accumulation steps that follow, and the step time, tokens/s and time to
-train.max_steps at a stated MFU (``--mfu 0.4``; ``--json`` prints one JSON object instead).
-A run whose micro-batch does not fit ends with one line saying what would.
+train.max_steps at a stated MFU (``plan.mfu=0.4``; ``plan.json=true`` prints one JSON object instead).
+A run whose micro-batch does not fit ends with one line saying what would. The root config is
+conf/plan.yaml: the training config and the planner's own keys (``PlanConfig``).
 
 ``train.micro_batch_size=auto`` is resolved once, by ``resolve_micro_batch`` when a run is built: the
 largest micro-batch that fits.
@@ -16,28 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from gptlab.config import Config
+from hydra.core.config_store import ConfigStore
+
+from gptlab.config import Config, HardwareConfig
 from gptlab.errors import GptlabError
 from gptlab.metrics import (
     Shape,
     flops_per_token,
     machine_memory_bytes,
     matmul_params,
+    measured_cpu_peak,
     memory_estimate,
     peak_tflops_for,
     recompute_flops_per_token,
     recomputed_matmul_params,
 )
+from gptlab.model import GPTConfig, padded_vocab
 
 GiB = 2**30
 # Not every byte of a device is the program's: the CUDA context, cuBLAS / NCCL workspaces and the
 # caching allocator's fragmentation take a few GB of a GPU; the OS, Python and the data take RAM.
 USABLE_FRACTION = {"cuda": 0.92, "cpu": 0.80}
-# The MFU a plan assumes unless --mfu says otherwise: a well-tuned GPT step with bf16, flash attention
+# The MFU a plan assumes unless plan.mfu says otherwise: a well-tuned GPT step with bf16, flash attention
 # and compile reaches about this on A100/H100; the CPU figure is against the measured fp32 matmul rate.
 DEFAULT_MFU = {"cuda": 0.40, "cpu": 0.60}
 _KNOWN_VOCAB = {"gpt2": 50257}
@@ -85,7 +89,7 @@ def vocab_for(cfg: Config) -> Tuple[int, bool]:
 def param_count(cfg: Config, vocab: int) -> int:
     """Parameters of gptlab.model.GPT for this config, without building it."""
     m = cfg.model
-    d, V = m.n_embd, _padded(vocab, m.vocab_multiple)
+    d, V = m.n_embd, padded_vocab(vocab, m.vocab_multiple)
     h, b = m.hidden_dim, 1 if m.bias else 0
     fc_out = (2 if m.mlp == "swiglu" else 1) * h
     layer = (
@@ -107,15 +111,38 @@ def param_count(cfg: Config, vocab: int) -> int:
     return total
 
 
-def _padded(vocab: int, multiple: int) -> int:
-    k = max(1, multiple)
-    return (vocab + k - 1) // k * k
+def flops_for(m: GPTConfig, vocab: int, checkpointing: bool) -> Tuple[float, float]:
+    """(model FLOPs per token, hardware FLOPs per token) for a model of this shape and vocabulary.
+
+    Hardware FLOPs add what activation checkpointing recomputes (HFU); see metrics.py.
+    """
+    hidden, swiglu = m.hidden_dim, m.mlp == "swiglu"
+    weights = matmul_params(m.n_layer, m.n_embd, hidden, padded_vocab(vocab, m.vocab_multiple), swiglu)
+    fpt = flops_per_token(m.n_layer, m.n_embd, m.block_size, weights)
+    if not checkpointing:
+        return fpt, fpt
+    recomputed = recomputed_matmul_params(m.n_layer, m.n_embd, hidden, swiglu)
+    return fpt, fpt + recompute_flops_per_token(m.n_layer, m.n_embd, m.block_size, recomputed)
+
+
+def device_peak(hw: HardwareConfig) -> Tuple[float, str]:
+    """(peak FLOP/s of one device at the hardware's precision, where it came from).
+
+    From the preset's figures ("config"), else the CPU's measured matmul rate ("measured"), else
+    (0.0, "unknown") for a GPU preset without figures (MFU is then not reported).
+    """
+    tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
+    if tflops:
+        return tflops * 1e12, "config"
+    if hw.device == "cpu":
+        return measured_cpu_peak("bfloat16" if hw.precision == "bf16" else "float32"), "measured"
+    return 0.0, "unknown"
 
 
 def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
     m, hw = cfg.model, cfg.hardware
     vocab, assumed = vocab_for(cfg)
-    V = _padded(vocab, m.vocab_multiple)
+    V = padded_vocab(vocab, m.vocab_multiple)
     hidden = m.hidden_dim
     swiglu = m.mlp == "swiglu"
     params = param_count(cfg, vocab)
@@ -169,11 +196,8 @@ def largest_fit(shape: Shape, per_rank: int, checkpointing: bool, usable: float)
 def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
     """The plan for a validated Config (micro_batch: the one to evaluate; default: the config's)."""
     shape, params, assumed = shape_for(cfg)
-    m = cfg.model
     ckpt = cfg.parallelism.activation_checkpointing
-    fpt = flops_per_token(m.n_layer, m.n_embd, m.block_size, shape.matmul_params)
-    recomputed = recomputed_matmul_params(m.n_layer, m.n_embd, shape.hidden, shape.swiglu)
-    hfpt = fpt + (recompute_flops_per_token(m.n_layer, m.n_embd, m.block_size, recomputed) if ckpt else 0.0)
+    fpt, hfpt = flops_for(cfg.model, vocab_for(cfg)[0], ckpt)
     device = device_memory_bytes(cfg)
     usable = device * USABLE_FRACTION[cfg.hardware.device]
     per_rank = cfg.train.batch_size // cfg.world_size
@@ -250,15 +274,8 @@ def what_would_fit(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable:
 
 def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
     """Step time, tokens/s and time to train.max_steps at the given MFU of the job's peak."""
-    from gptlab.metrics import measured_cpu_peak
-
-    hw = cfg.hardware
-    tflops = peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
-    if tflops:
-        peak, source = tflops * 1e12, "config"
-    elif hw.device == "cpu":
-        peak, source = measured_cpu_peak("bfloat16" if hw.precision == "bf16" else "float32"), "measured"
-    else:
+    peak, source = device_peak(cfg.hardware)
+    if not peak:
         return {}
     job_peak = peak * cfg.world_size
     tokens_per_step = cfg.train.batch_size * cfg.model.block_size
@@ -374,39 +391,38 @@ def plan_json(cfg: Config, plan: Plan, est: Dict[str, float]) -> Dict[str, Any]:
     }
 
 
-def _flags(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
-    """--mfu X and --json, taken out of argv before Hydra sees it."""
-    flags: Dict[str, Any] = {"mfu": None, "json": False}
-    rest, i = [], 0
-    while i < len(argv):
-        a = argv[i]
-        if a == "--json":
-            flags["json"] = True
-        elif a == "--mfu" or a.startswith("--mfu="):
-            value = a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-            i += 0 if "=" in a else 1
-            try:
-                flags["mfu"] = float(value)
-            except ValueError:
-                raise GptlabError(f"--mfu {value!r}: give a fraction such as 0.4") from None
-        else:
-            rest.append(a)
-        i += 1
-    return flags, rest
+@dataclass
+class PlanSettings:
+    """The planner's own keys (values in conf/plan.yaml)."""
+
+    mfu: Optional[float]  # the MFU the time estimate assumes; null: DEFAULT_MFU for the device
+    json: bool  # print one JSON object instead of the report
 
 
-_FLAGS: Dict[str, Any] = {"mfu": None, "json": False}
+@dataclass
+class PlanConfig(Config):
+    """The training config with the `plan` section: the schema of conf/plan.yaml."""
+
+    plan: PlanSettings
 
 
-def run_plan(cfg_dict, flags: Dict[str, Any]) -> Dict[str, Any]:
+ConfigStore.instance().store(name="gptlab_plan_schema", node=PlanConfig)
+
+
+def run_plan(cfg_dict) -> Dict[str, Any]:
+    """Print the plan (a report, or one JSON line); a run that does not fit raises what would fit.
+
+    cfg_dict: composed from conf/plan.yaml (``cli.compose("plan", overrides)``).
+    """
     from gptlab.config import to_config
 
-    cfg = resolve_micro_batch(to_config(cfg_dict))
+    cfg = resolve_micro_batch(to_config(cfg_dict, PlanConfig))
+    settings = cfg.plan
     plan = make_plan(cfg)
-    mfu_value = flags.get("mfu") or DEFAULT_MFU[cfg.hardware.device]
+    mfu_value = settings.mfu or DEFAULT_MFU[cfg.hardware.device]
     est = step_estimate(plan, cfg, mfu_value)
     out = plan_json(cfg, plan, est)
-    print(json.dumps(out) if flags.get("json") else report(cfg, plan, est), flush=True)
+    print(json.dumps(out) if settings.json else report(cfg, plan, est), flush=True)
     if not plan.fits:
         raise GptlabError(
             what_would_fit(
@@ -416,36 +432,15 @@ def run_plan(cfg_dict, flags: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def main() -> None:
-    import hydra
-    from omegaconf import DictConfig
+def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+    """python -m gptlab.plan [overrides]: a Hydra app on conf/plan.yaml that writes nothing.
 
-    from gptlab.cli import fail, run_entry
+    argv: overrides, to plan in this process (returns the plan's JSON object; errors raise).
+    """
+    from gptlab.cli import command
 
-    flags, sys.argv[1:] = _flags(sys.argv[1:])
-    _FLAGS.update(flags)
-    # the planner writes nothing: no Hydra run folder or log file
-    sys.argv[1:] = [
-        *sys.argv[1:],
-        "hydra.run.dir=.",
-        "hydra.output_subdir=null",
-        "hydra/job_logging=disabled",
-        "hydra/hydra_logging=disabled",
-    ]
-
-    @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-    def _main(cfg: DictConfig) -> None:
-        try:
-            run_plan(cfg, _FLAGS)
-        except GptlabError as e:
-            fail("gptlab.plan", e)  # one line, before Hydra reports the job as failed
-
-    run_entry(_main, "gptlab.plan")
+    return command("plan", run_plan, argv)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except GptlabError as e:  # a bad flag, before Hydra runs
-        print(f"gptlab.plan: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    main()

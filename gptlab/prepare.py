@@ -1,24 +1,26 @@
 """python -m gptlab.prepare data=... [overrides]: tokenize a dataset into token shards once.
 
 ``gptlab.train`` prepares on demand too; running this first (on one node, say) keeps tokenization
-out of a job's time limit. Prints where the shards are and their figures.
+out of a job's time limit. Prints where the shards are and their figures. The root config is
+conf/prepare.yaml: the training config (its `data` section), and no run folder.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
-import hydra
 from omegaconf import DictConfig
 
-from gptlab.cli import run_entry
+from gptlab import console
+from gptlab.cli import command
 from gptlab.config import to_config
 from gptlab.data import prepare_data
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> Dict[str, Any]:
+def run_prepare(cfg: DictConfig) -> Dict[str, Any]:
+    """Prepare the data section's shards and print one JSON line. cfg: composed from conf/prepare.yaml."""
+    console.setup_logging()  # the progress lines on the console (conf/prepare.yaml: Hydra configures no logging)
     config = to_config(cfg)
     data = prepare_data(config.data)
     m = data.meta
@@ -41,5 +43,13 @@ def main(cfg: DictConfig) -> Dict[str, Any]:
     return summary
 
 
+def main(argv: Optional[List[str]] = None) -> Optional[Dict[str, Any]]:
+    """python -m gptlab.prepare data=... [overrides]: a Hydra app on conf/prepare.yaml.
+
+    argv: overrides, to prepare in this process (returns the summary; errors raise GptlabError).
+    """
+    return command("prepare", run_prepare, argv)
+
+
 if __name__ == "__main__":
-    run_entry(main, "gptlab.prepare")
+    main()

@@ -1,56 +1,43 @@
 """python -m gptlab.sample run=PATH [prompt=...]: generate text from a run folder's checkpoint.
 
 PATH is a run folder (its newest checkpoint, or the best by validation loss with which=best) or a
-checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone: no config tree.
+checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone: the root config,
+conf/sample.yaml, holds only the settings below (``SampleConfig``), as top-level keys. Text keys take
+their value as typed: ``prompt="ROMEO:"`` is the text ``ROMEO:``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from hydra.core.config_store import ConfigStore
 
 from gptlab import checkpoint
-from gptlab.cli import condense, fail
+from gptlab.cli import command, require, text_keys
+from gptlab.config import to_config
 from gptlab.data import Tokenizer, load_tokenizer
-from gptlab.errors import GptlabError
 from gptlab.model import GPT, GPTConfig
 
 
 @dataclass
 class SampleConfig:
-    run: str = "???"  # run folder or checkpoint file
-    prompt: str = "\n"
-    max_new_tokens: int = 500
-    temperature: float = 0.8  # 0: greedy
-    top_k: Optional[int] = 200
-    num_samples: int = 1
-    seed: int = 0
-    which: str = "latest"  # latest | best (by validation loss), for a run folder
-    device: str = "cpu"
+    """The schema of conf/sample.yaml (the values are there)."""
+
+    run: str  # run folder or checkpoint file (mandatory: ???)
+    prompt: str
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_k: Optional[int]  # null: the whole vocabulary
+    num_samples: int
+    seed: int
+    which: str  # latest | best (by validation loss), for a run folder
+    device: str
 
 
-def parse_args(argv: List[str], schema) -> object:
-    """key=value arguments onto a dataclass schema; unknown keys and bad types are one-line errors."""
-    bad = [a for a in argv if "=" not in a]
-    if bad:
-        raise GptlabError(f"arguments are key=value pairs, got {bad[0]!r}")
-    text_fields = {f.name for f in dataclasses.fields(schema) if f.type in (str, "str")}
-    raw = {}
-    for arg in argv:
-        key, value = arg.split("=", 1)
-        # text such as prompt="ROMEO:" stays text instead of being read as YAML
-        raw[key] = value if key in text_fields else OmegaConf.from_dotlist([arg])[key]
-    try:
-        cfg = OmegaConf.merge(OmegaConf.structured(schema), raw)
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as e:
-        raise GptlabError(condense(str(e))) from None
+ConfigStore.instance().store(name="gptlab_sample_schema", node=SampleConfig)
+TEXT_KEYS = text_keys(SampleConfig)  # prompt=ROMEO: / prompt=true / prompt=a,b are text as typed (cli.hydra_words)
 
 
 def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.SavedModel]:
@@ -61,8 +48,10 @@ def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GP
     return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
 
 
-def main(argv: List[str]) -> None:
-    cfg = parse_args(argv, SampleConfig)
+def run_sample(config: Any) -> None:
+    """Print the generated text. config: composed from conf/sample.yaml."""
+    require(config, "run", "run=PATH, a run folder or a checkpoint file")
+    cfg = to_config(config, SampleConfig)
     model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
     prompt = tok.encode(cfg.prompt) or [0]
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
@@ -74,8 +63,13 @@ def main(argv: List[str]) -> None:
         print(tok.decode(row))
 
 
+def main(argv: Optional[List[str]] = None) -> None:
+    """python -m gptlab.sample run=PATH [key=value ...]: a Hydra app on conf/sample.yaml that writes nothing.
+
+    argv: the same key=value arguments, to run it in this process (errors raise GptlabError).
+    """
+    command("sample", run_sample, argv)
+
+
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except GptlabError as e:
-        fail("gptlab.sample", e)
+    main()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -24,6 +25,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from gptlab import console
 from gptlab.tracking import (
     PARENT_TAG,
     SWEEP_FILE,
@@ -32,14 +34,16 @@ from gptlab.tracking import (
     children,
     default_uri,
     error_text,
+    experiment_name,
     get_or_create_experiment,
     log_params,
     mlflow_client,
-    note,
     read_sweep,
     run_name,
     sweep_run_name,
 )
+
+log = logging.getLogger(__name__)
 
 
 def _is_first_task() -> bool:
@@ -69,6 +73,7 @@ class SweepCallback(Callback):
         self.ended = False
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        console.setup_logging()  # the launching process: Hydra configures job logging per job only
         t = config.tracking
         if not t.mlflow:
             return
@@ -78,7 +83,7 @@ class SweepCallback(Callback):
             overrides = [str(o) for o in config.hydra.overrides.task]
             launcher = str(config.hydra.runtime.choices.get("hydra/launcher") or "basic")
             uri = t.uri or default_uri(Path("outputs"))
-            experiment = t.experiment or f"{config.model.name}-{config.data.name}"
+            experiment = t.experiment or experiment_name(config.model.name, config.data.name)
             client = mlflow_client(uri)  # for SQLite: creates and migrates the store, once, before any job
             exp_id = get_or_create_experiment(client, experiment, artifact_root(uri))
             sweeping = swept(overrides)
@@ -114,9 +119,9 @@ class SweepCallback(Callback):
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
             os.replace(tmp, sweep_dir / SWEEP_FILE)
             atexit.register(self._end, stopped=True)
-            print(f"MLflow sweep run {run.info.run_id} ({name}) in {uri}", flush=True)
+            log.info(f"MLflow sweep run {run.info.run_id} ({name}) in {uri}")
         except Exception as e:  # noqa: BLE001 - the jobs still run and record their own runs
-            note(f"no MLflow parent run for this sweep: {error_text(e)}")
+            log.warning(f"no MLflow parent run for this sweep: {error_text(e)}")
             self.parent = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -147,7 +152,7 @@ class SweepCallback(Callback):
                 client.set_tag(p["parent_run_id"], "error", why)
             client.set_terminated(p["parent_run_id"], status="FAILED" if failed or stopped else "FINISHED")
         except Exception as e:  # noqa: BLE001
-            note(f"could not close the sweep's MLflow parent run {p['parent_run_id']}: {error_text(e)}")
+            log.warning(f"could not close the sweep's MLflow parent run {p['parent_run_id']}: {error_text(e)}")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         """A job that failed before its tracker made a run still shows up, FAILED, under the parent."""
@@ -177,7 +182,7 @@ class SweepCallback(Callback):
             )
             client.set_terminated(run.info.run_id, status="FAILED")
         except Exception as e:  # noqa: BLE001
-            note(f"could not record the failed job in MLflow: {error_text(e)}")
+            log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
 
 
 class SubmissionReporter(Callback):
@@ -202,6 +207,7 @@ class SubmissionReporter(Callback):
         if not launcher.startswith("slurm"):
             return
         folder = Path(str(config.hydra.sweep.dir)).resolve() / ".submitit"
+        console.setup_logging()
         self._stop = threading.Event()
         threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True).start()
 
@@ -212,10 +218,9 @@ class SubmissionReporter(Callback):
                 job_id = script.parent.name
                 if job_id not in seen:
                     seen.add(job_id)
-                    print(
+                    log.info(
                         f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
-                        f"(squeue -j {job_id})",
-                        flush=True,
+                        f"(squeue -j {job_id})"
                     )
             if stop.wait(self.poll_s):
                 return

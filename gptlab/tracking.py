@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -24,6 +25,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+log = logging.getLogger(__name__)
 
 METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so runs overlay in the UI
     "train_loss": "train/loss",
@@ -63,13 +66,18 @@ class TrackingConfig:
 
 
 def note(message: str) -> None:
-    """One line on stderr about an optional part that was skipped."""
-    print(f"gptlab: {message}", file=sys.stderr, flush=True)
+    """One warning line about an optional part that was skipped (`gptlab: ...` on stderr)."""
+    log.warning(message)
 
 
 def run_name(model: str, data: str, hardware: str) -> str:
     """A run's default name: `<model>-<data>-<hardware>`."""
     return f"{model}-{data}-{hardware}"
+
+
+def experiment_name(model: str, data: str) -> str:
+    """The default MLflow experiment of a run: `<model>-<data>` (runs on other hardware compare there)."""
+    return f"{model}-{data}"
 
 
 def default_uri(outputs: Path) -> str:
@@ -358,7 +366,7 @@ class MLflowRun:
         try:
             return client.get_run(run_id)
         except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
-            note(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
+            log.warning(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
             return None
 
     @staticmethod
@@ -385,7 +393,7 @@ class MLflowRun:
         try:
             import psutil  # noqa: F401 - MLflow's CPU monitor needs it
         except ImportError:
-            note("system metrics skipped: psutil is not installed (pip install psutil)")
+            log.warning("system metrics skipped: psutil is not installed (pip install psutil)")
             return
         try:
             import logging
@@ -396,11 +404,11 @@ class MLflowRun:
             self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri, resume_logging=self.resumed)
             self._monitor.start()
         except Exception as e:  # noqa: BLE001
-            note(f"system metrics skipped: {error_text(e)}")
+            log.warning(f"system metrics skipped: {error_text(e)}")
             self._monitor = None
             return
         if gpu_expected and not any(type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors):
-            note("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+            log.warning("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
 
     def _buffer_points(self, step: int, values: Dict[str, float]) -> None:
         """values (MLflow name -> value) as points at step, sent by the next flush()."""
@@ -522,13 +530,15 @@ class Tracker:
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:
-            note("system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false")
+            log.warning("system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false")
 
     def _open_tensorboard(self):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            note("TensorBoard event files skipped: the tensorboard package is not installed (pip install tensorboard)")
+            log.warning(
+                "TensorBoard event files skipped: the tensorboard package is not installed (pip install tensorboard)"
+            )
             return None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
@@ -581,10 +591,10 @@ class Tracker:
         try:
             plot_loss(rows, path, self.run_name)
         except ImportError:
-            note(f"{LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)")
+            log.warning(f"{LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)")
             return
         except Exception as e:  # noqa: BLE001 - a plot must never fail a run
-            note(f"{LOSS_PLOT} skipped: {error_text(e)}")
+            log.warning(f"{LOSS_PLOT} skipped: {error_text(e)}")
             return
         self.log_artifact(path)
 
@@ -607,7 +617,7 @@ class Tracker:
                     else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
                     f"  (or {mlflow_ui_command(self.uri)})"
                 )
-                print(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}", flush=True)
+                log.info(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}")
 
 
 def _tags_name(tags: Dict[str, str]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -14,12 +15,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab import distributed
-from gptlab.build import build, record_expectation, write_sample
+from gptlab import console, distributed
+from gptlab.build import build, default_run_name, record_expectation, write_sample
 from gptlab.cli import fail, run_entry
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
+
+log = logging.getLogger(__name__)
 
 
 def run_training(
@@ -30,6 +33,7 @@ def run_training(
     When `hardware` asks for more processes than were launched (hardware=cpu_x2 from a plain
     `python -m gptlab.train`), this process starts the workers, waits, and returns rank 0's results.
     """
+    console.setup_logging()  # under Hydra: its job logging (conf/hydra/job_logging/gptlab.yaml)
     config = to_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if distributed.role(config.hardware) == "parent":
@@ -42,16 +46,14 @@ def run_training(
         results = train(run)
         sample = write_sample(run) if not results["stopped_by"] else None
         if sample is not None:
-            print(f"--- sample ---\n{sample[:400]}\n--------------", flush=True)
+            log.info(f"--- sample ---\n{sample[:400]}\n--------------")
         record_expectation(run, config.expected, results)
         run.tracker.write_results(results)
-        if run.dist.is_main:
-            best = results["best_val_loss"]
-            print(
-                f"results: best val loss {best if best is None else f'{best:.4f}'} | "
-                f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}",
-                flush=True,
-            )
+        best = results["best_val_loss"]
+        log.info(
+            f"results: best val loss {best if best is None else f'{best:.4f}'} | "
+            f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}"
+        )
         status = "KILLED" if results["stopped_by"] else "FINISHED"
         return results
     finally:
@@ -63,6 +65,7 @@ def run_training(
 
 def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: Dict[str, str] | None) -> None:
     """One locally spawned rank: the same run, with RANK / WORLD_SIZE set by distributed.spawn."""
+    console.setup_logging(Path(run_dir) / "train.log")  # a fresh process: Hydra configured nothing here
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
     except GptlabError as e:
@@ -79,7 +82,9 @@ def main(cfg: DictConfig) -> Dict[str, Any]:
     hc = HydraConfig.get()
     run_name = None
     if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
-        run_name = f"{cfg.model.name}-{cfg.data.name}-{cfg.hardware.name}[{','.join(hc.overrides.task)}]"
+        run_name = (
+            f"{default_run_name(cfg.model.name, cfg.data.name, cfg.hardware.name)}[{','.join(hc.overrides.task)}]"
+        )
     try:
         return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
     except GptlabError as e:

@@ -1,4 +1,4 @@
-"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...]: the MLflow UI on the runs' store.
+"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...] [ui.*=...]: the MLflow UI on the runs' store.
 
 Starts `mlflow server` on the store the runs used (the default local store outputs/mlflow.db with its
 artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when free),
@@ -6,14 +6,16 @@ waits until it answers, and prints the URL of the experiment's runs table (MLflo
 experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the server already
 runs: the URL is printed and nothing is started.
 
-On a cluster node, `--host 0.0.0.0` serves on every address. MLflow rejects requests whose Host header
-or page origin it does not know; gptlab.ui tells it this machine's names and addresses (`--allowed-hosts`
-and `--cors-allowed-origins` for others, such as a proxy's name).
+On a cluster node, `ui.host=0.0.0.0` serves on every address. MLflow rejects requests whose Host header
+or page origin it does not know; gptlab.ui tells it this machine's names and addresses (`ui.allowed_hosts`
+and `ui.cors_allowed_origins` for others, such as a proxy's name).
+
+The root config is conf/ui.yaml: the training config (its `tracking` section, as the runs saw it) and
+the command's own keys `ui.host`, `ui.port`, `ui.workers`, `ui.allowed_hosts`, `ui.cors_allowed_origins`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -22,31 +24,38 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
-from gptlab.cli import run_entry
+from hydra.core.config_store import ConfigStore
+
+from gptlab.cli import command, text_keys
+from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.tracking import artifact_root, default_uri, mlflow_client, runs_url, sqlite_path
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+
+@dataclass
+class UISettings:
+    """The command's own keys (values in conf/ui.yaml)."""
+
+    host: str  # address to serve on (0.0.0.0: every address)
+    port: Optional[int]  # null: 5000 when free, else a free port
+    workers: int  # server worker processes
+    allowed_hosts: Optional[str]  # MLflow's --allowed-hosts; null: see network_access
+    cors_allowed_origins: Optional[str]  # MLflow's --cors-allowed-origins; null: see network_access
 
 
-def compose_tracking(overrides: List[str]):
-    """The `tracking` section as the runs saw it: conf/ plus the same command-line overrides."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+@dataclass
+class UIConfig(Config):
+    """The training config with the `ui` section: the schema of conf/ui.yaml."""
 
-    import gptlab.config  # noqa: F401 - registers the schema
-    from gptlab.config import to_config
+    ui: UISettings
 
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise GptlabError(f"{bad[0]}: expected an override such as tracking.uri=..., or an --option")
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = compose(config_name="config", overrides=overrides)
-    return to_config(cfg).tracking
+
+ConfigStore.instance().store(name="gptlab_ui_schema", node=UIConfig)
+TEXT_KEYS = text_keys(UISettings, "ui.")  # ui.host=..., ui.allowed_hosts=a,b:* are text as typed (cli.hydra_words)
 
 
 def store_uri(uri: Optional[str]) -> str:
@@ -207,31 +216,10 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gptlab.ui", description=__doc__.split("\n\n")[0])
-    p.add_argument("overrides", nargs="*", help="tracking.uri=..., tracking.experiment=..., experiment=...")
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1; 0.0.0.0: all)")
-    p.add_argument("--port", type=int, default=None, help="port (default 5000 if free, else any free port)")
-    p.add_argument(
-        "--allowed-hosts",
-        default=None,
-        help="Host headers MLflow accepts (default: localhost and private IPs, and with --host "
-        "this machine's names and addresses), e.g. 'node01,node01:*'",
-    )
-    p.add_argument(
-        "--cors-allowed-origins",
-        default=None,
-        help="page origins whose requests MLflow accepts (default: localhost, and with --host "
-        "http://<this machine's names and addresses>:<port>), e.g. http://node01.example.org:5000",
-    )
-    p.add_argument("--workers", type=int, default=1, help="server worker processes (default 1)")
-    return p
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    args = _parser().parse_args(argv)
-
-    tracking = compose_tracking(args.overrides)
+def run_ui(cfg: Any) -> None:
+    """Serve (or point at) the runs' store until Ctrl-C. cfg: composed from conf/ui.yaml."""
+    config = to_config(cfg, UIConfig)
+    tracking, ui = config.tracking, config.ui
     uri = store_uri(tracking.uri)
     if uri.startswith(("http://", "https://")):
         try:
@@ -246,16 +234,14 @@ def main(argv: Optional[List[str]] = None) -> None:
             flush=True,
         )
         return
-    port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "::") else "0.0.0.0")
-    if args.port and not port_is_free(args.host, port):
-        raise GptlabError(f"--port {port}: already in use on {args.host}; pick another or leave it out")
-    shown = socket.gethostname() if args.host in ("0.0.0.0", "::") else args.host
-    local = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{port}"
-    hosts, origins = network_access(args.host, port, shown)
+    port = ui.port or free_port(ui.host if ui.host not in ("0.0.0.0", "::") else "0.0.0.0")
+    if ui.port and not port_is_free(ui.host, port):
+        raise GptlabError(f"ui.port={port}: already in use on {ui.host}; pick another or leave it out")
+    shown = socket.gethostname() if ui.host in ("0.0.0.0", "::") else ui.host
+    local = f"http://{'127.0.0.1' if ui.host in ('0.0.0.0', '::') else ui.host}:{port}"
+    hosts, origins = network_access(ui.host, port, shown)
     proc = subprocess.Popen(
-        server_command(
-            uri, args.host, port, args.workers, args.allowed_hosts or hosts, args.cors_allowed_origins or origins
-        ),
+        server_command(uri, ui.host, port, ui.workers, ui.allowed_hosts or hosts, ui.cors_allowed_origins or origins),
         env=server_env(),
         start_new_session=True,
     )
@@ -283,5 +269,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         stop(proc)
 
 
+def main(argv: Optional[List[str]] = None) -> None:
+    """python -m gptlab.ui [overrides]: a Hydra app on conf/ui.yaml that writes nothing.
+
+    argv: overrides, to run it in this process (errors raise GptlabError).
+    """
+    command("ui", run_ui, argv)
+
+
 if __name__ == "__main__":
-    run_entry(main, "gptlab.ui")
+    main()

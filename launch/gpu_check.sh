@@ -5,7 +5,7 @@
 #   gpt2_124m  - GPT-2 small's shape, bf16 autocast, torch.compile, flash attention, fused AdamW
 #   gpt1b      - the 1.01B reference model, 2048 context, micro-batch 8, activation checkpointing
 # and writes one JSON file (default outputs/gpu_check.json): the device, torch, and per model the
-# `gptlab.bench` JSON line, the `gptlab.plan --json` prediction, and any error.
+# `gptlab.bench` JSON line, the `gptlab.plan plan.json=true` prediction, and any error.
 #
 # The machine needs no network: the text is Tiny Shakespeare if found (GPTLAB_SHAKESPEARE, shared/data/,
 # ../shared/data/), else generated, and tokenized by characters (the benchmark times the model;
@@ -64,9 +64,9 @@ run_one() {
   local args="$HW $COMMON $* $SHRINK"
   echo "== $name: $args" >&2
   # shellcheck disable=SC2086
-  "$PY" -m gptlab.plan --json $args >"$WORK/$name.plan" 2>"$WORK/$name.plan.err"
+  "$PY" -m gptlab.plan plan.json=true $args >"$WORK/$name.plan" 2>"$WORK/$name.plan.err"
   # shellcheck disable=SC2086
-  timeout "$TIMEOUT" "$PY" -m gptlab.bench --warmup "$WARMUP" --steps "$STEPS" $args \
+  timeout "$TIMEOUT" "$PY" -m gptlab.bench "bench.warmup=$WARMUP" "bench.steps=$STEPS" $args \
     "hydra.run.dir=$WORK/runs/$name" >"$WORK/$name.bench" 2>"$WORK/$name.bench.err"
   echo "$?" >"$WORK/$name.rc"
   tail -n 1 "$WORK/$name.bench" >&2

@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from conftest import REPO, compose_config, run_cli
+from conftest import REPO, run_cli
 
-from gptlab.bench import parse_flags, run_bench
+from gptlab.bench import bench_config, run_bench
+from gptlab.cli import compose
 from gptlab.errors import GptlabError
 
 KEYS = {
@@ -32,15 +33,20 @@ def tiny(shakespeare):
 
 
 def test_flags():
-    flags, rest = parse_flags(["--steps", "4", "model=gpt_nano", "--warmup=0", "--mlflow"])
-    assert flags == {"warmup": 0, "steps": 4, "mlflow": True} and rest == ["model=gpt_nano"]
-    with pytest.raises(GptlabError, match="--steps"):
-        parse_flags(["--steps", "x"])
+    cfg = bench_config(compose("bench", ["bench.steps=4", "model=gpt_nano", "bench.warmup=0", "bench.mlflow=true"]))
+    assert dict(cfg.bench) == {"warmup": 0, "steps": 4, "mlflow": True} and cfg.model.name == "gpt_nano"
+    assert cfg.train.max_steps == 4 and cfg.tracking.mlflow is True and cfg.train.log_every == 1
+    with pytest.raises(GptlabError, match="bench.steps"):
+        compose("bench", ["bench.steps=x"])
+    with pytest.raises(GptlabError, match="bench.steps"):
+        bench_config(compose("bench", ["bench.steps=0"]))
 
 
 def test_bench_in_process(shakespeare, tmp_path, capsys):
-    cfg = compose_config([*tiny(shakespeare), "parallelism.activation_checkpointing=true"])
-    result = run_bench(cfg, tmp_path, {"warmup": 1, "steps": 3, "mlflow": False})
+    cfg = compose(
+        "bench", [*tiny(shakespeare), "parallelism.activation_checkpointing=true", "bench.warmup=1", "bench.steps=3"]
+    )
+    result = run_bench(cfg, tmp_path)
     line = capsys.readouterr().out.strip().splitlines()
     assert len(line) == 1 and json.loads(line[0]) == result
     assert result.keys() >= KEYS and result["timed_steps"] == 3
@@ -52,7 +58,7 @@ def test_bench_in_process(shakespeare, tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_cli_prints_one_json_line(shakespeare, tmp_path):
     out = run_cli(
-        ["gptlab.bench", "--warmup", "1", "--steps", "2", *tiny(shakespeare), f"hydra.run.dir={tmp_path / 'run'}"],
+        ["gptlab.bench", "bench.warmup=1", "bench.steps=2", *tiny(shakespeare), f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO,
         timeout=240,
     )

@@ -68,7 +68,7 @@ def text_of(dom: str) -> str:
 def start_ui(cwd: Path, port: int):
     """(process, output so far, server pid) once gptlab.ui has printed the URLs."""
     ui = subprocess.Popen(
-        [sys.executable, "-m", "gptlab.ui", "--port", str(port)],
+        [sys.executable, "-m", "gptlab.ui", f"ui.port={port}"],
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,

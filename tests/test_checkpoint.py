@@ -45,6 +45,44 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
     assert checkpoint.best(tmp_path) == paths[0]
 
 
+def test_training_state_round_trips_every_stateful_object_and_names_a_missing_field(tmp_path):
+    """One module owns what a checkpoint holds: capture -> save -> load -> restore, field by field."""
+
+    class Box:  # any object with state_dict / load_state_dict
+        def __init__(self, value):
+            self.value = value
+
+        def state_dict(self):
+            return {"value": torch.tensor([self.value])}
+
+        def load_state_dict(self, state):
+            self.value = int(state["value"])
+
+    objects = {name: Box(i) for i, name in enumerate(checkpoint.STATEFUL)}
+    fields = dict(config={"a": 1}, model_config={"n_layer": 2}, tokenizer={"kind": "char"}, mlflow_run_id=None)
+    torch.manual_seed(123)
+    state = checkpoint.TrainingState.capture(objects, step=9, tokens=90, best_val_loss=1.5, **fields)
+    expected_draw = torch.rand(3)  # what the generator gives after the capture
+    path = checkpoint.save_state(tmp_path, state, val_loss=1.5, keep=2)
+    assert path.name == "ckpt_00000009.pt" and checkpoint.best(tmp_path) == path
+
+    fresh = {name: Box(-1) for name in checkpoint.STATEFUL}
+    loaded = checkpoint.find_resume("auto", tmp_path, log=lambda *_: None)
+    assert (loaded.step, loaded.tokens, loaded.best_val_loss, loaded.config) == (9, 90, 1.5, {"a": 1})
+    loaded.restore(fresh)
+    assert {k: b.value for k, b in fresh.items()} == {k: b.value for k, b in objects.items()}
+    assert torch.equal(torch.rand(3), expected_draw)  # the random generators continue exactly
+    saved = checkpoint.read_model(path)
+    assert (saved.step, saved.model_config, saved.tokenizer) == (9, {"n_layer": 2}, {"kind": "char"})
+
+    raw = checkpoint.load(path)
+    del raw["loader"]
+    checkpoint.save(checkpoint.checkpoint_path(tmp_path, 10), {k: v for k, v in raw.items() if k != "format_version"})
+    with pytest.raises(GptlabError, match="not a gptlab training checkpoint.*loader") as e:
+        checkpoint.TrainingState.load(checkpoint.checkpoint_path(tmp_path, 10))
+    assert "\n" not in str(e.value)
+
+
 class Exploit:
     def __reduce__(self):
         return (os.system, (f"touch {Exploit.marker}",))

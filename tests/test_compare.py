@@ -116,7 +116,7 @@ def test_compare_a_parent_run_id_or_an_experiment_gives_the_same_table(sweep, mo
     assert out.splitlines()[:5] == from_folder
     png = cwd / "outputs" / "compare" / f"{info['parent_run_id']}.png"
     assert png.is_file() and f"val loss curves: {Path('outputs') / 'compare' / png.name}" in out
-    compare_main(["gpt_nano-shakespeare_char", "--out", str(cwd / "exp.png")])
+    compare_main(["gpt_nano-shakespeare_char", f"compare.out={cwd / 'exp.png'}"])
     rows = capsys.readouterr().out.splitlines()[2:5]  # by experiment: the runs by name, the sweep parent left out
     assert [r.split()[0] for r in rows] == ["gpt_nano-shakespeare_char-cpu"] * 3
     assert (cwd / "exp.png").is_file()

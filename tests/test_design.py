@@ -102,6 +102,7 @@ def test_loop_and_train_stay_thin():
         "gptlab.errors",
         "gptlab",
         "gptlab.distributed",
+        "gptlab.console",  # logging set-up (a spawned worker is a fresh process)
     }
 
 
@@ -137,3 +138,82 @@ def test_command_line_override_names_are_frozen():
 
 def test_entry_point_modules_exist():
     assert (PKG / "train.py").is_file()
+
+
+# ---- repetition and function length -------------------------------------------------------------
+
+WINDOW = 6  # lines
+MAX_FUNCTION_LINES = 60
+
+
+def shape_lines(path: Path):
+    """(line number, the line's shape) for the lines of code that do something.
+
+    A line's shape is its tokens with every name (but keywords), number and string replaced, so two
+    blocks that differ only in names and numbers have the same shapes. Left out: imports, comments,
+    lines of only brackets or one token, and declarations (dataclass fields `name: type`, and
+    `"key": value` entries of dict literals), which are data, not logic. A function's parameters,
+    one per line, count: two signatures alike are a sign of one function to share.
+    """
+    import io
+    import keyword
+    import tokenize
+
+    keep = set(keyword.kwlist) | {"self"}
+    shapes = {}
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type in (tokenize.NAME, tokenize.NUMBER, tokenize.STRING, tokenize.OP):
+            word = {tokenize.NUMBER: "0", tokenize.STRING: "S"}.get(tok.type, tok.string)
+            if tok.type == tokenize.NAME and tok.string not in keep:
+                word = "N"
+            shapes.setdefault(tok.start[0], []).append(word)
+    for line, words in sorted(shapes.items()):
+        text = " ".join(words)
+        if words[0] in ("import", "from") or len(words) == 1 or set(words) <= set("()[]{},:"):
+            continue
+        if words[:2] == ["S", ":"] or (words[:2] == ["N", ":"] and words[-1] != ","):
+            continue
+        yield line, text
+
+
+def repeated_blocks(paths):
+    """Pairs of non-overlapping WINDOW-line blocks with the same shapes, as 'file:line == file:line'."""
+    seen, found = {}, []
+    for path in paths:
+        lines = list(shape_lines(path))
+        for i in range(len(lines) - WINDOW + 1):
+            window = tuple(text for _, text in lines[i : i + WINDOW])
+            if sum(map(len, window)) < 80:  # a run of trivial lines (returns, closing calls) is no block
+                continue
+            here = (path, i, lines[i][0])
+            for other in seen.get(window, []):
+                if other[0] != path or i - other[1] >= WINDOW:
+                    found.append(f"{other[0].name}:{other[2]} == {path.name}:{here[2]}")
+            seen.setdefault(window, []).append(here)
+    return found
+
+
+def test_no_block_of_code_repeats_inside_gptlab():
+    found = repeated_blocks(sorted(PKG.rglob("*.py")))
+    assert not found, "repeated blocks (factor them out): " + "; ".join(found)
+
+
+def test_the_repetition_finder_finds_renamed_copies(tmp_path):
+    body = "\n".join(f"    total_{i} = compute(alpha_{i}, beta + {i}) * weight[{i}] - offset" for i in range(6))
+    (tmp_path / "a.py").write_text(f"def f():\n{body}\n")
+    (tmp_path / "b.py").write_text("def g():\n" + body.replace("alpha", "gamma").replace("compute", "other") + "\n")
+    assert repeated_blocks([tmp_path / "a.py", tmp_path / "b.py"])
+    other = "\n".join(f"    x{i} = [y for y in range({i}) if y]" for i in range(6))
+    (tmp_path / "c.py").write_text("def h():\n" + other)
+    assert not repeated_blocks([tmp_path / "a.py", tmp_path / "c.py"])
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    long = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, "functions over 60 lines: " + ", ".join(long)

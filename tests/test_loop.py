@@ -18,7 +18,7 @@ GOLDEN = Path(__file__).parent / "golden" / "nano_loss_curve.json"
 
 def build_run(tmp_path, overrides):
     cfg = compose_config(overrides)
-    return build(to_config(cfg), tmp_path, {}, log=lambda *_: None)
+    return build(to_config(cfg), tmp_path, {})
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):

@@ -3,8 +3,10 @@ page it serves, are tested in tests/test_browser.py)."""
 
 import pytest
 
+from gptlab.cli import compose
+from gptlab.config import to_config
 from gptlab.errors import GptlabError
-from gptlab.ui import compose_tracking, find_experiment, store_uri
+from gptlab.ui import UIConfig, find_experiment, store_uri
 from gptlab.ui import main as ui_main
 
 
@@ -12,13 +14,16 @@ def test_no_store_yet_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(GptlabError, match=r"no MLflow store at .*outputs/mlflow.db: no run has been recorded"):
         ui_main([])
-    with pytest.raises(GptlabError, match="expected an override"):
+    with pytest.raises(GptlabError, match="Error parsing override 'outputs'"):
         ui_main(["outputs"])
 
 
 def test_the_store_and_experiment_come_from_the_config_overrides(tmp_path):
-    t = compose_tracking(["tracking.uri=http://10.0.0.1:5000", "tracking.experiment=sweeps"])
+    config = to_config(compose("ui", ["tracking.uri=http://10.0.0.1:5000", "tracking.experiment=sweeps"]), UIConfig)
+    t = config.tracking
     assert (t.uri, t.experiment) == ("http://10.0.0.1:5000", "sweeps")
+    ui = to_config(compose("ui", ["ui.host=0.0.0.0", "ui.port=5001", "ui.allowed_hosts=a.org,a.org:*"]), UIConfig).ui
+    assert (ui.host, ui.port, ui.workers, ui.allowed_hosts) == ("0.0.0.0", 5001, 1, "a.org,a.org:*")
     assert store_uri("http://10.0.0.1:5000") == "http://10.0.0.1:5000"
 
 

@@ -140,24 +140,13 @@ class SequentialLoader(_StepLoader):
 
     kind = "sequential"
 
-    def __init__(
-        self,
-        tokens,
-        block_size: int,
-        batch_size: int,
-        micro_batch_size: int,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        pin_memory: bool = False,
-        prefetch: Optional[bool] = None,
-    ):
-        super().__init__(tokens, block_size, batch_size, micro_batch_size, rank, world_size, seed, pin_memory, prefetch)
-        self.span = batch_size * block_size  # tokens a step consumes
-        if self.span + 1 > len(tokens):
+    def __init__(self, *args: Any, **kwargs: Any):  # _StepLoader's arguments
+        super().__init__(*args, **kwargs)
+        self.span = self.batch_size * self.block_size  # tokens a step consumes
+        if self.span + 1 > len(self.tokens):
             raise GptlabError(
                 f"train.batch_size x model.block_size = {self.span:,} tokens per step is more than "
-                f"the {len(tokens):,} training tokens; lower them or use more data"
+                f"the {len(self.tokens):,} training tokens; lower them or use more data"
             )
         self.epoch = 0
         self.position = 0  # global tokens into the current epoch's stream

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -46,6 +47,8 @@ from gptlab.data.shards import (
 from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
 from gptlab.data.tokenizers import CharTokenizer, Tokenizer, bpe_from_ranks, gpt2_tokenizer, load_tokenizer, train_bpe
 from gptlab.errors import GptlabError
+
+logger = logging.getLogger(__name__)
 
 SOURCES = ("shakespeare", "text_files", "hf")
 TOKENIZERS = ("char", "bpe", "gpt2")
@@ -322,8 +325,12 @@ def _open_prepared(root: Path) -> PreparedData:
     return PreparedData(root, meta)
 
 
-def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> PreparedData:
-    """Make sure the token shards for cfg exist (building them if needed) and return them."""
+def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -> PreparedData:
+    """Make sure the token shards for cfg exist (building them if needed) and return them.
+
+    log: where progress lines go (default: this module's logger, at INFO).
+    """
+    log = log or logger.info
     _check_choices(cfg)
     cache = cache_root(cfg.cache_dir)
     source = open_source(cfg, cache)
@@ -357,15 +364,49 @@ def prepare_data(cfg: DataConfig, log: Callable[[str], None] = print) -> Prepare
 def _prepare_into(
     cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path, log: Callable[[str], None]
 ) -> Dict[str, Any]:
+    """Tokenize the source into tmp: the tokenizer, then pass 1 (documents into flat files per split),
+    then pass 2 (flat files into shards), then meta.json last."""
     tok, ranks = _build_tokenizer(cfg, source, log)
     if ranks is not None:
         (tmp / TOKENIZER_FILE).write_text(ranks)
     tok_sha = tok.sha256()
     dtype = token_dtype(tok.vocab_size)
-    tok_meta = tok.to_meta()
-
-    # Pass 1: encode every document, in order, into a flat file per split.
     splits = ("train", "val") if cfg.split == "documents" else ("all",)
+    encoded = _encode_documents(cfg, source, tok, dtype, splits, tmp)
+    header = {"format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok_sha}
+    counts = _shard_splits(cfg, dtype, header, encoded["written"], tmp)
+    for s in splits:
+        (tmp / f"{s}.flat").unlink()
+        (tmp / f"{s}.docs").unlink()
+    seconds, nbytes = encoded["seconds"], encoded["bytes"]
+    meta = {
+        **header,
+        "dataset": cfg.name,
+        "settings": settings,
+        "tokenizer": tok.to_meta() if ranks is None else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok_sha},
+        "dtype": dtype.name,
+        "documents": encoded["documents"],
+        "empty_documents": encoded["empty"],
+        "duplicate_documents": encoded["duplicates"],
+        "train_tokens": counts["train"][0] * counts["train"][1],
+        "val_tokens": counts["val"][0] * counts["val"][1],
+        "train_shards": counts["train"][0],
+        "val_shards": counts["val"][0],
+        "dropped_tokens": counts["train"][2] + counts["val"][2],
+        "prepare_seconds": round(seconds, 3),
+        "prepare_mb_per_s": nbytes / max(seconds, 1e-9) / 1e6,
+        "source_bytes": nbytes,
+    }
+    if "file_sha256" in settings["source"]:
+        meta["source_sha256"] = settings["source"]["file_sha256"]
+    _write_json(tmp / "meta.json", meta)  # last: its presence marks the folder complete
+    return meta
+
+
+def _encode_documents(
+    cfg: DataConfig, source: Source, tok: Any, dtype: np.dtype, splits: Tuple[str, ...], tmp: Path
+) -> Dict[str, Any]:
+    """Pass 1: every document, in order, into a flat token file and a (start, length) table per split."""
     # open for the whole pass and closed in its `finally:` below
     flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}  # noqa: SIM115
     tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}  # noqa: SIM115
@@ -374,7 +415,7 @@ def _prepare_into(
     index, dropped_dups, empty = 0, 0, 0
     progress = _Progress(cfg.progress, source.total_bytes, source.total_docs, f"prepare {cfg.name}")
     workers = 0 if isinstance(tok, CharTokenizer) else cfg.workers  # char encoding is one numpy call
-    init = (tok_meta, cfg.cleaner, cfg.dedup, _separator(cfg, tok), dtype.name)
+    init = (tok.to_meta(), cfg.cleaner, cfg.dedup, _separator(cfg, tok), dtype.name)
     docs = limited(source.documents(), cfg.max_documents)
     try:
         for tokens, lengths, hashes, nbytes in _encoded(docs, workers, init):
@@ -404,9 +445,14 @@ def _prepare_into(
         for f in (*flat.values(), *tables.values()):
             f.close()
     seconds = progress.close()
+    return {"written": written, "documents": index, "empty": empty, "duplicates": dropped_dups,
+            "seconds": seconds, "bytes": progress.bytes}  # fmt: skip
 
-    # Pass 2: per split, documents in (shuffled) order into equal shards.
-    header = {"format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok_sha}
+
+def _shard_splits(
+    cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], written: Dict[str, int], tmp: Path
+) -> Dict[str, Tuple[int, int, int]]:
+    """Pass 2: per split, its documents in (shuffled) order into equal shards; (shards, tokens each, dropped)."""
     counts: Dict[str, Tuple[int, int, int]] = {}
     if cfg.split == "tail":
         n = written["all"]
@@ -416,41 +462,17 @@ def _prepare_into(
             for split, (a, b) in ranges.items():
                 pieces = (_pread(data, dtype, k, min(1 << 24, b - k)) for k in range(a, b, 1 << 24))
                 counts[split] = _write_split(tmp / split, cfg, dtype, header, b - a, pieces)
-    else:
-        for split in ("train", "val"):
-            n = written[split]
-            table = np.fromfile(tmp / f"{split}.docs", dtype=np.int64).reshape(-1, 2)
-            order = np.arange(len(table))
-            if cfg.shuffle:
-                order = np.random.default_rng([cfg.seed, 7]).permutation(len(table))
-            with open(tmp / f"{split}.flat", "rb") as data:
-                counts[split] = _write_split(tmp / split, cfg, dtype, header, n, _gather(data, dtype, table, order))
-    for s in splits:
-        (tmp / f"{s}.flat").unlink()
-        (tmp / f"{s}.docs").unlink()
-
-    meta = {
-        **header,
-        "dataset": cfg.name,
-        "settings": settings,
-        "tokenizer": tok_meta if ranks is None else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok_sha},
-        "dtype": dtype.name,
-        "documents": index,
-        "empty_documents": empty,
-        "duplicate_documents": dropped_dups,
-        "train_tokens": counts["train"][0] * counts["train"][1],
-        "val_tokens": counts["val"][0] * counts["val"][1],
-        "train_shards": counts["train"][0],
-        "val_shards": counts["val"][0],
-        "dropped_tokens": counts["train"][2] + counts["val"][2],
-        "prepare_seconds": round(seconds, 3),
-        "prepare_mb_per_s": progress.bytes / max(seconds, 1e-9) / 1e6,
-        "source_bytes": progress.bytes,
-    }
-    if "file_sha256" in settings["source"]:
-        meta["source_sha256"] = settings["source"]["file_sha256"]
-    _write_json(tmp / "meta.json", meta)  # last: its presence marks the folder complete
-    return meta
+        return counts
+    for split in ("train", "val"):
+        table = np.fromfile(tmp / f"{split}.docs", dtype=np.int64).reshape(-1, 2)
+        order = np.arange(len(table))
+        if cfg.shuffle:
+            order = np.random.default_rng([cfg.seed, 7]).permutation(len(table))
+        with open(tmp / f"{split}.flat", "rb") as data:
+            counts[split] = _write_split(
+                tmp / split, cfg, dtype, header, written[split], _gather(data, dtype, table, order)
+            )
+    return counts
 
 
 # Reads, not a memory map: mapped pages of a 20 GB flat file would count as this process's memory.

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -30,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab import distributed, metrics
+from gptlab import console, distributed, metrics
 from gptlab.build import build
 from gptlab.cli import command
 from gptlab.config import Config, to_config
@@ -174,7 +172,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         else:
             metrics.reset_peak_rss()
             base = metrics.current_rss_bytes()
-        with open(os.devnull, "w") as quiet, _redirect_stdout(quiet):
+        with console.quiet():
             train(run)  # the loop's progress lines are not the benchmark's output
         if cuda:
             peak, source = torch.cuda.max_memory_allocated(run.dist.device), "cuda_max_allocated"
@@ -199,19 +197,6 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         return result
     finally:
         run.close(status)
-
-
-class _redirect_stdout:
-    """Send sys.stdout to a file while the loop runs (the one JSON line is all bench prints)."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def __enter__(self):
-        self.saved, sys.stdout = sys.stdout, self.target
-
-    def __exit__(self, *exc):
-        sys.stdout = self.saved
 
 
 def _job(cfg: DictConfig) -> Dict[str, Any]:

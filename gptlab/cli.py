@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from gptlab import console
 from gptlab.errors import GptlabError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -192,6 +193,7 @@ def command(
     The arguments are read as `hydra_words` says, by the POSITIONAL / TEXT_KEYS of the task's module.
     """
     config_name = config_name or name
+    console.setup_logging()  # gptlab's console, unless Hydra's job logging (train, bench) replaces it
     if argv is not None:
         return task(compose(config_name, argv))
 

@@ -17,6 +17,7 @@ the command's own keys `compare.target` and `compare.out`; a first argument with
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,7 +34,6 @@ from gptlab.tracking import (
     default_uri,
     error_text,
     mlflow_client,
-    note,
     read_metrics,
     read_overrides,
     read_sweep,
@@ -41,6 +41,8 @@ from gptlab.tracking import (
 )
 
 VAL_PNG = "compare_val_loss.png"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -150,7 +152,7 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
         client = mlflow_client(uri)
         runs = children(client, sweep["experiment_id"], sweep["parent_run_id"])
     except Exception as e:  # noqa: BLE001 - the folders alone still make the table
-        note(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
+        log.warning(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
         return
     by_dir = {r.data.tags.get("run_dir"): r for r in runs}
     for rec in records:
@@ -315,7 +317,7 @@ def run_compare(cfg: Any) -> None:
         plot_val_curves(records, out, title)
         print(f"val loss curves: {out}", flush=True)
     except ImportError:
-        note("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
+        log.warning("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -10,9 +10,9 @@ module so its gradient hooks fire on the compiled graph's parameters).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
-import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # hints only: the config classes are data this module reads
     from gptlab.config import HardwareConfig, ParallelismConfig
 
 
+log = logging.getLogger(__name__)
 _CONTROL_GROUP = None  # a gloo group for CPU-side control messages when the main backend is NCCL
 
 
@@ -209,7 +210,7 @@ def spawn(fn, nprocs: int, args: tuple) -> None:
         how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
         raise GptlabError(f"worker rank {e.error_index} (pid {e.error_pid}) {how}; all workers were stopped") from None
     except mp.ProcessRaisedException as e:
-        print(str(e).rstrip(), file=sys.stderr)
+        log.error(str(e).rstrip())
         raise GptlabError(f"worker rank {e.error_index} failed (traceback above); all workers were stopped") from None
     finally:
         for sig, handler in previous.items():

@@ -12,7 +12,6 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig
 
-from gptlab import console
 from gptlab.cli import command
 from gptlab.config import to_config
 from gptlab.data import prepare_data
@@ -20,7 +19,6 @@ from gptlab.data import prepare_data
 
 def run_prepare(cfg: DictConfig) -> Dict[str, Any]:
     """Prepare the data section's shards and print one JSON line. cfg: composed from conf/prepare.yaml."""
-    console.setup_logging()  # the progress lines on the console (conf/prepare.yaml: Hydra configures no logging)
     config = to_config(cfg)
     data = prepare_data(config.data)
     m = data.meta

@@ -65,11 +65,6 @@ class TrackingConfig:
     plots: bool  # loss.png (train/val loss and lr against tokens) at the end of the run
 
 
-def note(message: str) -> None:
-    """One warning line about an optional part that was skipped (`gptlab: ...` on stderr)."""
-    log.warning(message)
-
-
 def run_name(model: str, data: str, hardware: str) -> str:
     """A run's default name: `<model>-<data>-<hardware>`."""
     return f"{model}-{data}-{hardware}"

@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 from typing import Any, Dict
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab import console, distributed
 from gptlab.build import build, default_run_name, record_expectation, write_sample
-from gptlab.cli import fail, run_entry
+from gptlab.cli import command, fail
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
@@ -77,21 +76,20 @@ def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: 
         fail("gptlab.train", e if rank == "0" else f"[rank {rank}] {e}")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> Dict[str, Any]:
+def train_job(cfg: DictConfig) -> Dict[str, Any]:
+    """One Hydra job of `python -m gptlab.train`: its run folder is Hydra's output folder."""
     hc = HydraConfig.get()
     run_name = None
     if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
-        run_name = (
-            f"{default_run_name(cfg.model.name, cfg.data.name, cfg.hardware.name)}[{','.join(hc.overrides.task)}]"
-        )
-    try:
-        return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
-    except GptlabError as e:
-        if hc.mode == RunMode.RUN and os.environ.get("GPTLAB_TRACEBACK") != "1":
-            fail("gptlab.train", e)  # one line, before Hydra logs the job as failed
-        raise
+        base = default_run_name(cfg.model.name, cfg.data.name, cfg.hardware.name)
+        run_name = f"{base}[{','.join(hc.overrides.task)}]"
+    return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
+
+
+def main() -> None:
+    """python -m gptlab.train [overrides]: a Hydra app on conf/config.yaml (cli.command's grammar)."""
+    command("train", train_job, config_name="config")
 
 
 if __name__ == "__main__":
-    run_entry(main, "gptlab.train")
+    main()

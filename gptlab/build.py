@@ -27,7 +27,7 @@ from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
 from gptlab.plan import device_peak, flops_for, resolve_micro_batch
-from gptlab.tracking import NullTracker, Tracker, experiment_name, flatten, last_logged_step
+from gptlab.tracking import NullTracker, RunIdentity, Tracker, experiment_name, flatten, last_logged_step
 from gptlab.tracking import run_name as default_run_name
 
 log = logging.getLogger(__name__)
@@ -256,16 +256,9 @@ def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any], outputs: Path,
     params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
     m, dt, hw = cfg.model.name, cfg.data.name, cfg.hardware.name
     all_tags = {"hardware": hw, "model": m, "data": dt, "run_dir": str(run.run_dir.resolve()), **(tags or {})}
-    return Tracker(
-        run.run_dir,
-        cfg.tracking,
-        outputs,
-        cfg.tracking.experiment or experiment_name(m, dt),
-        name or cfg.tracking.run_name or default_run_name(m, dt, hw),
-        params,
-        all_tags,
-        resume_run_id=mlflow_run_id,
-    )
+    experiment = cfg.tracking.experiment or experiment_name(m, dt)
+    name = name or cfg.tracking.run_name or default_run_name(m, dt, hw)
+    return Tracker(run.run_dir, cfg.tracking, outputs, RunIdentity(experiment, name, params, all_tags, mlflow_run_id))
 
 
 def record_slurm_job(run_dir: Path) -> None:

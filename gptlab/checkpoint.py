@@ -168,21 +168,10 @@ class TrainingState:
         return cls(**{n: state[n] for n in names})
 
 
-@dataclass
-class SavedModel:
-    """The read-only part of a checkpoint that sample and export use."""
-
-    path: Path
-    step: int
-    model_config: Dict[str, Any]
-    weights: Dict[str, Any]
-    tokenizer: Dict[str, Any]
-
-
-def read_model(path: Path) -> SavedModel:
-    """The model part of a checkpoint (its weights, shape and tokenizer), loaded without code execution."""
-    state = TrainingState.load(path)
-    return SavedModel(Path(path), state.step, state.model_config, state.model, state.tokenizer)
+def read_model(path: Path) -> TrainingState:
+    """A checkpoint to read the model from (sample, export): its model_config, model weights,
+    tokenizer and step; loaded without code execution, restored into nothing."""
+    return TrainingState.load(path)
 
 
 def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int) -> Path:

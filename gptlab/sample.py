@@ -40,11 +40,11 @@ ConfigStore.instance().store(name="gptlab_sample_schema", node=SampleConfig)
 TEXT_KEYS = text_keys(SampleConfig)  # prompt=ROMEO: / prompt=true / prompt=a,b are text as typed (cli.hydra_words)
 
 
-def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.SavedModel]:
+def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.TrainingState]:
     """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model."""
     saved = checkpoint.read_model(checkpoint.find(run, which))
     model = GPT(GPTConfig(**saved.model_config))
-    model.load_state_dict(saved.weights)
+    model.load_state_dict(saved.model)
     return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
 
 

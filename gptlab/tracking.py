@@ -12,6 +12,7 @@ multirun starts) becomes a child of that sweep's MLflow parent run, whatever lau
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -312,21 +313,22 @@ class NullTracker:
     def finish(self, status: str = "FINISHED") -> None: ...
 
 
+@dataclass
+class RunIdentity:
+    """What a run is recorded as in MLflow."""
+
+    experiment: str
+    name: str
+    params: Dict[str, Any]
+    tags: Dict[str, str]
+    resume_run_id: Optional[str] = None  # the checkpoint's MLflow run, continued instead of a new one
+
+
 class MLflowRun:
     """A thin wrapper over MlflowClient that turns any failure into one warning and a no-op."""
 
-    def __init__(
-        self,
-        cfg: TrackingConfig,
-        uri: str,
-        experiment: str,
-        run_name: str,
-        params: Dict[str, Any],
-        tags: Dict[str, str],
-        artifact_root: Optional[Path],
-        experiment_id: Optional[str] = None,
-        resume_run_id: Optional[str] = None,
-    ):
+    def __init__(self, cfg: TrackingConfig, uri: str, run: RunIdentity, experiment_id: Optional[str] = None):
+        """experiment_id: the experiment when it is known already (a sweep's), else found or created by name."""
         self.uri = uri
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
@@ -338,18 +340,19 @@ class MLflowRun:
         try:
             self._check_reachable(uri)
             client = mlflow_client(uri)
-            run = self._reopen(client, resume_run_id) if resume_run_id else None
-            if run is not None:  # a resumed run goes on in the same MLflow run
-                exp_id, self.resumed = run.info.experiment_id, True
-                client.update_run(run.info.run_id, status="RUNNING")
-                for k, v in tags.items():
-                    client.set_tag(run.info.run_id, k, v)
-                logged = run.data.params  # a param cannot change once logged: keep the first value
+            params = run.params
+            mlflow_run = self._reopen(client, run.resume_run_id)
+            if mlflow_run is not None:  # a resumed run goes on in the same MLflow run
+                exp_id, self.resumed = mlflow_run.info.experiment_id, True
+                client.update_run(mlflow_run.info.run_id, status="RUNNING")
+                for k, v in run.tags.items():
+                    client.set_tag(mlflow_run.info.run_id, k, v)
+                logged = mlflow_run.data.params  # a param cannot change once logged: keep the first value
                 params = {k: v for k, v in params.items() if k not in logged}
             else:
-                exp_id = experiment_id or get_or_create_experiment(client, experiment, artifact_root)
-                run = client.create_run(exp_id, run_name=run_name, tags=tags)
-            self.run_id = run.info.run_id
+                exp_id = experiment_id or get_or_create_experiment(client, run.experiment, artifact_root(uri))
+                mlflow_run = client.create_run(exp_id, run_name=run.name, tags=run.tags)
+            self.run_id = mlflow_run.info.run_id
             log_params(client, self.run_id, params)
             self._client = client
             self.experiment_id = exp_id
@@ -357,7 +360,9 @@ class MLflowRun:
             self._fail(e)
 
     @staticmethod
-    def _reopen(client: Any, run_id: str) -> Any:
+    def _reopen(client: Any, run_id: Optional[str]) -> Any:
+        if not run_id:
+            return None
         try:
             return client.get_run(run_id)
         except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
@@ -473,30 +478,20 @@ class Tracker:
     """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
     (and to TensorBoard when asked), and loss.png at the end."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        cfg: TrackingConfig,
-        outputs: Path,
-        experiment: str,
-        run_name: str,
-        params: Dict[str, Any],
-        tags: Dict[str, str],
-        resume_run_id: Optional[str] = None,
-    ):
-        """resume_run_id: the MLflow run of the checkpoint being resumed, continued instead of a new one."""
+    def __init__(self, run_dir: Path, cfg: TrackingConfig, outputs: Path, run: RunIdentity):
+        """outputs: where the default local store lives; run: what MLflow records the run as."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self.run_name = run_name
-        self.experiment = experiment
+        self.run_name = run.name
+        self.experiment = run.experiment
         # line-buffered for the whole run, closed by finish()
         self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.uri = cfg.uri or default_uri(outputs)
         self.mlflow: Optional[MLflowRun] = None
         self._tb = self._open_tensorboard() if cfg.tensorboard else None
         if cfg.mlflow:
-            tags = dict(tags)
+            tags = dict(run.tags)
             experiment_id = None
             overrides = read_overrides(self.run_dir)
             if overrides:
@@ -507,21 +502,12 @@ class Tracker:
                 self.uri, self.experiment = sweep["uri"], sweep["experiment"]
                 experiment_id = sweep["experiment_id"]
                 tags.update({PARENT_TAG: sweep["parent_run_id"], "sweep_dir": sweep["sweep_dir"]})
-                self.run_name = sweep_run_name(cfg.run_name or _tags_name(tags) or run_name, overrides, sweep)
+                self.run_name = sweep_run_name(cfg.run_name or _tags_name(tags) or run.name, overrides, sweep)
             tags["host"] = socket.gethostname()
             if commit := git_commit():
                 tags["git_commit"] = commit
-            self.mlflow = MLflowRun(
-                cfg,
-                self.uri,
-                self.experiment,
-                self.run_name,
-                params,
-                tags,
-                artifact_root(self.uri),
-                experiment_id,
-                resume_run_id,
-            )
+            run = dataclasses.replace(run, experiment=self.experiment, name=self.run_name, tags=tags)
+            self.mlflow = MLflowRun(cfg, self.uri, run, experiment_id)
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:

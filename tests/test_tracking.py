@@ -12,7 +12,7 @@ import pytest
 from conftest import compose_config, nano_overrides, typed
 
 from gptlab.errors import GptlabError
-from gptlab.tracking import Tracker, default_uri, runs_url, sweep_run_name, ui_command
+from gptlab.tracking import RunIdentity, Tracker, default_uri, runs_url, sweep_run_name, ui_command
 from gptlab.train import run_training
 
 
@@ -152,11 +152,11 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
 
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     cfg, outputs = typed("tracking", plots=False), tmp_path / "outputs"
-    first = Tracker(tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 10, "a": 1}, {})
+    first = Tracker(tmp_path / "run", cfg, outputs, RunIdentity("exp", "name", {"train.max_steps": 10, "a": 1}, {}))
     first.log_metrics(5, {"train_loss": 3.0, "tokens": 100})
     first.finish("KILLED")  # stopped (preempted) with a checkpoint holding first.run_id
     again = Tracker(
-        tmp_path / "run", cfg, outputs, "exp", "name", {"train.max_steps": 20, "b": 2}, {}, resume_run_id=first.run_id
+        tmp_path / "run", cfg, outputs, RunIdentity("exp", "name", {"train.max_steps": 20, "b": 2}, {}, first.run_id)
     )
     again.log_metrics(10, {"train_loss": 2.0, "tokens": 200})
     again.finish("FINISHED")

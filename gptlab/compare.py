@@ -42,7 +42,7 @@ from gptlab.tracking import (
 
 VAL_PNG = "compare_val_loss.png"
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gptlab.compare")  # not __name__: run as __main__, it would fall outside gptlab
 
 
 @dataclass

@@ -96,6 +96,9 @@ def mlflow_client(uri: str) -> Any:
     # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    # MLflow's own INFO lines (creating and migrating a new store) are not the run's: warnings only,
+    # read when mlflow is first imported (MLFLOW_LOGGING_LEVEL=INFO brings them back)
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)

@@ -21,7 +21,7 @@ from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gptlab.train")  # not __name__: run as __main__, it would fall outside gptlab
 
 
 def run_training(

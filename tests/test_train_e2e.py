@@ -25,6 +25,9 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
     assert r.returncode == 0, r.stderr[-2000:]
     # plain progress lines when not on a terminal, then the UI command for the store used
     assert "step 10/30 | loss" in r.stdout
+    assert "--- sample ---" in r.stdout and "results: best val loss" in r.stdout  # the train module's own lines
+    # the run's lines, stamped, in its log file; MLflow's and other libraries' INFO chatter nowhere
+    assert "INFO" not in r.stdout + r.stderr and "alembic" not in r.stdout + r.stderr, r.stderr[-2000:]
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/outputs/mlflow.db" in r.stdout
     (run_dir,) = list((tmp_path / "outputs" / "runs").iterdir())
     results = json.loads((run_dir / "results.json").read_text())
@@ -32,6 +35,8 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 30 and "val_loss" in rows[-1]
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "samples.txt").is_file()
+    log_lines = (run_dir / "train.log").read_text()
+    assert "][gptlab.console][INFO] step 10/30 | loss" in log_lines and "results: best val loss" in log_lines
     db = sqlite3.connect(tmp_path / "outputs" / "mlflow.db")
     (status,) = db.execute("select status from runs where run_uuid = ?", (results["mlflow_run_id"],)).fetchone()
     assert status == "FINISHED"

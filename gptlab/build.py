@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from gptlab import checkpoint, console, distributed
+from gptlab import checkpoint, console, distributed, runfolder
 from gptlab.config import Config
 from gptlab.console import Reporter
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
@@ -68,6 +68,7 @@ class Run:
     # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
     # are not logged again: an exact resume recomputes the same values
     logged_until_step: int = 0
+    start_loss_window: Tuple[float, int] = (0.0, 0)  # the train-loss average in progress (TrainingState)
     derived: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -134,6 +135,7 @@ def build(
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     console.for_rank(d.rank)
     run_dir = shared_run_dir(run_dir)
+    resume_from = claim_folder(run_dir, cfg.train.resume, resolved, d.is_main)
     data, train_tokens, val_tokens = build_data(cfg, d)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     raw_model, model = build_model(cfg, mcfg, d)
@@ -173,7 +175,7 @@ def build(
         "tokenizer_sha256": data.tokenizer_sha256,
         "vocab_size": data.vocab_size,
     }
-    mlflow_run_id = resume(run, cfg.train.resume)
+    mlflow_run_id = resume(run, resume_from)
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, outputs, run_name, tags, mlflow_run_id)
         record_slurm_job(run_dir)
@@ -238,13 +240,25 @@ def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
     return raw_model, distributed.wrap_model(raw_model, d, p.strategy, p.activation_checkpointing, cfg.compile)
 
 
-def resume(run: Run, setting: str) -> Optional[str]:
-    """Restore train.resume's checkpoint into the run (when there is one); its MLflow run id."""
-    state = checkpoint.find_resume(setting, run.checkpoint_dir, log.info if run.dist.is_main else log.debug)
-    if state is None:
+def claim_folder(run_dir: Path, setting: str, resolved: Dict[str, Any], is_main: bool) -> Optional[Path]:
+    """The checkpoint this start continues (runfolder.claim decides, on rank 0), or None: start afresh.
+
+    Settled before the data is prepared: another run's checkpoint or a bad path stops at once."""
+    path, error = runfolder.shared_claim(run_dir, setting, resolved, is_main, log.info)
+    if error is not None:
+        raise GptlabError(error)
+    return path
+
+
+def resume(run: Run, path: Optional[Path]) -> Optional[str]:
+    """Restore the claimed checkpoint into the run (when there is one); its MLflow run id."""
+    if path is None:
         return None
+    state = checkpoint.TrainingState.load(path)
+    log.info(f"resuming from {path} (step {state.step})")
     state.restore(run.stateful())
     run.start_step, run.start_tokens, run.start_best_val = state.step, state.tokens, state.best_val_loss
+    run.start_loss_window = tuple(state.loss_window)
     # steps logged after the checkpoint (a crash) are not logged again: an exact resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id

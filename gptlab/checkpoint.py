@@ -1,9 +1,10 @@
-"""Checkpoints: what one holds (``TrainingState``), atomic save, safe load, and which one to resume.
+"""Checkpoints: what one holds (``TrainingState``), atomic save, safe load, pruning.
 
 The one module that knows a checkpoint's keys. The loop captures a ``TrainingState`` from the live
 objects and saves it; build restores one into freshly built objects; sample and export read the
-model part of one (``read_model``). Adding a field to what a run saves is a change here only.
-Knows no model class: it sees objects with ``state_dict()`` / ``load_state_dict()``.
+model part of one (``read_model``); runfolder.py decides which one a run continues. Adding a field
+to what a run saves is a change here only. Knows no model class: it sees objects with
+``state_dict()`` / ``load_state_dict()``.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import json
 import os
 import random
 import re
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -52,15 +53,49 @@ def save(path: Path, state: Dict[str, Any]) -> Path:
 
 
 def load(path: Path) -> Dict[str, Any]:
-    """Load a checkpoint without executing code from it (weights_only unpickling)."""
+    """Load a checkpoint without executing code from it (weights_only unpickling).
+
+    Whatever else the file is, the error is one line naming it: missing, a folder, unreadable, not a
+    PyTorch file, truncated, a pickle that would run code (refused unread), or not gptlab's.
+    """
+    import warnings
+
+    path = Path(path)
     try:
-        state = torch.load(Path(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle's protocol notice would be a second line
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise GptlabError(f"checkpoint {path}: no such file") from None
+    except IsADirectoryError:
+        raise GptlabError(f"checkpoint {path} is a folder: give a checkpoint file (ckpt_<step>.pt)") from None
+    except OSError as e:  # permission denied, an I/O error
+        raise GptlabError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or unsafe files all land here
-        raise GptlabError(f"checkpoint {path} is unreadable or unsafe ({str(e).splitlines()[0][:200]})") from None
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
-        raise GptlabError(f"checkpoint {path} is not a gptlab v{FORMAT_VERSION} checkpoint")
+        # torch's own message is a page long (its weights_only upgrade notice) or says nothing
+        # ("101", "pop from empty list"): say what the file is instead.
+        blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4)
+        except OSError:
+            head = b"?"
+        if blocked:
+            why = f"unreadable or unsafe: loading it would run {blocked.group(1)}"
+        elif not head:
+            why = "an empty file"
+        elif head.startswith(b"PK"):  # torch.save writes a zip archive
+            why = "a truncated or corrupt PyTorch file"
+        else:
+            why = "not a PyTorch file"
+        raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint ({why})") from None
+    if not isinstance(state, dict) or "format_version" not in state:
+        raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)")
+    if state["format_version"] != FORMAT_VERSION:
+        raise GptlabError(
+            f"checkpoint {path} has checkpoint format v{state['format_version']}; this gptlab reads "
+            f"v{FORMAT_VERSION}: use the gptlab version that wrote it"
+        )
     return state
 
 
@@ -140,6 +175,9 @@ class TrainingState:
     model_config: Dict[str, Any]  # GPTConfig's fields with the real vocabulary
     tokenizer: Dict[str, Any]  # the tokenizer's to_meta()
     mlflow_run_id: Optional[str]  # a resumed run goes on in the same MLflow run
+    # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps), so
+    # that a resumed run logs the same averages as one that was never stopped (older checkpoints: empty)
+    loss_window: Tuple[float, int] = (0.0, 0)
 
     @classmethod
     def capture(cls, objects: Dict[str, Any], **fields_: Any) -> "TrainingState":
@@ -162,10 +200,10 @@ class TrainingState:
     @classmethod
     def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in state]
+        missing = [f.name for f in fields(cls) if f.name not in state and f.default is MISSING]
         if missing:
             raise GptlabError(f"checkpoint {path} is not a gptlab training checkpoint (no {', '.join(missing)})")
-        return cls(**{n: state[n] for n in names})
+        return cls(**{n: state[n] for n in names if n in state})
 
 
 def read_model(path: Path) -> TrainingState:
@@ -182,26 +220,6 @@ def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], ke
         mark_best(folder, path, val_loss)
     prune(folder, keep)
     return path
-
-
-def find_resume(resume: str, folder: Path, log: Callable[[str], None]) -> Optional[TrainingState]:
-    """The state to continue from: train.resume=auto|never|<path>.
-
-    auto takes the newest checkpoint in the run's folder that loads, naming and skipping broken ones.
-    """
-    if resume == "never":
-        return None
-    if resume == "auto":
-        found = load_latest_good(folder, warn=log)
-        if found is None:
-            return None
-        path, raw = found
-        state = TrainingState.from_dict(path, raw)
-    else:
-        path = Path(resume).expanduser()
-        state = TrainingState.load(path)
-    log(f"resuming from {path} (step {state.step})")
-    return state
 
 
 def find(run: str, which: str = "latest") -> Path:

@@ -15,6 +15,7 @@ user who sets HYDRA_FULL_ERROR=1 still gets the full traceback.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import importlib
 import os
@@ -73,6 +74,63 @@ def fail(prog: str, error: Exception) -> None:
     sys.exit(2)
 
 
+# OSErrors that come from the user's paths or the machine, not from a bug: errno -> (what, what to do)
+_WRITE_ELSEWHERE = "choose a folder you can write to, or fix its permissions"
+_OS_ERRORS = {
+    errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),
+    errno.EPERM: ("operation not permitted", _WRITE_ELSEWHERE),
+    errno.EROFS: ("read-only file system", "choose a folder on a writable disk"),
+    errno.ENOSPC: ("no space left on the device", "free some space or choose a folder on another disk"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space or choose a folder on another disk"),
+    errno.ENOTDIR: ("a part of this path is a file, not a folder", "choose another path"),
+    errno.EISDIR: ("is a folder, where a file is needed", "give a file"),
+    errno.EEXIST: ("already exists", "choose another path"),
+    errno.ENOENT: ("no such file or folder", "check the path"),
+    errno.ENAMETOOLONG: ("file name too long", "choose a shorter path"),
+    errno.EIO: ("input/output error", "check the disk"),
+}
+_SPACE_OR_RIGHTS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+_FOLDERS = " (the run folder is hydra.run.dir=..., the data cache data.cache_dir=...)"
+
+
+def _override_naming(path: str) -> Optional[str]:
+    """The command-line `key=value` (or $GPTLAB_CACHE_DIR) that `path` comes from: its value is `path`
+    or a folder above it, else (a folder made on the way to it) a path below `path`."""
+    target = Path(path).expanduser().absolute()
+    words = [*sys.argv[1:], f"$GPTLAB_CACHE_DIR={os.environ.get('GPTLAB_CACHE_DIR', '')}"]
+    found = []
+    for word in words:
+        key, sep, value = word.partition("=")
+        if sep and value.strip("'\"") and not key.startswith("-"):
+            where = Path(value.strip("'\"")).expanduser().absolute()
+            if where == target or where in target.parents:
+                return f"{key.lstrip('+~')}={value}"
+            if target in where.parents and target != target.parent:
+                found.append(f"{key.lstrip('+~')}={value}")
+    return found[0] if found else None
+
+
+def os_error_message(error: OSError) -> Optional[str]:
+    """One line for an OSError caused by a path or the machine (None: a bug, which keeps its traceback).
+
+    It names the path, the override it came from when there is one, and what to do.
+    """
+    if error.errno not in _OS_ERRORS:
+        return None
+    what, todo = _OS_ERRORS[error.errno]
+    if error.filename is None:  # a write to an open file: the disk, not a path
+        return f"{error.strerror or what}; {todo}{_FOLDERS if error.errno in _SPACE_OR_RIGHTS else ''}"
+    path = os.fsdecode(error.filename)
+    source = _override_naming(path)
+    if error.errno == errno.EEXIST and Path(path).exists() and not Path(path).is_dir():
+        what = "is a file, where a folder is needed"
+    if error.filename2 is not None:
+        path = f"{path} -> {os.fsdecode(error.filename2)}"
+    if source:
+        return f"{path}: {what} (from {source}); {todo}"
+    return f"{path}: {what}; {todo}{_FOLDERS if error.errno in _SPACE_OR_RIGHTS else ''}"
+
+
 def run_entry(main: Callable[[], Any], prog: str) -> None:
     """Call a Hydra main function; user errors become `prog: error: <one line>` and exit code 2."""
     from hydra.errors import HydraException
@@ -91,6 +149,11 @@ def run_entry(main: Callable[[], Any], prog: str) -> None:
             raise
         print(f"{prog}: error: {describe(e)}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # Hydra's own mkdir / writes (the run folder, .hydra/), and the job's
+        line = os_error_message(e)
+        if user_wants_traceback or line is None:
+            raise
+        fail(prog, line)
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -209,11 +272,13 @@ def command(
     def job(cfg: Any) -> Any:
         try:
             return task(cfg)
-        except GptlabError as e:
+        except (GptlabError, OSError) as e:
             # One line, before Hydra writes "Error executing job with overrides: ..." (a sweep's
-            # failed job is reported when the sweep ends, after the other jobs ran).
-            if HydraConfig.get().mode == RunMode.RUN and not _TRACEBACK["wanted"]:
-                fail(prog, e)
+            # failed job is reported when the sweep ends, after the other jobs ran). An OSError
+            # that is not about a path or the machine is a bug and keeps its traceback.
+            message = e if isinstance(e, GptlabError) else os_error_message(e)
+            if message is not None and HydraConfig.get().mode == RunMode.RUN and not _TRACEBACK["wanted"]:
+                fail(prog, message)
             raise
 
     sys.argv[1:] = hydra_words(sys.modules[task.__module__], sys.argv[1:])

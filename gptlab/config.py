@@ -224,11 +224,19 @@ def _validate_train(c: Config) -> None:
 
 
 def _validate_micro_batch(c: Config) -> None:
+    hw_mb = c.hardware.micro_batch_size
+    if hw_mb is not None and not (_is_int(hw_mb) and hw_mb > 0):
+        raise GptlabError(
+            f"hardware.micro_batch_size={hw_mb}: must be a positive integer or null (as large as the batch allows)"
+        )
     setting = c.train.micro_batch_size
     if setting == "auto":
         return  # the planner picks a divisor of the per-process batch that fits (plan.resolve_micro_batch)
-    if setting is not None and (isinstance(setting, bool) or not isinstance(setting, int)):
-        raise GptlabError(f"train.micro_batch_size={setting}: must be a positive integer, null or auto")
+    if setting is not None and not (_is_int(setting) and setting > 0):
+        raise GptlabError(
+            f"train.micro_batch_size={setting}: must be a positive integer, null (the hardware's choice) "
+            f"or auto (the largest that fits)"
+        )
     mb = c.micro_batch_size
     _check(mb > 0, "train.micro_batch_size", "must be positive")
     _check(
@@ -236,3 +244,7 @@ def _validate_micro_batch(c: Config) -> None:
         "train.micro_batch_size",
         f"{mb} x {c.world_size} processes does not divide train.batch_size={c.train.batch_size}",
     )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -146,11 +146,10 @@ class Reporter:
             f"| mfu {100 * mfu:.1f}% | eta {eta:,.0f}s"
         )
 
-    def stopped(self, signal_name: str, step: int, folder: Path) -> None:
-        self.say(
-            f"{signal_name} received: stopped at step {step} with a checkpoint in {folder}; "
-            "run the same command again to continue"
-        )
+    def stopped(self, signal_name: str, step: int, folder: Path, resume: str) -> None:
+        """resume: the run's train.resume (only auto continues when the command is run again)."""
+        again = "run the same command again" if resume == "auto" else "run it again with train.resume=auto"
+        self.say(f"{signal_name} received: stopped at step {step} with a checkpoint in {folder}; {again} to continue")
 
     def say(self, line: str) -> None:
         if not self.enabled:

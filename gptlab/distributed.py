@@ -49,7 +49,11 @@ def slurm_task() -> bool:
 
 
 def role(hw: HardwareConfig) -> str:
-    """plain | torchrun | slurm | parent (gptlab must start hw.nproc_per_node workers itself)."""
+    """plain | torchrun | slurm | parent (gptlab must start hw.nproc_per_node workers itself).
+
+    A plain process or a parent checks here that the GPUs it needs are visible, before anything is
+    built or any worker started: the error is then the one line on the console.
+    """
     expected = hw.nproc_per_node * hw.nodes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "torchrun"  # also our own spawned workers, which get the same variables
@@ -63,8 +67,27 @@ def role(hw: HardwareConfig) -> str:
                 f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
                 "(hydra/launcher=slurm_a100x8) or torchrun on every node"
             )
+        check_gpus(hw, hw.nproc_per_node)
         return "parent"
+    check_gpus(hw, 1)
     return "plain"
+
+
+def check_gpus(hw: HardwareConfig, needed: int) -> None:
+    """For hardware.device=cuda: at least `needed` GPUs are visible to this process (one per local rank)."""
+    if hw.device != "cuda":
+        return
+    from gptlab.errors import GptlabError
+
+    if not torch.cuda.is_available():
+        raise GptlabError(f"hardware={hw.name} needs CUDA, but no GPU is visible; use hardware=cpu")
+    visible = torch.cuda.device_count()
+    if visible < needed:
+        raise GptlabError(
+            f"hardware={hw.name} starts {needed} processes, one per GPU, but {visible} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            f"set hardware.nproc_per_node={visible} or make the GPUs visible"
+        )
 
 
 def _export_slurm_env() -> None:
@@ -129,8 +152,7 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
         per_node = max(1, world // hw.nodes)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     if hw.device == "cuda":
-        if not torch.cuda.is_available():
-            raise GptlabError(f"hardware={hw.name} needs CUDA, but no GPU is visible; use hardware=cpu")
+        check_gpus(hw, 1)
         n_visible = torch.cuda.device_count()
         device = torch.device("cuda", local_rank % n_visible)
         torch.cuda.set_device(device)

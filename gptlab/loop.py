@@ -80,14 +80,17 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
 
 
-def save_checkpoint(run: "Run", step: int, tokens: int, best_val: float, val: Optional[float]) -> None:
+def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
     """Rank 0 writes the checkpoint; every rank waits so nobody races ahead of a slow save."""
+    # the loss average in progress, as every rank's sum averaged over ranks (a collective: all ranks)
+    window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
     if run.dist.is_main:
         state = checkpoint.TrainingState.capture(
             run.stateful(),
-            step=step,
-            tokens=tokens,
-            best_val_loss=best_val,
+            step=p.step,
+            tokens=p.tokens,
+            best_val_loss=p.best_val,
+            loss_window=(window, p.loss_count),
             config=run.resolved_config,
             model_config=run.model_config,
             tokenizer=run.tokenizer.to_meta(),
@@ -138,11 +141,15 @@ class Progress:
     stopped_by: Optional[str] = None
 
 
-def due(t: Any, p: Progress, start_step: int) -> Tuple[bool, bool, bool]:
-    """(log, evaluate, save) at step p.step: their cadences, the first and last steps, and a stop."""
+def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
+    """(log, evaluate, save) at step p.step: their cadences, the first and last steps, and a stop.
+
+    A stop saves but does not log: its partial train-loss average goes into the checkpoint, and the
+    resumed run logs the same averages at the same steps as a run that was never stopped.
+    """
     last = p.step == t.max_steps
     stopping = p.stopped_by is not None
-    log = p.step % t.log_every == 0 or last or p.step == start_step + 1 or stopping
+    log = p.step % t.log_every == 0 or last or p.step == 1
     evaluate_now = bool(t.eval_every and p.step % t.eval_every == 0) or last
     every = bool(t.checkpoint_every and p.step % t.checkpoint_every == 0)
     return log, evaluate_now, t.save_checkpoints and (every or last or stopping)
@@ -155,7 +162,9 @@ def train(run: "Run") -> Dict[str, Any]:
     """
     t, dev, report = run.train, run.dist.device, run.reporter
     tokens_per_step = t.batch_size * run.block_size
-    p = Progress(run.start_step, run.start_tokens, run.start_best_val, torch.zeros((), device=dev))
+    window_sum, window_count = run.start_loss_window
+    p = Progress(run.start_step, run.start_tokens, run.start_best_val, torch.tensor(float(window_sum), device=dev))
+    p.loss_count = int(window_count)
     wall0 = time.perf_counter()
     run.model.train()
     report.begin(p.step, run.summary)
@@ -169,7 +178,7 @@ def train(run: "Run") -> Dict[str, Any]:
             report.trained(tokens_per_step)
             # every rank must agree to stop at the same step, or the others would wait in a collective
             p.stopped_by = distributed.agree_on_signal(stop.received, dev)
-            do_log, do_eval, do_save = due(t, p, run.start_step)
+            do_log, do_eval, do_save = due(t, p)
             if not (do_log or do_eval or do_save):
                 report.tick(p.step)
                 continue
@@ -189,9 +198,9 @@ def train(run: "Run") -> Dict[str, Any]:
                 run.tracker.log_metrics(p.step, metrics)
                 report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
             if do_save:
-                save_checkpoint(run, p.step, p.tokens, p.best_val, p.last_val if do_eval else None)
+                save_checkpoint(run, p, p.last_val if do_eval else None)
             if p.stopped_by is not None:
-                report.stopped(p.stopped_by, p.step, run.checkpoint_dir)
+                report.stopped(p.stopped_by, p.step, run.checkpoint_dir, t.resume)
             report.open_window()  # evaluation, checkpointing and logging are not training throughput
     finally:
         stop.restore()

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import math
 import os
+import random
 import re
 import shlex
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 log = logging.getLogger(__name__)
 
@@ -91,17 +95,92 @@ def artifact_root(uri: str) -> Optional[Path]:
     return db.parent / "mlartifacts" if db is not None else None  # a server stores (or proxies) its own
 
 
+LOCKED_RETRIES = 8  # tries of a SQLite call that finds the database locked (backoff 0.1 s doubling, to 3 s)
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock on `<db>.lock` beside a SQLite store's database file (nothing for other stores).
+
+    MLflow creates and migrates a SQLite store on a process's first connection to it; processes that
+    do so at once race (`table ... already exists`, `Online migration expected to match one row`) and
+    lose their runs. Every first connection is made under this lock, so they do it one at a time.
+    """
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    import fcntl
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as lock:  # closing it releases the lock, whatever happens inside
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def retry_locked(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """call(*args, **kwargs), tried again with backoff while SQLite answers `database is locked`.
+
+    SQLite waits for a busy database, but gives up at once when two writers would deadlock; the
+    transaction is rolled back then, so trying it again records it once.
+    """
+    for attempt in range(LOCKED_RETRIES):
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - MLflow wraps SQLAlchemy's OperationalError
+            if "database is locked" not in str(e) or attempt == LOCKED_RETRIES - 1:
+                raise
+            time.sleep(min(0.1 * 2**attempt, 3.0) * random.uniform(0.5, 1.5))
+    raise AssertionError("unreachable")
+
+
+class RetryingClient:
+    """An MlflowClient on a SQLite store whose every call is made through retry_locked."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        return functools.partial(retry_locked, attr) if callable(attr) else attr
+
+
 def mlflow_client(uri: str) -> Any:
-    """An MlflowClient on the store at uri that gives up on a down server in seconds, not minutes."""
+    """An MlflowClient on the store at uri that gives up on a down server in seconds, not minutes.
+
+    Every place that opens a store uses this one: a SQLite store is created (and migrated) under
+    store_lock, and its calls are retried while the database is locked, so concurrent runs on one
+    fresh store are all recorded.
+    """
     # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     # MLflow's own INFO lines (creating and migrating a new store) are not the run's: warnings only,
     # read when mlflow is first imported (MLFLOW_LOGGING_LEVEL=INFO brings them back)
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    # nor are the "View run ... at: URL" lines it writes to stdout when a server's run ends: gptlab
+    # says where a run is itself, and sync's stdout is one line per folder
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    if sqlite_path(uri) is None:
+        return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):  # MlflowClient() connects: it creates, migrates and checks the store
+        return RetryingClient(retry_locked(MlflowClient, tracking_uri=uri))
+
+
+def check_reachable(uri: str) -> None:
+    """Raise ConnectionError, in seconds, when the tracking server at an http(s) uri does not answer."""
+    if uri.startswith("http://") or uri.startswith("https://"):
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).read()
+        except Exception as e:  # noqa: BLE001
+            raise ConnectionError(f"tracking server {uri} is unreachable ({e})") from None
+
+
+def sync_command(run_dir: Path) -> str:
+    """The `python -m gptlab.sync` command that records the run folder in MLflow later."""
+    return f"python -m gptlab.sync {shlex.quote(str(Path(run_dir).resolve()))}"
 
 
 def log_params(client: Any, run_id: str, params: Dict[str, Any]) -> None:
@@ -330,9 +409,18 @@ class RunIdentity:
 class MLflowRun:
     """A thin wrapper over MlflowClient that turns any failure into one warning and a no-op."""
 
-    def __init__(self, cfg: TrackingConfig, uri: str, run: RunIdentity, experiment_id: Optional[str] = None):
-        """experiment_id: the experiment when it is known already (a sweep's), else found or created by name."""
+    def __init__(
+        self,
+        cfg: TrackingConfig,
+        uri: str,
+        run: RunIdentity,
+        experiment_id: Optional[str] = None,
+        run_dir: Optional[Path] = None,
+    ):
+        """experiment_id: the experiment when it is known already (a sweep's), else found or created by name;
+        run_dir: the run folder, which the warning names when MLflow fails (to record it later)."""
         self.uri = uri
+        self.run_dir = run_dir
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
@@ -372,18 +460,14 @@ class MLflowRun:
             log.warning(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
             return None
 
-    @staticmethod
-    def _check_reachable(uri: str) -> None:
-        if uri.startswith("http://") or uri.startswith("https://"):
-            try:
-                urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).read()
-            except Exception as e:  # noqa: BLE001
-                raise ConnectionError(f"tracking server {uri} is unreachable ({e})") from None
+    _check_reachable = staticmethod(check_reachable)
 
     def _fail(self, e: Exception) -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        later = sync_command(self.run_dir) if self.run_dir is not None else "python -m gptlab.sync <run folder>"
         warnings.warn(
-            f"MLflow disabled for this run: {first[:300]}; the run folder still records everything",
+            f"MLflow disabled for this run: {first[:300]}; the run folder still records everything; "
+            f"record it later with: {later}",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -510,7 +594,7 @@ class Tracker:
             if commit := git_commit():
                 tags["git_commit"] = commit
             run = dataclasses.replace(run, experiment=self.experiment, name=self.run_name, tags=tags)
-            self.mlflow = MLflowRun(cfg, self.uri, run, experiment_id)
+            self.mlflow = MLflowRun(cfg, self.uri, run, experiment_id, run_dir=self.run_dir)
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:
@@ -556,10 +640,13 @@ class Tracker:
         self.log_artifact(path)
 
     def write_results(self, results: Dict[str, Any]) -> None:
+        """results.json, atomically, as strict JSON: a figure that is not a finite number is null."""
         path = self.run_dir / "results.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(results, indent=2) + "\n")
+        strict = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in results.items()}
+        tmp.write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
         os.replace(tmp, path)
+        results = strict
         self.log_artifact(path)
         if self.mlflow:
             self.mlflow.log_summary(

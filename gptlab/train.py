@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab import console, distributed
+from gptlab import console, distributed, runfolder
 from gptlab.build import build, default_run_name, record_expectation, write_sample
 from gptlab.cli import command, fail
 from gptlab.config import to_config
@@ -35,6 +35,15 @@ def run_training(
     console.setup_logging()  # under Hydra: its job logging (conf/hydra/job_logging/gptlab.yaml)
     config = to_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    done = runfolder.finished(Path(run_dir), resolved)
+    if done is not None:  # the same command again after the run finished: nothing to do, nothing changed
+        best = done.get("best_val_loss")
+        log.info(
+            f"{run_dir} holds this run, finished at step {done['steps']} (best val loss "
+            f"{best if best is None else f'{best:.4f}'}): nothing to do. train.max_steps=N continues it; "
+            "train.resume=never starts it over (the files are moved aside)"
+        )
+        return done
     if distributed.role(config.hardware) == "parent":
         distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir), run_name, tags))
         return json.loads((Path(run_dir) / "results.json").read_text())

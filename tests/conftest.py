@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Mapping
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import gptlab.config  # noqa: F401 - registers the schema in Hydra's ConfigStore
+from gptlab.data.sources import cache_root, shakespeare_file
+from gptlab.errors import GptlabError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-SHAKESPEARE = Path(os.environ.get("GPTLAB_SHAKESPEARE", REPO.parent / "shared" / "data" / "tinyshakespeare.txt"))
+SHARED_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"  # this repository's CI copy
+GPTLAB_CACHE = cache_root(None)  # gptlab's own cache (downloads), resolved before _isolated_cache replaces it
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,9 +37,33 @@ def _isolated_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
-    if not SHAKESPEARE.is_file():
-        pytest.fail(f"Tiny Shakespeare not found at {SHAKESPEARE}; set GPTLAB_SHAKESPEARE")
-    return SHAKESPEARE
+    return find_shakespeare()
+
+
+def find_shakespeare(
+    env: Mapping[str, str] = os.environ, shared: Path = SHARED_SHAKESPEARE, cache: Path = GPTLAB_CACHE, data=None
+) -> Path:
+    """Tiny Shakespeare, found as `make train` finds it: $GPTLAB_SHAKESPEARE (the offline override),
+    else ../shared/data/tinyshakespeare.txt, else gptlab's own download in its cache
+    (<cache>/downloads/, fetched once from data.url and checked against data.sha256).
+
+    data: the data section giving the URL and SHA-256 (default: conf/data/shakespeare_char.yaml's).
+    Fails the test with one line saying how to point at a local copy.
+    """
+    how = "set GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt"
+    override = env.get("GPTLAB_SHAKESPEARE")
+    if override:
+        if not Path(override).expanduser().is_file():
+            pytest.fail(f"GPTLAB_SHAKESPEARE={override}: no such file; {how}", pytrace=False)
+        return Path(override).expanduser()
+    if shared.is_file():
+        return shared
+    data = dataclasses.replace(data or typed("data"), path=None)
+    try:
+        return shakespeare_file(data, cache)
+    except GptlabError as e:  # offline, or a bad download: its reason without gptlab's data.path= advice
+        reason = str(e).split(";")[0]
+    pytest.fail(f"Tiny Shakespeare is not at {shared}, and {reason}; {how}", pytrace=False)
 
 
 def compose_config(overrides: List[str]) -> DictConfig:
@@ -93,3 +124,40 @@ def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) ->
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def start_mlflow_server(store: Path):
+    """A real `mlflow server` on a free loopback port with a SQLite backend: (process, uri)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(store / "artifacts"),
+        ],
+        cwd=store,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2).read()
+            return server, uri
+        except OSError:
+            if server.poll() is not None or time.time() > deadline:
+                os.killpg(server.pid, signal.SIGTERM)
+                pytest.fail("mlflow server did not start")
+            time.sleep(0.5)

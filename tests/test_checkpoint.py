@@ -61,14 +61,18 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
     objects = {name: Box(i) for i, name in enumerate(checkpoint.STATEFUL)}
     fields = dict(config={"a": 1}, model_config={"n_layer": 2}, tokenizer={"kind": "char"}, mlflow_run_id=None)
     torch.manual_seed(123)
-    state = checkpoint.TrainingState.capture(objects, step=9, tokens=90, best_val_loss=1.5, **fields)
+    state = checkpoint.TrainingState.capture(
+        objects, step=9, tokens=90, best_val_loss=1.5, loss_window=(2.5, 3), **fields
+    )
     expected_draw = torch.rand(3)  # what the generator gives after the capture
     path = checkpoint.save_state(tmp_path, state, val_loss=1.5, keep=2)
     assert path.name == "ckpt_00000009.pt" and checkpoint.best(tmp_path) == path
 
     fresh = {name: Box(-1) for name in checkpoint.STATEFUL}
-    loaded = checkpoint.find_resume("auto", tmp_path, log=lambda *_: None)
+    path_found, _ = checkpoint.load_latest_good(tmp_path)
+    loaded = checkpoint.TrainingState.load(path_found)
     assert (loaded.step, loaded.tokens, loaded.best_val_loss, loaded.config) == (9, 90, 1.5, {"a": 1})
+    assert tuple(loaded.loss_window) == (2.5, 3)
     loaded.restore(fresh)
     assert {k: b.value for k, b in fresh.items()} == {k: b.value for k, b in objects.items()}
     assert torch.equal(torch.rand(3), expected_draw)  # the random generators continue exactly

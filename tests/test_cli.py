@@ -24,6 +24,7 @@ COMMANDS = {
     "compare": ("compare", ["compare.target", "compare.out", "tracking.uri"]),
     "sample": ("sample", ["run", "prompt", "max_new_tokens", "temperature", "top_k", "which"]),
     "export": ("export", ["run", "out", "which", "hf"]),
+    "sync": ("sync", ["sync.folders", "tracking.uri"]),
 }
 READ_ONLY = ["plan", "ui", "compare", "sample", "export", "prepare"]
 
@@ -137,6 +138,8 @@ def test_an_unknown_key_is_one_line_and_exit_code_2(command, tmp_path):
         (["gptlab.export", "run=missing-run"], 2, "no checkpoint found"),
         (["gptlab.compare", "no-such-sweep"], 2, "no MLflow store"),
         (["gptlab.ui"], 2, "no MLflow store"),
+        (["gptlab.sync", "no-such-run"], 2, "no-such-run: no such folder"),
+        (["gptlab.sync"], 2, "no run folders under outputs/runs or outputs/sweeps"),
         (["gptlab.plan", "--cfg", "job"], 0, None),
     ],
 )

@@ -103,6 +103,7 @@ def test_loop_and_train_stay_thin():
         "gptlab",
         "gptlab.distributed",
         "gptlab.console",  # logging set-up (a spawned worker is a fresh process)
+        "gptlab.runfolder",  # a finished run rerun: nothing to build
     }
 
 

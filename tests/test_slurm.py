@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, start_mlflow_server
 
 pytestmark = pytest.mark.slow
 
@@ -301,49 +301,10 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path):
     """Two 2-task gloo DDP jobs on SLURM, recorded through a real `mlflow server` on loopback."""
-    port = _free_port()
-    store = tmp_path / "store"
-    store.mkdir()
-    server = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(store / "art"),
-        ],
-        cwd=store,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
+    server, uri = start_mlflow_server(tmp_path / "store")
     try:
-        import urllib.request
-
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-                break
-            except OSError:
-                assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
-                time.sleep(0.5)
         r = run_cli(
             [
                 "gptlab.train",

@@ -45,7 +45,15 @@ from gptlab.data.shards import (
     token_dtype,
 )
 from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
-from gptlab.data.tokenizers import CharTokenizer, Tokenizer, bpe_from_ranks, gpt2_tokenizer, load_tokenizer, train_bpe
+from gptlab.data.tokenizers import (
+    CharTokenizer,
+    Tokenizer,
+    bpe_from_ranks,
+    gpt2_tokenizer,
+    load_tokenizer,
+    parse_ranks,
+    train_bpe,
+)
 from gptlab.errors import GptlabError
 
 logger = logging.getLogger(__name__)
@@ -102,6 +110,8 @@ def _check_choices(cfg: DataConfig) -> None:
         raise GptlabError(f"data.val_fraction={cfg.val_fraction}: must be in (0, 1)")
     if cfg.shard_divisor < 1 or cfg.shard_tokens < 1:
         raise GptlabError("data.shard_divisor and data.shard_tokens must be positive")
+    if cfg.max_documents is not None and cfg.max_documents < 1:
+        raise GptlabError(f"data.max_documents={cfg.max_documents}: must be positive, or null for all documents")
     if cfg.workers < 0:
         raise GptlabError(f"data.workers={cfg.workers}: must be >= 0 (0 tokenizes in this process)")
 
@@ -133,10 +143,22 @@ def dataset_key(cfg: DataConfig, source: Source) -> Tuple[str, Dict[str, Any]]:
 
 
 def _read_ranks_file(path: str) -> Tuple[str, str]:
+    """The text of a tiktoken ranks file and its SHA-256; one line naming data.tokenizer.path when it is not one."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise GptlabError(f"data.tokenizer.path={path} is a folder: give a tiktoken ranks file (.tiktoken)")
     if not p.is_file():
         raise GptlabError(f"data.tokenizer.path={path}: no such ranks file")
-    text = p.read_text()
+    try:
+        text = p.read_bytes().decode("utf-8")
+        ranks = parse_ranks(text)
+        if any(bytes([b]) not in ranks for b in range(256)):  # a byte-level BPE starts from every byte
+            raise ValueError(f"{len(ranks)} tokens, not all 256 single bytes among them")
+    except (UnicodeDecodeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise GptlabError(
+            f"data.tokenizer.path={path} is not a tiktoken ranks file (one 'base64(token) rank' a line: "
+            f"{str(e).splitlines()[0][:80]}); give one that gptlab.prepare saved (tokenizer.tiktoken)"
+        ) from None
     return text, hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -309,7 +331,10 @@ def _sweep_stale(root: Path) -> None:
 
 
 def _open_prepared(root: Path) -> PreparedData:
-    meta = json.loads((root / "meta.json").read_text())
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except ValueError as e:  # edited or damaged by hand: the shards cannot be trusted either
+        raise GptlabError(f"{root / 'meta.json'} is not valid JSON ({e}); delete {root} to prepare it again") from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise GptlabError(
             f"{root}: made by token-file format {meta.get('format_version')}, "
@@ -373,6 +398,7 @@ def _prepare_into(
     dtype = token_dtype(tok.vocab_size)
     splits = ("train", "val") if cfg.split == "documents" else ("all",)
     encoded = _encode_documents(cfg, source, tok, dtype, splits, tmp)
+    _check_has_text(cfg, encoded)
     header = {"format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok_sha}
     counts = _shard_splits(cfg, dtype, header, encoded["written"], tmp)
     for s in splits:
@@ -401,6 +427,26 @@ def _prepare_into(
         meta["source_sha256"] = settings["source"]["file_sha256"]
     _write_json(tmp / "meta.json", meta)  # last: its presence marks the folder complete
     return meta
+
+
+def _source_key(cfg: DataConfig) -> str:
+    """The setting that says where the text came from, as `key=value`."""
+    if cfg.path:
+        return f"data.path={cfg.path}"
+    return f"data.hf_dataset={cfg.hf_dataset}" if cfg.source == "hf" else f"data.url={cfg.url}"
+
+
+def _check_has_text(cfg: DataConfig, encoded: Dict[str, Any]) -> None:
+    """One line naming the source when no document had any text (not a split that came out empty)."""
+    if sum(encoded["written"].values()) > 0:
+        return
+    n, empty = encoded["documents"], encoded["empty"]
+    if n == 0:
+        why = "no documents" + (f" (data.max_documents={cfg.max_documents})" if cfg.max_documents is not None else "")
+    else:
+        cleaned = f" after data.cleaner={cfg.cleaner}" if cfg.cleaner != "none" else ""
+        why = f"{n} document(s), {empty} of them empty{cleaned}" + (", the rest duplicates" if empty < n else "")
+    raise GptlabError(f"{_source_key(cfg)}: no text to train on ({why}); give text to train on")
 
 
 def _encode_documents(
@@ -457,6 +503,11 @@ def _shard_splits(
     if cfg.split == "tail":
         n = written["all"]
         n_val = int(round(n * cfg.val_fraction))
+        if n_val == 0 or n_val == n:
+            raise GptlabError(
+                f"data.val_fraction={cfg.val_fraction}: the {'val' if n_val == 0 else 'train'} split of "
+                f"{n} tokens ({_source_key(cfg)}) got none; use more text or change data.val_fraction"
+            )
         ranges = {"train": (0, n - n_val), "val": (n - n_val, n)}
         with open(tmp / "all.flat", "rb") as data:
             for split, (a, b) in ranges.items():

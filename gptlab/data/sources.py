@@ -37,10 +37,21 @@ def cache_root(cache_dir: Optional[str]) -> Path:
     return Path(root).expanduser().resolve()
 
 
-def local_text_file(path: str) -> Path:
+SHAKESPEARE_FILE = "tinyshakespeare.txt"  # the download's name in <cache>/downloads/
+
+
+def local_text_file(path: str, name: str = "shakespeare_char") -> Path:
+    """data.path for a source that reads one text file: an existing, non-empty file."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise GptlabError(
+            f"data.path={path} is a folder, but data={name} reads one text file: give the file "
+            f"(data.path=/path/to/{SHAKESPEARE_FILE}), or use data=text_files for a folder of .txt files"
+        )
     if not p.is_file():
-        raise GptlabError(f"data.path={path}: no such file")
+        raise GptlabError(f"data.path={path}: no such file; give the path of a text file")
+    if p.stat().st_size == 0:
+        raise GptlabError(f"data.path={path}: the file is empty; give a file with text")
     return p.resolve()
 
 
@@ -67,11 +78,26 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
     return dest
 
 
-def fetch_text_file(path: Optional[str], url: str, sha256: Optional[str], cache: Path, filename: str) -> Path:
+def fetch_text_file(
+    path: Optional[str], url: str, sha256: Optional[str], cache: Path, filename: str, name: str = "shakespeare_char"
+) -> Path:
     """The local file to read: data.path when given, else the cached download of url."""
     if path:
-        return local_text_file(path)
-    return download(url, cache / "downloads" / filename, sha256)
+        return local_text_file(path, name)
+    f = download(url, cache / "downloads" / filename, sha256)
+    if f.stat().st_size == 0:
+        raise GptlabError(f"data.url={url}: the downloaded file {f} is empty; pass a good copy with data.path=")
+    return f
+
+
+def shakespeare_file(cfg, cache: Optional[Path] = None) -> Path:
+    """The text file of source=shakespeare, verified: data.path when given, else data.url downloaded
+    once into <cache>/downloads/ (default: the data cache, see cache_root) and checked against data.sha256.
+
+    What `python -m gptlab.train` reads by default; the tests find Tiny Shakespeare the same way.
+    """
+    cache = cache if cache is not None else cache_root(cfg.cache_dir)
+    return fetch_text_file(cfg.path, cfg.url, cfg.sha256, cache, SHAKESPEARE_FILE, cfg.name)
 
 
 # --- document streams ---------------------------------------------------------------------------
@@ -106,7 +132,11 @@ def _expand(path: str, pattern: str, key: str = "data.path") -> List[Path]:
     else:
         files = sorted(Path(q) for q in globlib.glob(str(p), recursive=True) if Path(q).is_file())
     if not files:
-        raise GptlabError(f"{key}={path}: no such file, or no {pattern} files in that folder or glob")
+        if p.is_dir():
+            raise GptlabError(f"{key}={path}: the folder has no {pattern} files (searched below it too)")
+        if any(c in str(p) for c in "*?["):
+            raise GptlabError(f"{key}={path}: the glob matches no files")
+        raise GptlabError(f"{key}={path}: no such file or folder")
     return [f.resolve() for f in files]
 
 
@@ -127,10 +157,14 @@ def text_files_source(path: Optional[str]) -> Source:
     if not path:
         raise GptlabError("data.path: text_files needs a file, folder or glob of UTF-8 text (data.path=...)")
     files = _expand(path, "*.txt")
+    total = sum(f.stat().st_size for f in files)
+    if total == 0:
+        what = "the file is empty" if len(files) == 1 else f"all {len(files)} files are empty"
+        raise GptlabError(f"data.path={path}: {what}; give UTF-8 text to train on")
     return Source(
         fingerprint={"kind": "text_files", **_fingerprint_files(files)},
         documents=lambda: (_read_text(f) for f in files),
-        total_bytes=sum(f.stat().st_size for f in files),
+        total_bytes=total,
         total_docs=len(files),
     )
 
@@ -139,11 +173,23 @@ def _is_saved_dataset(p: Path) -> bool:
     return p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file())
 
 
-def _parquet_docs(files: List[Path], column: str) -> Iterator[str]:
+def _parquet_file(f: Path):
+    """pyarrow's ParquetFile for f, or one line naming it when it is not a parquet file."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as e:
+        raise GptlabError(
+            f"data.path: {f} is not a parquet file ({str(e).splitlines()[0][:120]}); give parquet files "
+            f"or a datasets save_to_disk folder"
+        ) from None
+
+
+def _parquet_docs(files: List[Path], column: str) -> Iterator[str]:
     for f in files:
-        pf = pq.ParquetFile(f)
+        pf = _parquet_file(f)
         if column not in pf.schema_arrow.names:
             raise GptlabError(
                 f"data.text_column={column}: {f} has no such column (columns: {', '.join(pf.schema_arrow.names)})"
@@ -210,9 +256,7 @@ def hf_source(cfg) -> Source:
                 lambda: _saved_docs(p, cfg.hf_split, cfg.text_column),
             )
         files = _expand(cfg.path, "*.parquet")
-        import pyarrow.parquet as pq
-
-        rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+        rows = sum(_parquet_file(f).metadata.num_rows for f in files)
         return Source(
             {"kind": "hf_parquet", "column": cfg.text_column, **_fingerprint_files(files)},
             lambda: _parquet_docs(files, cfg.text_column),
@@ -235,7 +279,7 @@ def hf_source(cfg) -> Source:
 def open_source(cfg, cache: Path) -> Source:
     """The document stream for a DataConfig."""
     if cfg.source == "shakespeare":
-        f = fetch_text_file(cfg.path, cfg.url, cfg.sha256, cache, "tinyshakespeare.txt")
+        f = shakespeare_file(cfg, cache)
         return Source(
             {"kind": "file", "file_sha256": sha256_file(f)},
             lambda: iter([_read_text(f)]),

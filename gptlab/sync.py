@@ -1,0 +1,563 @@
+"""python -m gptlab.sync [FOLDER ...] [tracking.uri=...]: record run folders in MLflow, completing what is missing.
+
+The run folder is the truth and is always written; MLflow is not, when a run could not reach its store
+(an offline compute node, a server that was down, a SQLite file that was locked). This records such
+folders later, and completes partly recorded ones. It is idempotent: what the store already holds is
+not sent again, so a second sync adds nothing and says so.
+
+FOLDER: a run folder, or a folder of run folders (a sweep folder, outputs/runs); several may be given.
+None: every run folder under outputs/runs and outputs/sweeps. A run folder holds metrics.jsonl or
+config_resolved.yaml. The store: `tracking.uri` when given, else the one the run was configured with
+(its sweep's, for a sweep's job), else the local store outputs/mlflow.db (of the current folder: run
+it from where you trained).
+
+Which MLflow run a folder is: results.json's `mlflow_run_id` when the store has that run; else the run
+tagged `run_dir=<the folder>`; else a new run, named and tagged as gptlab.train names and tags it (plus
+`recorded_by=gptlab.sync`), a sweep's job nested under the sweep's parent run (found by sweep.json's id
+or its `sweep_dir` tag, else created from sweep.json, or from Hydra's multirun.yaml when the sweep
+could not write sweep.json). A run deleted in MLflow is left deleted.
+
+What is completed: the metric points whose (name, step) the run lacks (metrics.jsonl, and results.json
+as summary/*), params not logged yet (a param cannot change; of the derived.* figures only
+derived.params is in the folder), artifacts missing or of another size (config_resolved.yaml,
+results.json, samples.txt, loss.png, bench.json), tags missing, and the status: FINISHED when
+results.json holds the results, KILLED when it says the run was stopped (`stopped_by`). A folder
+without results.json (a run still going, or one that died) leaves the status as it is (RUNNING for a
+new record): sync again once it has ended. Folders of runs with tracking.mlflow=false are skipped.
+Timestamps are approximate: spread by step between the folder's first and last writes.
+
+Prints one line per folder, `<folder>: up to date` or `<folder>: recorded as run <id> (N metric points,
+M params, K artifacts)`. An unreachable store is one line `gptlab.sync: error: ...` and exit code 2.
+
+The root config is conf/sync.yaml: the training config (its `tracking.uri` names the store) and the
+command's own key `sync.folders`; the words without `=` are the folders (`sync.folders=[a,b]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from hydra.core.config_store import ConfigStore
+
+from gptlab.cli import command, fail, hydra_quote
+from gptlab.config import Config, to_config
+from gptlab.errors import GptlabError
+from gptlab.sweep import SweepCallback, swept
+from gptlab.tracking import (
+    LOSS_PLOT,
+    PARENT_TAG,
+    SUMMARY_METRICS,
+    SWEEP_KIND,
+    artifact_root,
+    check_reachable,
+    default_uri,
+    error_text,
+    experiment_name,
+    flatten,
+    get_or_create_experiment,
+    log_params,
+    mlflow_client,
+    mlflow_metrics,
+    read_metrics,
+    read_overrides,
+    read_sweep,
+    run_name,
+    sweep_run_name,
+)
+
+ARTIFACTS = ("config_resolved.yaml", "results.json", "samples.txt", LOSS_PLOT, "bench.json")
+RUN_MARKERS = ("metrics.jsonl", "config_resolved.yaml")  # what makes a folder a run folder
+DEFAULT_ROOTS = (Path("outputs") / "runs", Path("outputs") / "sweeps")
+SYNC_TAG = "recorded_by"  # on the runs (and sweep parents) that sync created
+# Hydra's options that take the next word as their value (--info takes one only when it is a topic)
+VALUE_OPTIONS = {
+    *("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"),
+    "--experimental-rerun",
+}
+INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
+
+
+@dataclass
+class SyncSettings:
+    """The command's own keys (values in conf/sync.yaml)."""
+
+    folders: List[str]  # run folders or folders of them; empty: every run folder under outputs/runs, outputs/sweeps
+
+
+@dataclass
+class SyncConfig(Config):
+    """The training config with the `sync` section: the schema of conf/sync.yaml."""
+
+    sync: SyncSettings
+
+
+ConfigStore.instance().store(name="gptlab_sync_schema", node=SyncConfig)
+POSITIONAL_LIST = "sync.folders"  # the words without `=` (main() gathers them: `sync.folders=[a,b]`)
+
+
+def gather_words(args: Sequence[str], key: str = POSITIONAL_LIST) -> List[str]:
+    """The arguments with every bare word (no `=`, not an option nor an option's value) gathered into
+    one `key=[...]` override, each word quoted so Hydra takes it as typed."""
+    words: List[str] = []
+    out: List[str] = []
+    takes_value = False
+    for i, arg in enumerate(args):
+        if takes_value or arg.startswith("-") or "=" in arg:
+            out.append(arg)
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            takes_value = not takes_value and (arg in VALUE_OPTIONS or (arg in ("--info", "-i") and nxt in INFO_TOPICS))
+        else:
+            words.append(arg)
+    if words and any(arg.partition("=")[0].lstrip("+~") == key for arg in out):
+        raise GptlabError(f"give the folders as words or as {key}=[...], not both")
+    return out + ([f"{key}=[{','.join(hydra_quote(w) for w in words)}]"] if words else [])
+
+
+# ---- the folders ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunFolder:
+    """What a run folder says about its run."""
+
+    path: Path  # absolute
+    config: Dict[str, Any]  # the resolved config
+    results: Dict[str, Any]  # results.json ({} until the run ends)
+    sweep: Optional[Dict[str, Any]]  # sweep.json (or what multirun.yaml says) of the sweep holding it
+
+
+def is_run_folder(folder: Path) -> bool:
+    return any((folder / m).is_file() for m in RUN_MARKERS)
+
+
+def _order(path: Path) -> Tuple[str, bool, int, str]:
+    """Sweep jobs in their numeric order (2 before 10), other folders by name."""
+    return (str(path.parent), not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)
+
+
+def runs_under(folder: Path) -> List[Path]:
+    """The run folders in folder and one level deeper (outputs/sweeps/<sweep>/<job>)."""
+    found = {d for d in [*folder.glob("*"), *folder.glob("*/*")] if d.is_dir() and is_run_folder(d)}
+    return sorted(found, key=_order)
+
+
+def find_folders(names: Sequence[str]) -> List[Path]:
+    """The run folders to record (absolute, each once): those named, or all under outputs/."""
+    if not names:
+        found = [d for root in DEFAULT_ROOTS if root.is_dir() for d in runs_under(root)]
+        if not found:
+            raise GptlabError(
+                "no run folders under outputs/runs or outputs/sweeps "
+                "(run from the folder holding outputs/, or name the folders: python -m gptlab.sync FOLDER ...)"
+            )
+        return [d.resolve() for d in found]
+    out: List[Path] = []
+    for name in names:
+        folder = Path(name).expanduser()
+        if not folder.is_dir():
+            raise GptlabError(f"{name}: no such folder")
+        inner = [folder] if is_run_folder(folder) else runs_under(folder)
+        if not inner:
+            raise GptlabError(f"{name}: not a run folder (it has no {' or '.join(RUN_MARKERS)}) and holds none")
+        out += [d.resolve() for d in inner if d.resolve() not in out]
+    return out
+
+
+def _read_yaml(path: Path) -> Optional[Dict[str, Any]]:
+    """A YAML file's mapping, interpolations resolved where they can be (None if it is not readable)."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception:  # noqa: BLE001 - a file cut short, or not YAML
+        return None
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra could resolve (${now:...})
+        data = OmegaConf.to_container(cfg)
+    return data if isinstance(data, dict) else None
+
+
+def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
+    """What sweep.json would say, from the multirun.yaml Hydra writes in every sweep folder (a sweep
+    whose parent run could not be created has no sweep.json); None for a folder that is no sweep."""
+    cfg = _read_yaml(folder / "multirun.yaml") if (folder / "multirun.yaml").is_file() else None
+    if cfg is None or not isinstance(cfg.get("hydra"), dict):
+        return None
+    overrides = [str(o) for o in (cfg["hydra"].get("overrides") or {}).get("task") or []]
+    sweeping = swept(overrides)
+    m, d, hw = (str((cfg.get(k) or {}).get("name")) for k in ("model", "data", "hardware"))
+    tracking = cfg.get("tracking") or {}
+    return {
+        "kind": SWEEP_KIND,
+        "sweep_dir": str(folder.resolve()),
+        "uri": tracking.get("uri"),
+        "experiment": tracking.get("experiment") or experiment_name(m, d),
+        "overrides": overrides,
+        "swept": [o.partition("=")[0] for o in sweeping],
+        "launcher": str((cfg["hydra"].get("runtime") or {}).get("choices", {}).get("hydra/launcher") or "basic"),
+        "run_name": " ".join([tracking.get("run_name") or run_name(m, d, hw), "sweep", *sweeping]),
+    }
+
+
+def read_folder(path: Path) -> Optional[RunFolder]:
+    """The run folder's config, results and sweep; None when it has no config to record the run by."""
+    for name in ("config_resolved.yaml", ".hydra/config.yaml"):
+        config = _read_yaml(path / name) if (path / name).is_file() else None
+        if config is not None:
+            break
+    else:
+        return None
+    sweep = read_sweep(path) or sweep_from_multirun(path.parent)
+    return RunFolder(path, config, _results(path), sweep)
+
+
+def _results(path: Path) -> Dict[str, Any]:
+    """A run folder's results.json ({} when there is none yet)."""
+    try:
+        results = json.loads((path / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return results if isinstance(results, dict) else {}
+
+
+def target_uri(folder: RunFolder, given: Optional[str]) -> str:
+    """The store: the one given, else the run's own (its sweep's, as the tracker does), else the local one."""
+    own = (folder.config.get("tracking") or {}).get("uri")
+    sweep_uri = (folder.sweep or {}).get("uri")
+    if given:
+        return given
+    if sweep_uri and own in (None, sweep_uri):
+        return sweep_uri
+    return own or default_uri(Path("outputs"))
+
+
+# ---- what the folder holds, as MLflow records it -----------------------------------------------------
+
+
+def _names(folder: RunFolder) -> Tuple[str, str, str]:
+    """(model, data, hardware) names of the run."""
+    m, d, hw = (str((folder.config.get(k) or {}).get("name")) for k in ("model", "data", "hardware"))
+    return m, d, hw
+
+
+def folder_tags(folder: RunFolder) -> Dict[str, str]:
+    """The tags gptlab.train gives the run that the folder can tell (not the git commit)."""
+    m, d, hw = _names(folder)
+    tags = {"model": m, "data": d, "hardware": hw, "run_dir": str(folder.path)}
+    if overrides := read_overrides(folder.path):
+        tags["overrides"] = " ".join(overrides)
+    with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError):  # the node, when SLURM ran it
+        tags["host"] = str(json.loads((folder.path / "slurm.json").read_text())["nodes"][0])
+    if "bench" in folder.config:
+        tags["kind"] = "bench"
+    if folder.results.get("expected_met") is not None:
+        tags["expected_met"] = str(folder.results["expected_met"]).lower()
+    return tags
+
+
+def folder_params(folder: RunFolder) -> Dict[str, Any]:
+    """The resolved config, flattened, and derived.params (the other derived.* figures are not in the folder)."""
+    params = flatten(folder.config)
+    if folder.results.get("params") is not None:
+        params["derived.params"] = folder.results["params"]
+    return params
+
+
+def folder_points(folder: RunFolder) -> Dict[Tuple[str, int], float]:
+    """(MLflow metric name, step) -> value: metrics.jsonl's rows, then results.json's summary/* at its last step."""
+    points: Dict[Tuple[str, int], float] = {}
+    for row in read_metrics(folder.path):
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            points.update({(name, row["step"]): v for name, v in mlflow_metrics(row).items()})
+    r = folder.results
+    if r:
+        step = int(r.get("steps") or 0)
+        for key, name in SUMMARY_METRICS.items():
+            if isinstance(r.get(key), (int, float)):
+                points[(name, step)] = float(r[key])
+    return points
+
+
+def _mtime_ms(path: Path) -> Optional[int]:
+    return int(path.stat().st_mtime * 1000) if path.is_file() else None
+
+
+def span_ms(path: Path) -> Tuple[int, int]:
+    """(first, last) write of the run folder in ms: when the run started and when it last recorded."""
+    first = [_mtime_ms(path / n) for n in (".hydra/config.yaml", ".hydra/overrides.yaml", "config_resolved.yaml")]
+    last = [_mtime_ms(path / n) for n in ("results.json", "metrics.jsonl")]
+    now = int(time.time() * 1000)
+    start = min([t for t in first if t is not None], default=now)
+    return start, max([t for t in last if t is not None] + [start])
+
+
+# ---- one store ------------------------------------------------------------------------------------
+
+
+def _not_found(e: Exception) -> bool:
+    return getattr(e, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+def _quoted(value: str) -> str:
+    """A string value of an MLflow search filter."""
+    return f'"{value}"' if "'" in value else f"'{value}'"
+
+
+@dataclass
+class Sent:
+    """What one sync sent for one folder."""
+
+    points: int = 0
+    params: int = 0
+    artifacts: int = 0
+    status: Optional[str] = None  # the status set, when sync changed it
+
+    def __bool__(self) -> bool:
+        return bool(self.points or self.params or self.artifacts or self.status)
+
+
+@dataclass
+class Store:
+    """One tracking store: its client, and the sweep parent runs found or made in it."""
+
+    uri: str
+    client: Any
+    parents: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # sweep_dir -> (run id, experiment id)
+    ours: Set[str] = field(default_factory=set)  # parents that sync made
+    touched: Set[str] = field(default_factory=set)  # parents a child of which this sync recorded something of
+
+    @classmethod
+    def open(cls, uri: str) -> "Store":
+        try:
+            check_reachable(uri)
+            client = mlflow_client(uri)  # a SQLite store is created here (under its lock) when it is new
+            client.search_experiments(max_results=1)
+        except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
+            raise GptlabError(f"MLflow store {uri} cannot be reached: {error_text(e)}") from None
+        return cls(uri, client)
+
+    def get_run(self, run_id: Optional[str]) -> Any:
+        """The run, or None when this store has no such run."""
+        if not run_id:
+            return None
+        try:
+            return self.client.get_run(run_id)
+        except Exception as e:  # noqa: BLE001
+            if _not_found(e):
+                return None
+            raise
+
+    def search_one(self, filter_string: str, skip: Sequence[str] = ()) -> Any:
+        """The latest run of any experiment (deleted ones too) that matches the filter, but those in
+        skip; or None."""
+        from mlflow.entities import ViewType
+
+        ids = [e.experiment_id for e in self.client.search_experiments(view_type=ViewType.ALL)]
+        runs = self.client.search_runs(
+            ids, filter_string, run_view_type=ViewType.ALL, max_results=100, order_by=["attributes.start_time DESC"]
+        )
+        return next((r for r in runs if r.info.run_id not in skip), None) if ids else None
+
+    def find_run(self, folder: RunFolder) -> Any:
+        """The folder's run: results.json's run when this store has it, else the run tagged with the
+        folder, but none of the earlier runs moved aside into previous/<time>/ (they had the same tag)."""
+        earlier = [_results(p).get("mlflow_run_id") for p in sorted(folder.path.glob("previous/*"))]
+        return self.get_run(folder.results.get("mlflow_run_id")) or self.search_one(
+            f"tags.run_dir = {_quoted(str(folder.path))}", skip=[i for i in earlier if i]
+        )
+
+    def parent(self, sweep: Dict[str, Any]) -> Tuple[str, str]:
+        """(run id, experiment id) of the sweep's parent run in this store, made from sweep.json if missing."""
+        key = sweep["sweep_dir"]
+        if key not in self.parents:
+            run = self.get_run(sweep.get("parent_run_id")) or self.search_one(
+                f"tags.run_type = 'sweep' and tags.sweep_dir = {_quoted(key)}"
+            )
+            if run is None:
+                run = self.create_parent(sweep)
+            if run.data.tags.get(SYNC_TAG):
+                self.ours.add(run.info.run_id)
+            self.parents[key] = (run.info.run_id, run.info.experiment_id)
+        return self.parents[key]
+
+    def create_parent(self, sweep: Dict[str, Any]) -> Any:
+        """The sweep's parent run as gptlab.sweep records it (params: the sweep's overrides)."""
+        experiment_id = get_or_create_experiment(self.client, sweep["experiment"], artifact_root(self.uri))
+        tags = {
+            "run_type": "sweep",
+            "sweep_dir": sweep["sweep_dir"],
+            "launcher": str(sweep.get("launcher") or "basic"),
+            "overrides": " ".join(sweep.get("overrides") or []),
+            SYNC_TAG: "gptlab.sync",
+        }
+        start = min([span_ms(p)[0] for p in runs_under(Path(sweep["sweep_dir"]))], default=None)
+        run = self.client.create_run(experiment_id, run_name=sweep.get("run_name"), tags=tags, start_time=start)
+        pairs = (o.partition("=") for o in sweep.get("overrides") or [])
+        log_params(self.client, run.info.run_id, {k.lstrip("+~")[:250]: v for k, _, v in pairs})
+        print(f"{sweep['sweep_dir']}: recorded as sweep run {run.info.run_id}", flush=True)
+        return self.client.get_run(run.info.run_id)
+
+    def close(self) -> None:
+        """End the parent runs sync made whose children it recorded, as the sweep's end would have
+        (FINISHED, or FAILED when a job failed; the best summary/best_val_loss)."""
+        for sweep_dir, (run_id, experiment_id) in self.parents.items():
+            if run_id in self.ours and run_id in self.touched:
+                callback = SweepCallback()
+                callback.parent = {"uri": self.uri, "experiment_id": experiment_id, "parent_run_id": run_id}
+                callback._end(stopped=False)  # noqa: SLF001 - the one place that knows how a sweep ends
+                print(f"{sweep_dir}: sweep run {run_id} ended from its jobs' records", flush=True)
+
+
+# ---- one folder -----------------------------------------------------------------------------------
+
+
+def create_run(store: Store, folder: RunFolder) -> Any:
+    """A new run for the folder, named and placed as gptlab.train would have (nested in its sweep)."""
+    m, d, hw = _names(folder)
+    tracking = folder.config.get("tracking") or {}
+    name = tracking.get("run_name") or run_name(m, d, hw)
+    tags = {**folder_tags(folder), SYNC_TAG: "gptlab.sync"}
+    if folder.sweep is not None:
+        parent_id, experiment_id = store.parent(folder.sweep)
+        tags.update({PARENT_TAG: parent_id, "sweep_dir": folder.sweep["sweep_dir"]})
+        name = sweep_run_name(name, read_overrides(folder.path), folder.sweep)
+    else:
+        experiment = tracking.get("experiment") or experiment_name(m, d)
+        experiment_id = get_or_create_experiment(store.client, experiment, artifact_root(store.uri))
+    run = store.client.create_run(experiment_id, run_name=name, tags=tags, start_time=span_ms(folder.path)[0])
+    return store.client.get_run(run.info.run_id)
+
+
+def send_metrics(client: Any, run_id: str, folder: RunFolder) -> int:
+    """The metric points the run lacks; returns how many were sent."""
+    from mlflow.entities import Metric
+
+    points = folder_points(folder)
+    have: Set[Tuple[str, int]] = set()
+    for name in sorted({name for name, _ in points}):
+        have |= {(name, m.step) for m in client.get_metric_history(run_id, name)}
+    missing = sorted((k, v) for k, v in points.items() if k not in have)
+    start, end = span_ms(folder.path)
+    last = max([step for (_, step) in points] + [1])
+    metrics = [Metric(name, v, start + (end - start) * max(step, 0) // last, step) for (name, step), v in missing]
+    for i in range(0, len(metrics), 1000):
+        client.log_batch(run_id, metrics=metrics[i : i + 1000])
+    return len(metrics)
+
+
+def send_artifacts(client: Any, run_id: str, path: Path) -> int:
+    """The folder's artifacts the run lacks, or has in another size (a results.json rewritten by a resume)."""
+    have = {a.path: a.file_size for a in client.list_artifacts(run_id)}
+    sent = 0
+    for name in ARTIFACTS:
+        if (path / name).is_file() and have.get(name) != (path / name).stat().st_size:
+            client.log_artifact(run_id, str(path / name))
+            sent += 1
+    return sent
+
+
+def send_status(client: Any, run: Any, folder: RunFolder) -> Optional[str]:
+    """FINISHED (or KILLED, when the run was stopped) once results.json holds the results; None: unchanged."""
+    if not folder.results:
+        return None
+    status = "KILLED" if folder.results.get("stopped_by") else "FINISHED"
+    if run.info.status == status:
+        return None
+    client.set_terminated(run.info.run_id, status=status, end_time=_mtime_ms(folder.path / "results.json"))
+    return status
+
+
+def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
+    """Send what the run lacks of the folder: metric points, params, artifacts, tags and the status."""
+    client, run_id = store.client, run.info.run_id
+    params = {k: v for k, v in folder_params(folder).items() if k not in run.data.params}
+    log_params(client, run_id, params)
+    for key, value in folder_tags(folder).items():
+        if key not in run.data.tags:
+            client.set_tag(run_id, key, value)
+    return Sent(
+        points=send_metrics(client, run_id, folder),
+        params=len(params),
+        artifacts=send_artifacts(client, run_id, folder.path),
+        status=send_status(client, run, folder),
+    )
+
+
+def sync_folder(store: Store, folder: RunFolder) -> str:
+    """Record one run folder in the store; the line that says what was done."""
+    run = store.find_run(folder)
+    if run is not None and run.info.lifecycle_stage == "deleted":
+        return f"{folder.path}: skipped (its MLflow run {run.info.run_id} is deleted)"
+    created = run is None
+    if created:
+        run = create_run(store, folder)
+    sent = complete(store, run, folder)
+    parent = run.data.tags.get(PARENT_TAG)
+    if parent and (sent or created):
+        store.touched.add(parent)
+    note = "" if folder.results else " (no results.json yet: its status is left as it is)"
+    if not (sent or created):
+        return f"{folder.path}: up to date{note}"
+    what = f"{sent.points} metric points, {sent.params} params, {sent.artifacts} artifacts"
+    status = f", {sent.status}" if sent.status else ""
+    return f"{folder.path}: recorded as run {run.info.run_id} ({what}{status}){note}"
+
+
+def sync(paths: Sequence[Path], uri: Optional[str] = None) -> List[str]:
+    """Record the run folders (each in its store: uri, else its own); the lines printed, one per folder."""
+    stores: Dict[str, Store] = {}
+    lines = []
+    try:
+        for path in paths:
+            folder = read_folder(path)
+            if folder is None:
+                line = f"{path}: skipped (no config_resolved.yaml or .hydra/config.yaml to record it by)"
+            elif (folder.config.get("tracking") or {}).get("mlflow") is False:
+                line = f"{path}: skipped (it ran with tracking.mlflow=false)"
+            else:
+                target = target_uri(folder, uri)
+                if target not in stores:
+                    stores[target] = Store.open(target)
+                store = stores[target]
+                try:
+                    line = sync_folder(store, folder)
+                except Exception as e:  # noqa: BLE001 - the store failed midway: one line, and sync again later
+                    raise GptlabError(f"{path}: MLflow at {target} failed: {error_text(e)}") from None
+            print(line, flush=True)
+            lines.append(line)
+    finally:
+        for store in stores.values():
+            store.close()
+    return lines
+
+
+def run_sync(cfg: Any) -> List[str]:
+    """Record the folders of sync.folders (all under outputs/ when empty). cfg: composed from conf/sync.yaml."""
+    config = to_config(cfg, SyncConfig)
+    return sync(find_folders(config.sync.folders), config.tracking.uri)
+
+
+def main(argv: Optional[List[str]] = None) -> Any:
+    """python -m gptlab.sync [FOLDER ...] [overrides]: a Hydra app on conf/sync.yaml.
+
+    The words without `=` are the folders (sync.folders=[...]). argv: the same arguments, to run it in
+    this process (errors raise GptlabError); it returns the lines printed.
+    """
+    if argv is not None:
+        return command("sync", run_sync, gather_words(argv))
+    try:
+        sys.argv[1:] = gather_words(sys.argv[1:])
+    except GptlabError as e:
+        fail("gptlab.sync", e)
+    return command("sync", run_sync)
+
+
+if __name__ == "__main__":
+    main()

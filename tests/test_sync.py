@@ -1,0 +1,420 @@
+"""gptlab.sync: run folders recorded in MLflow later (a store that was down, locked or out of reach),
+completed without duplicates; and concurrent runs on one fresh SQLite store, all recorded."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import compose_config, nano_overrides, run_cli, start_mlflow_server
+
+from gptlab.cli import compose
+from gptlab.sync import gather_words, main, sync
+from gptlab.tracking import METRIC_NAMES, SUMMARY_METRICS, SWEEP_KIND, flatten, mlflow_metrics, read_metrics
+from gptlab.train import run_training
+
+DOWN = "http://127.0.0.1:9"  # nothing listens there: MLflow is disabled for the run
+
+
+def client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def all_runs(uri):
+    c = client(uri)
+    return c.search_runs([e.experiment_id for e in c.search_experiments()], max_results=1000)
+
+
+def expected_points(run_dir):
+    """Metric name -> the steps the folder holds (metrics.jsonl, and results.json's summary)."""
+    steps = {}
+    for row in read_metrics(run_dir):
+        for name in mlflow_metrics(row):
+            steps.setdefault(name, set()).add(row["step"])
+    results = json.loads((run_dir / "results.json").read_text())
+    for key, name in SUMMARY_METRICS.items():
+        if results.get(key) is not None:
+            steps.setdefault(name, set()).add(results["steps"])
+    return steps
+
+
+def param_count(run_dir):
+    """The params a run folder records: its resolved config, flattened, and derived.params."""
+    import yaml
+
+    return len(flatten(yaml.safe_load((run_dir / "config_resolved.yaml").read_text()))) + 1
+
+
+def recorded_points(uri, run_id):
+    """Metric name -> the steps of its points in the run (a step twice is a duplicate)."""
+    c = client(uri)
+    names = [*METRIC_NAMES.values(), *SUMMARY_METRICS.values()]
+    return {n: [m.step for m in c.get_metric_history(run_id, n)] for n in names if c.get_metric_history(run_id, n)}
+
+
+def assert_complete(uri, run, run_dir):
+    points = recorded_points(uri, run.info.run_id)
+    assert {n: sorted(s) for n, s in points.items()} == {n: sorted(s) for n, s in expected_points(run_dir).items()}
+    assert all(len(s) == len(set(s)) for s in points.values()), points  # no point twice
+    artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
+    assert {"config_resolved.yaml", "results.json", "loss.png"} <= artifacts, artifacts
+    assert run.data.params["model.name"] == "gpt_nano" and "derived.params" in run.data.params
+    assert run.data.tags["run_dir"] == str(run_dir.resolve()) and run.info.status == "FINISHED"
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory, shakespeare):
+    """A finished run whose store was unreachable: everything in its folder, nothing in MLflow."""
+    run_dir = tmp_path_factory.mktemp("offline") / "run"
+    overrides = nano_overrides(shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = run_training(compose_config(overrides), run_dir)
+    assert results["mlflow_run_id"] is None
+    return run_dir, [str(w.message) for w in caught]
+
+
+@pytest.fixture
+def folder(offline_run, tmp_path):
+    """A copy of the offline run in this test's own folder (the run_dir tag names the copy)."""
+    return Path(shutil.copytree(offline_run[0], tmp_path / "run"))
+
+
+def test_the_warning_says_how_to_record_the_run_later(offline_run):
+    run_dir, messages = offline_run
+    (message,) = [m for m in messages if "MLflow disabled" in m]
+    assert message.endswith(f"record it later with: python -m gptlab.sync {run_dir.resolve()}")
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["a", "tracking.uri=x", "b"], ["tracking.uri=x", "sync.folders=['a','b']"]),
+        (["--cfg", "job", "a"], ["--cfg", "job", "sync.folders=['a']"]),
+        (["-c", "job"], ["-c", "job"]),
+        (["--info", "config", "a"], ["--info", "config", "sync.folders=['a']"]),
+        (["--info", "a"], ["--info", "sync.folders=['a']"]),
+        (["sync.folders=[a]"], ["sync.folders=[a]"]),
+        ([], []),
+    ],
+)
+def test_the_words_without_equals_are_the_folders(args, expected):
+    assert gather_words(args) == expected
+
+
+def test_folders_are_given_one_way():
+    from gptlab.errors import GptlabError
+
+    with pytest.raises(GptlabError, match="not both"):
+        gather_words(["sync.folders=[a]", "b"])
+
+
+def test_folders_are_taken_as_typed():
+    names = ["outputs/sweeps/2026-11-30_06-22-48.746659", "my runs/it's", "a,b", "1e5", "true", "[x]"]
+    assert list(compose("sync", gather_words(names)).sync.folders) == names
+    assert list(compose("sync").sync.folders) == [] and compose("sync").tracking.uri is None
+
+
+def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    (line,) = main([str(folder), f"tracking.uri={uri}"])
+    (run,) = all_runs(uri)
+    points, params = sum(len(s) for s in expected_points(folder).values()), param_count(folder)
+    assert line == (
+        f"{folder}: recorded as run {run.info.run_id} ({points} metric points, {params} params, 4 artifacts, FINISHED)"
+    )
+    assert_complete(uri, run, folder)
+    assert run.info.run_name == "gpt_nano-shakespeare_char-cpu" and run.data.tags["recorded_by"] == "gptlab.sync"
+    assert client(uri).get_experiment(run.info.experiment_id).name == "gpt_nano-shakespeare_char"
+    assert capsys.readouterr().out == line + "\n"
+    # again, and again through the folder that holds it: the same single run, nothing sent
+    assert sync([folder], uri) == [f"{folder}: up to date"]
+    assert main([str(tmp_path), f"tracking.uri={uri}"]) == [f"{folder}: up to date"]
+    (again,) = all_runs(uri)
+    assert again.info.run_id == run.info.run_id and recorded_points(uri, run.info.run_id) == recorded_points(
+        uri, again.info.run_id
+    )
+
+
+def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    c = client(uri)
+    exp = c.create_experiment("elsewhere")
+    run = c.create_run(exp, tags={"run_dir": str(folder)}, run_name="half")
+    rows = read_metrics(folder)
+    half = [Metric(n, v, 0, row["step"]) for row in rows[: len(rows) // 2] for n, v in mlflow_metrics(row).items()]
+    c.log_batch(run.info.run_id, metrics=half, params=[])
+    c.log_param(run.info.run_id, "model.name", "gpt_nano")
+    (line,) = sync([folder], uri)
+    sent, params = sum(len(s) for s in expected_points(folder).values()) - len(half), param_count(folder) - 1
+    assert (
+        line
+        == f"{folder}: recorded as run {run.info.run_id} ({sent} metric points, {params} params, 4 artifacts, FINISHED)"
+    )
+    (done,) = all_runs(uri)
+    assert done.info.run_name == "half"  # the run it was, completed in place
+    assert_complete(uri, done, folder)
+    assert sync([folder], uri) == [f"{folder}: up to date"]
+
+
+def test_results_json_names_the_run_and_a_run_without_results_stays_running(folder, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    c = client(uri)
+    run = c.create_run(c.create_experiment("x"), run_name="by id")  # no run_dir tag: found by results.json's id
+    results = json.loads((folder / "results.json").read_text())
+    (folder / "results.json").write_text(json.dumps({**results, "mlflow_run_id": run.info.run_id}))
+    assert sync([folder], uri)[0].startswith(f"{folder}: recorded as run {run.info.run_id} (")
+    assert client(uri).get_run(run.info.run_id).info.status == "FINISHED"
+    # a run still going (or one that died): recorded, its status left RUNNING until it has results
+    live = Path(shutil.copytree(folder, tmp_path / "live"))
+    (live / "results.json").unlink()
+    (line,) = sync([live], uri)
+    assert line.endswith("(no results.json yet: its status is left as it is)") and "recorded as run" in line
+    (rec,) = [r for r in all_runs(uri) if r.data.tags.get("run_dir") == str(live)]
+    assert rec.info.status == "RUNNING"
+    assert sync([live], uri) == [f"{live}: up to date (no results.json yet: its status is left as it is)"]
+    # a run of tracking.mlflow=false is not recorded; a deleted run stays deleted
+    off = Path(shutil.copytree(folder, tmp_path / "off"))
+    config = (off / "config_resolved.yaml").read_text()
+    (off / "config_resolved.yaml").write_text(config.replace("  mlflow: true", "  mlflow: false"))
+    assert sync([off], uri) == [f"{off}: skipped (it ran with tracking.mlflow=false)"]
+    c.delete_run(rec.info.run_id)
+    assert sync([live], uri) == [f"{live}: skipped (its MLflow run {rec.info.run_id} is deleted)"]
+
+
+def test_an_earlier_run_moved_aside_in_the_folder_is_not_mixed_with_this_one(folder, tmp_path):
+    """train.resume=never moves an earlier run's files to previous/<time>/; its MLflow run had the same
+    run_dir tag, and must not be completed with the new run's records."""
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    c = client(uri)
+    earlier = c.create_run(c.create_experiment("x"), tags={"run_dir": str(folder)}, run_name="earlier")
+    (folder / "previous" / "2026-11-30_05-00-00").mkdir(parents=True)
+    (folder / "previous" / "2026-11-30_05-00-00" / "results.json").write_text(
+        json.dumps({"mlflow_run_id": earlier.info.run_id})
+    )
+    (line,) = sync([folder], uri)
+    (run,) = [r for r in all_runs(uri) if r.info.run_id != earlier.info.run_id]
+    assert line.startswith(f"{folder}: recorded as run {run.info.run_id} (")
+    assert_complete(uri, run, folder)
+    assert not client(uri).get_run(earlier.info.run_id).data.metrics
+    assert sync([folder], uri) == [f"{folder}: up to date"]
+
+
+def test_a_sweep_folder_nests_its_jobs_under_a_parent_made_from_sweep_json(folder, tmp_path):
+    sweep = tmp_path / "sweep"
+    for num, lr in (("0", "0.001"), ("1", "0.003")):
+        job = Path(shutil.copytree(folder, sweep / num))
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(f"- model=gpt_nano\n- optimizer.lr={lr}\n")
+    info = {
+        "kind": SWEEP_KIND,
+        "parent_run_id": "0" * 32,  # the parent in the store the sweep used, not in this one
+        "experiment_id": "7",
+        "experiment": "lr-sweep",
+        "uri": DOWN,
+        "overrides": ["model=gpt_nano", "optimizer.lr=1e-3,3e-3"],
+        "swept": ["optimizer.lr"],
+        "launcher": "basic",
+        "run_name": "gpt_nano-shakespeare_char-cpu sweep optimizer.lr=1e-3,3e-3",
+    }
+    (sweep / "sweep.json").write_text(json.dumps(info))
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    lines = sync([sweep / "0", sweep / "1"], uri)
+    assert [line.split(": ")[0] for line in lines] == [str(sweep / "0"), str(sweep / "1")]
+    runs = all_runs(uri)
+    (parent,) = [r for r in runs if r.data.tags.get("run_type") == "sweep"]
+    kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.run_name == info["run_name"] and parent.data.params["optimizer.lr"] == "1e-3,3e-3"
+    assert sorted(k.info.run_name for k in kids) == [
+        "gpt_nano-shakespeare_char-cpu optimizer.lr=0.001",
+        "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003",
+    ]
+    assert {k.info.experiment_id for k in kids} == {parent.info.experiment_id}
+    assert client(uri).get_experiment(parent.info.experiment_id).name == "lr-sweep"
+    parent = client(uri).get_run(parent.info.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "2"
+    assert "summary/best_val_loss" in parent.data.metrics
+    assert main([str(sweep), f"tracking.uri={uri}"]) == [f"{sweep / '0'}: up to date", f"{sweep / '1'}: up to date"]
+    assert len(all_runs(uri)) == 3
+
+
+@pytest.mark.slow
+def test_an_unreachable_store_is_one_line_and_exit_code_2(folder, tmp_path):
+    r = run_cli(["gptlab.sync", str(folder), f"tracking.uri={DOWN}"], cwd=tmp_path, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("gptlab.sync: error: MLflow store http://127.0.0.1:9 cannot be reached")
+    r = run_cli(["gptlab.sync", str(folder)], cwd=tmp_path, timeout=120)  # the store the run was configured with
+    assert r.returncode == 2 and "http://127.0.0.1:9 cannot be reached" in r.stderr
+
+
+# ---- one SQLite store, many processes ------------------------------------------------------------
+
+RACE = """
+import sys, time
+from gptlab.tracking import artifact_root, get_or_create_experiment, mlflow_client
+uri, start = sys.argv[1], float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))  # all at once
+client = mlflow_client(uri)
+run = client.create_run(get_or_create_experiment(client, "race", artifact_root(uri)))
+client.set_terminated(run.info.run_id)
+"""
+
+
+def test_processes_that_open_one_fresh_sqlite_store_at_once_all_record(tmp_path):
+    """Each process's first connection creates and migrates the store; without the lock they race."""
+    uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
+    start = str(time.time() + 3)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RACE, uri, start], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for _ in range(4)
+    ]
+    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outputs
+    assert [r.info.status for r in all_runs(uri)] == ["FINISHED"] * 4
+    assert (tmp_path / "new" / "mlflow.db.lock").is_file()
+
+
+def test_a_locked_database_is_tried_again_and_other_errors_are_not(monkeypatch):
+    from gptlab import tracking
+
+    monkeypatch.setattr(tracking.time, "sleep", lambda s: None)
+    calls = []
+
+    def flaky(x, fails=2, error="(sqlite3.OperationalError) database is locked"):
+        calls.append(x)
+        if len(calls) <= fails:
+            raise RuntimeError(error)
+        return x
+
+    assert tracking.retry_locked(flaky, 7) == 7 and len(calls) == 3
+    calls.clear()
+    with pytest.raises(RuntimeError, match="no such table"):
+        tracking.retry_locked(flaky, 7, error="no such table")
+    assert len(calls) == 1
+    calls.clear()
+    with pytest.raises(RuntimeError, match="locked"):
+        tracking.retry_locked(flaky, 7, fails=100)
+    assert len(calls) == tracking.LOCKED_RETRIES
+
+
+# ---- the real commands --------------------------------------------------------------------------
+
+
+def train_args(shakespeare, *extra):
+    return [
+        "gptlab.train",
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "train.max_steps=10",
+        "train.batch_size=8",
+        "train.eval_every=5",
+        "train.eval_steps=2",
+        "train.log_every=5",
+        "train.sample_tokens=5",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_concurrent_runs_on_one_fresh_sqlite_store_are_all_recorded(shakespeare, tmp_path):
+    """Four runs started at once on a store that does not exist yet: each one creates (and migrates) it."""
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                *train_args(shakespeare, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / str(i)}"),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(4)
+    ]
+    outputs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outputs
+    assert not [o for o in outputs if "MLflow disabled" in o], outputs
+    runs = all_runs(uri)
+    assert len(runs) == 4 and {r.info.status for r in runs} == {"FINISHED"}
+    assert {r.data.tags["run_dir"] for r in runs} == {str(tmp_path / str(i)) for i in range(4)}
+    # and each run folder knows its run: sync finds every one recorded
+    lines = sync([tmp_path / str(i) for i in range(4)])
+    assert lines == [f"{tmp_path / str(i)}: up to date" for i in range(4)]
+
+
+@pytest.mark.slow
+def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_path):
+    """The acceptance case: the store is down during the run; later, sync records all of it, once."""
+    run_dir = tmp_path / "run"
+    r = run_cli(train_args(shakespeare, f"tracking.uri={DOWN}", f"hydra.run.dir={run_dir}"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"record it later with: python -m gptlab.sync {run_dir}" in r.stderr
+    server, uri = start_mlflow_server(tmp_path / "server")
+    try:
+        r = run_cli(["gptlab.sync", str(run_dir), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (line,) = r.stdout.strip().splitlines()
+        (run,) = all_runs(uri)
+        assert line.startswith(f"{run_dir}: recorded as run {run.info.run_id} (")
+        assert_complete(uri, run, run_dir)
+        # per metric name, as many points as metrics.jsonl has values of it
+        counts = Counter(n for row in read_metrics(run_dir) for n in mlflow_metrics(row))
+        points = recorded_points(uri, run.info.run_id)
+        assert {n: len(points[n]) for n in counts} == dict(counts)
+        assert run.data.tags["overrides"].startswith("model=gpt_nano ")
+        artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
+        assert artifacts == {"config_resolved.yaml", "results.json", "samples.txt", "loss.png"}
+        params = dict(run.data.params)
+        r = run_cli(["gptlab.sync", str(run_dir), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
+        assert r.returncode == 0 and r.stdout == f"{run_dir}: up to date\n", r.stdout + r.stderr[-2000:]
+        (again,) = all_runs(uri)
+        assert again.info.run_id == run.info.run_id and dict(again.data.params) == params
+        assert recorded_points(uri, run.info.run_id) == points
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "server"]  # sync left nothing behind
+
+
+@pytest.mark.slow
+def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(shakespeare, tmp_path):
+    """A sweep whose store was down has no sweep.json: its parent run is made from Hydra's multirun.yaml."""
+    sweep = tmp_path / "sweep"
+    args = train_args(shakespeare, f"tracking.uri={DOWN}", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
+    r = run_cli([args[0], "-m", *args[1:]], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (sweep / "sweep.json").exists()
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    r = run_cli(["gptlab.sync", str(sweep), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = all_runs(uri)
+    (parent,) = [x for x in runs if x.data.tags.get("run_type") == "sweep"]
+    kids = sorted((x for x in runs if x is not parent), key=lambda x: x.info.run_name)
+    assert parent.info.run_name == "gpt_nano-shakespeare_char-cpu sweep optimizer.lr=1e-3,3e-3"
+    assert [k.info.run_name for k in kids] == [
+        "gpt_nano-shakespeare_char-cpu optimizer.lr=0.001",
+        "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003",
+    ]
+    assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {parent.info.run_id}
+    for kid in kids:
+        assert_complete(uri, kid, Path(kid.data.tags["run_dir"]))
+    assert client(uri).get_run(parent.info.run_id).info.status == "FINISHED"
+    r = run_cli(["gptlab.sync", str(sweep), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
+    assert r.stdout == f"{sweep / '0'}: up to date\n{sweep / '1'}: up to date\n", r.stdout + r.stderr[-2000:]
+    assert len(all_runs(uri)) == 3

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab import console, distributed, runfolder
 from gptlab.build import build, default_run_name, record_expectation, write_sample
-from gptlab.cli import command, fail
+from gptlab.cli import command, fail, os_error_message
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
@@ -76,13 +76,17 @@ def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: 
     console.setup_logging(Path(run_dir) / "train.log")  # a fresh process: Hydra configured nothing here
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
-    except GptlabError as e:
+    except (GptlabError, OSError) as e:
+        # a path or the machine (disk full, permissions) is the user's to fix too; other OSErrors are bugs
+        message = str(e) if isinstance(e, GptlabError) else os_error_message(e)
+        if message is None:
+            raise
         # User errors (config, data, divergence) are usually the same on every rank: rank 0 says it,
         # and the launcher stops the others while they wait. A rank that fails alone still speaks.
         rank = os.environ.get("RANK", "0")
         if rank != "0":
             time.sleep(3)
-        fail("gptlab.train", e if rank == "0" else f"[rank {rank}] {e}")
+        fail("gptlab.train", message if rank == "0" else f"[rank {rank}] {message}")
 
 
 def train_job(cfg: DictConfig) -> Dict[str, Any]:

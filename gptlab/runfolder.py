@@ -33,7 +33,7 @@ from gptlab.errors import GptlabError
 
 # What a run folder holds besides Hydra's .hydra/ and the log file (which the new attempt owns already).
 RECORDS = ("checkpoints", "metrics.jsonl", "results.json", "samples.txt", "loss.png", "config_resolved.yaml",
-           "tensorboard", "slurm.json", "bench.json", "export")  # fmt: skip
+           "derived.json", "tensorboard", "slurm.json", "bench.json", "export")  # fmt: skip
 PREVIOUS = "previous"
 BROKEN = "broken"
 

@@ -18,8 +18,8 @@ or its `sweep_dir` tag, else created from sweep.json, or from Hydra's multirun.y
 could not write sweep.json). A run deleted in MLflow is left deleted.
 
 What is completed: the metric points whose (name, step) the run lacks (metrics.jsonl, and results.json
-as summary/*), params not logged yet (a param cannot change; of the derived.* figures only
-derived.params is in the folder), artifacts missing or of another size (config_resolved.yaml,
+as summary/*), params not logged yet (a param cannot change; the derived.* figures come from
+derived.json), artifacts missing or of another size (config_resolved.yaml,
 results.json, samples.txt, loss.png, bench.json), tags missing, and the status: FINISHED when
 results.json holds the results, KILLED when it says the run was stopped (`stopped_by`). A folder
 without results.json (a run still going, or one that died) leaves the status as it is (RUNNING for a
@@ -50,6 +50,7 @@ from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.sweep import SweepCallback, swept
 from gptlab.tracking import (
+    DERIVED_FILE,
     LOSS_PLOT,
     PARENT_TAG,
     SUMMARY_METRICS,
@@ -263,9 +264,13 @@ def folder_tags(folder: RunFolder) -> Dict[str, str]:
 
 
 def folder_params(folder: RunFolder) -> Dict[str, Any]:
-    """The resolved config, flattened, and derived.params (the other derived.* figures are not in the folder)."""
+    """The resolved config, flattened, and the derived.* figures (derived.json; a folder written before
+    it existed has only derived.params, from results.json)."""
     params = flatten(folder.config)
-    if folder.results.get("params") is not None:
+    with contextlib.suppress(OSError, ValueError):
+        derived = json.loads((folder.path / DERIVED_FILE).read_text())
+        params.update({f"derived.{k}": v for k, v in derived.items()})
+    if "derived.params" not in params and folder.results.get("params") is not None:
         params["derived.params"] = folder.results["params"]
     return params
 

@@ -54,6 +54,7 @@ SWEEP_FILE = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs n
 SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
 LOSS_PLOT = "loss.png"
+DERIVED_FILE = "derived.json"  # the run's derived figures (accumulation steps, FLOPs per token, ...)
 SQLITE_PREFIX = "sqlite:///"  # a SQLite store's URI is this and the path of its database file
 NAME_TAGS = ("model", "data", "hardware")  # the run tags run_name() is made of
 
@@ -388,7 +389,7 @@ class NullTracker:
 
     def set_tag(self, key: str, value: str) -> None: ...
 
-    def write_config(self, resolved: Dict[str, Any]) -> None: ...
+    def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None: ...
 
     def write_results(self, results: Dict[str, Any]) -> None: ...
 
@@ -631,13 +632,15 @@ class Tracker:
         if self.mlflow:
             self.mlflow.set_tag(key, value)
 
-    def write_config(self, resolved: Dict[str, Any]) -> None:
-        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact."""
+    def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
+        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact, and
+        the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync too)."""
         import yaml
 
         path = self.run_dir / "config_resolved.yaml"
         path.write_text(yaml.safe_dump(resolved, sort_keys=False))
         self.log_artifact(path)
+        (self.run_dir / DERIVED_FILE).write_text(json.dumps(derived, indent=1) + "\n")
 
     def write_results(self, results: Dict[str, Any]) -> None:
         """results.json, atomically, as strict JSON: a figure that is not a finite number is null."""

@@ -50,7 +50,7 @@ def run_training(
     run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
     status = "FAILED"
     try:
-        run.tracker.write_config(resolved)
+        run.tracker.write_config(resolved, run.derived)
         results = train(run)
         sample = write_sample(run) if not results["stopped_by"] else None
         if sample is not None:

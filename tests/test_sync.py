@@ -48,10 +48,11 @@ def expected_points(run_dir):
 
 
 def param_count(run_dir):
-    """The params a run folder records: its resolved config, flattened, and derived.params."""
+    """The params a run folder records: its resolved config, flattened, and its derived.* figures."""
     import yaml
 
-    return len(flatten(yaml.safe_load((run_dir / "config_resolved.yaml").read_text()))) + 1
+    derived = json.loads((run_dir / "derived.json").read_text())
+    return len(flatten(yaml.safe_load((run_dir / "config_resolved.yaml").read_text()))) + len(derived)
 
 
 def recorded_points(uri, run_id):
@@ -68,6 +69,8 @@ def assert_complete(uri, run, run_dir):
     artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
     assert {"config_resolved.yaml", "results.json", "loss.png"} <= artifacts, artifacts
     assert run.data.params["model.name"] == "gpt_nano" and "derived.params" in run.data.params
+    derived = json.loads((run_dir / "derived.json").read_text())  # every derived.* figure the run logged
+    assert {k: run.data.params[f"derived.{k}"] for k in derived} == {k: str(v) for k, v in derived.items()}
     assert run.data.tags["run_dir"] == str(run_dir.resolve()) and run.info.status == "FINISHED"
 
 

@@ -34,7 +34,8 @@ def losses(cwd: Path):
 
 @pytest.mark.slow
 def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
-    """Same global batch on 1 process and on 2 (spawned by gptlab, or by torchrun): same losses."""
+    """Same global batch on 1 process and on 2 (spawned by gptlab, or by torchrun, and with gradient
+    accumulation, where DDP must all-reduce on the last micro-step only): same losses."""
     args = [*COMMON, f"data.path={shakespeare}"]
     runs = {
         "cpu": [sys.executable, "-m", "gptlab.train", *args, "hardware=cpu"],
@@ -47,6 +48,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
             *args,
             "hardware=cpu_x2",
         ],
+        "spawn_accum": [sys.executable, "-m", "gptlab.train", *args, "hardware=cpu_x2", "train.micro_batch_size=2"],
     }
     out = {}
     for name, cmd in runs.items():
@@ -56,12 +58,13 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
         out[name] = losses(cwd)
         if name != "cpu":
-            assert "x2" in r.stdout and "= 4 x 1 accum x 2 ranks" in r.stdout
+            split = "= 2 x 2 accum x 2 ranks" if name == "spawn_accum" else "= 4 x 1 accum x 2 ranks"
+            assert "x2" in r.stdout and split in r.stdout
             # one run folder, rank 0's: other ranks leave nothing behind
             assert len(list((cwd / "outputs" / "runs").iterdir())) == 1
     ref_train, ref_val = out["cpu"]
     assert len(ref_train) == 8
-    for name in ("spawn", "torchrun"):
+    for name in ("spawn", "torchrun", "spawn_accum"):
         train, val = out[name]
         assert train == pytest.approx(ref_train, abs=1e-5), name
         assert val == pytest.approx(ref_val, abs=1e-5), name

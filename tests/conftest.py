@@ -117,13 +117,26 @@ def nano_overrides(data_path: Path, *extra: str) -> List[str]:
     ]
 
 
-def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) -> subprocess.CompletedProcess:
-    """Run `python -m <args>` as a user would, from cwd."""
+def cli_env(env_extra=None) -> Dict[str, str]:
+    """The environment a user's shell gives a command (no HYDRA_FULL_ERROR from the test run)."""
     env = {**os.environ, **(env_extra or {})}
     env.pop("HYDRA_FULL_ERROR", None)
+    return env
+
+
+def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) -> subprocess.CompletedProcess:
+    """Run `python -m <args>` as a user would, from cwd."""
     return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(env_extra), capture_output=True, text=True, timeout=timeout
     )
+
+
+def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False) -> subprocess.Popen:
+    """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start several)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+    )  # fmt: skip
 
 
 def start_mlflow_server(store: Path):

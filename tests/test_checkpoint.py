@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, nano_overrides
+from conftest import REPO, compose_config, nano_overrides, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
@@ -149,17 +149,8 @@ def test_resume_never_starts_fresh_and_a_path_resumes_from_that_file(tmp_path, s
     assert other["steps"] == 12 and other["tokens"] == 12 * 8 * 32
 
 
-def cli(args, cwd, **kw):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run(
-        [sys.executable, "-m", "gptlab.train", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        **kw,
-    )
+def cli(args, cwd):
+    return run_cli(["gptlab.train", *args], cwd)
 
 
 @pytest.mark.slow
@@ -250,15 +241,7 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
         ),
         f"hydra.run.dir={run_dir}",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gptlab.train", *args],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_cli(["gptlab.train", *args], tmp_path)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
@@ -274,14 +257,7 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
     assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{step:08d}.pt"
     # the same command continues from there
     args = [a for a in args if not a.startswith("train.max_steps=")]
-    r = subprocess.run(
-        [sys.executable, "-m", "gptlab.train", *args, f"train.max_steps={step + 5}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_cli(["gptlab.train", *args, f"train.max_steps={step + 5}"], tmp_path, timeout=120)
     assert r.returncode == 0 and f"step {step}" in r.stdout, r.stderr[-2000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "train_loss" in x]
     assert steps == list(range(1, step + 6))  # every step once: none missing, none logged twice

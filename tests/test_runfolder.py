@@ -2,17 +2,14 @@
 mix a run (gptlab/runfolder.py), and a resumed run logs the same curve as one never stopped."""
 
 import json
-import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, nano_overrides
+from conftest import compose_config, nano_overrides, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
@@ -40,9 +37,7 @@ def ckpt_names(run_dir: Path):
 
 
 def cli(args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    return subprocess.run([sys.executable, "-m", "gptlab.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return run_cli(["gptlab.train", *args], cwd)
 
 
 def one_error_line(r) -> str:
@@ -137,9 +132,7 @@ def test_a_stop_checkpoint_is_kept_and_the_resumed_curve_is_the_uninterrupted_on
     assert cli(first, tmp_path).returncode == 0
     second = [*overrides(shakespeare, "optimizer.lr=3e-3", "train.log_every=4", "optimizer.decay_steps=200",
                          "train.max_steps=100000"), f"hydra.run.dir={run_dir}"]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen([sys.executable, "-m", "gptlab.train", *second, "train.resume=never"], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = start_cli(["gptlab.train", *second, "train.resume=never"], tmp_path)
     deadline = time.time() + 120
     while not ((run_dir / "checkpoints" / "ckpt_00000010.pt").exists() and (run_dir / "previous").exists()):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import run_cli, start_mlflow_server
+from conftest import run_cli, start_cli, start_mlflow_server
 
 pytestmark = pytest.mark.slow
 
@@ -246,29 +246,10 @@ def test_slurm_local_tasks_per_node_follow_hardware(tmp_path):
 def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path):
     """SIGUSR2 (what SLURM sends before preemption or the time limit): the job saves a checkpoint,
     submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gptlab.train",
-            "-m",
-            "hydra/launcher=slurm_local",
-            "model=gpt_nano",
-            f"data.path={shakespeare}",
-            "train.max_steps=200",
-            "train.log_every=10",
-            "train.eval_every=100",
-            "train.eval_steps=2",
-            "train.sample_tokens=0",
-            "hydra.launcher.max_num_timeout=2",
-        ],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    args = ["gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano", f"data.path={shakespeare}",
+            "train.max_steps=200", "train.log_every=10", "train.eval_every=100", "train.eval_steps=2",
+            "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2"]  # fmt: skip
+    proc = start_cli(args, tmp_path, merge_stderr=True)
     try:
         deadline = time.time() + 180
         metrics: List[Path] = []

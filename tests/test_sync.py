@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, nano_overrides, run_cli, start_mlflow_server
+from conftest import compose_config, nano_overrides, run_cli, start_cli, start_mlflow_server
 
 from gptlab.cli import compose
 from gptlab.sync import gather_words, main, sync
@@ -334,19 +334,11 @@ def train_args(shakespeare, *extra):
 def test_concurrent_runs_on_one_fresh_sqlite_store_are_all_recorded(shakespeare, tmp_path):
     """Four runs started at once on a store that does not exist yet: each one creates (and migrates) it."""
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                *train_args(shakespeare, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / str(i)}"),
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        start_cli(
+            train_args(shakespeare, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / str(i)}"),
+            tmp_path,
+            merge_stderr=True,
         )
         for i in range(4)
     ]

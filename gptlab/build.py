@@ -135,7 +135,7 @@ def build(
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     console.for_rank(d.rank)
     run_dir = shared_run_dir(run_dir)
-    resume_from = claim_folder(run_dir, cfg.train.resume, resolved, d.is_main)
+    resume_from, loaded = runfolder.shared_claim(run_dir, cfg.train.resume, resolved, d.is_main, log.info)
     data, train_tokens, val_tokens = build_data(cfg, d)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     raw_model, model = build_model(cfg, mcfg, d)
@@ -175,7 +175,7 @@ def build(
         "tokenizer_sha256": data.tokenizer_sha256,
         "vocab_size": data.vocab_size,
     }
-    mlflow_run_id = resume(run, resume_from)
+    mlflow_run_id = resume(run, resume_from, loaded)
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, outputs, run_name, tags, mlflow_run_id)
         record_slurm_job(run_dir)
@@ -240,21 +240,13 @@ def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
     return raw_model, distributed.wrap_model(raw_model, d, p.strategy, p.activation_checkpointing, cfg.compile)
 
 
-def claim_folder(run_dir: Path, setting: str, resolved: Dict[str, Any], is_main: bool) -> Optional[Path]:
-    """The checkpoint this start continues (runfolder.claim decides, on rank 0), or None: start afresh.
+def resume(run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingState]) -> Optional[str]:
+    """Restore the claimed checkpoint into the run (when there is one); its MLflow run id.
 
-    Settled before the data is prepared: another run's checkpoint or a bad path stops at once."""
-    path, error = runfolder.shared_claim(run_dir, setting, resolved, is_main, log.info)
-    if error is not None:
-        raise GptlabError(error)
-    return path
-
-
-def resume(run: Run, path: Optional[Path]) -> Optional[str]:
-    """Restore the claimed checkpoint into the run (when there is one); its MLflow run id."""
+    loaded: the state rank 0 read while claiming the folder (the other ranks read it here)."""
     if path is None:
         return None
-    state = checkpoint.TrainingState.load(path)
+    state = loaded or checkpoint.TrainingState.load(path)
     log.info(f"resuming from {path} (step {state.step})")
     state.restore(run.stateful())
     run.start_step, run.start_tokens, run.start_best_val = state.step, state.tokens, state.best_val_loss

@@ -10,12 +10,13 @@ to what a run saves is a change here only. Knows no model class: it sees objects
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -112,8 +113,11 @@ def latest(folder: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def load_latest_good(folder: Path, warn=print) -> Optional[Tuple[Path, Dict[str, Any]]]:
-    """The newest checkpoint in folder that loads, skipping (and naming) unreadable ones."""
+def load_latest_good(
+    folder: Path, warn: Optional[Callable[[str], None]] = None
+) -> Optional[Tuple[Path, Dict[str, Any]]]:
+    """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable ones."""
+    warn = warn or logging.getLogger(__name__).warning
     for path in reversed(list_checkpoints(folder)):
         try:
             return path, load(path)

@@ -16,7 +16,6 @@ the command's own keys `compare.target` and `compare.out`; a first argument with
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -36,6 +35,7 @@ from gptlab.tracking import (
     mlflow_client,
     read_metrics,
     read_overrides,
+    read_results,
     read_sweep,
     sqlite_path,
 )
@@ -120,7 +120,7 @@ def from_folder(folder: Path) -> List[RunRecord]:
     records = []
     for d in sorted(run_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
         rows = read_metrics(d)
-        results = json.loads((d / "results.json").read_text()) if (d / "results.json").is_file() else {}
+        results = read_results(d)
         curve = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "tokens" in r]
         records.append(
             RunRecord(

@@ -21,7 +21,6 @@ one line, nothing changed. Only rank 0 moves files; the others are told which ch
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
+from gptlab.tracking import flatten, read_results
 
 # What a run folder holds besides Hydra's .hydra/ and the log file (which the new attempt owns already).
 RECORDS = ("checkpoints", "metrics.jsonl", "results.json", "samples.txt", "loss.png", "config_resolved.yaml",
@@ -56,21 +56,12 @@ class Claim:
 
     resume_from: Optional[Path]
     notes: List[str]
-
-
-def flat(d: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in (d or {}).items():
-        if isinstance(v, dict) and v:
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    state: Optional[checkpoint.TrainingState] = None  # rank 0 read it to decide: not read twice
 
 
 def differences(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     """`key=old (now new)` for every key outside FREE whose value differs between two resolved configs."""
-    a, b = flat(saved), flat(now)
+    a, b = flatten(saved or {}), flatten(now)
     keys = sorted(k for k in set(a) | set(b) if not k.startswith(FREE) and a.get(k) != b.get(k))
     return [f"{k}={a.get(k)!r} (now {b.get(k)!r})" for k in keys]
 
@@ -86,13 +77,19 @@ def set_aside(run_dir: Path, why: str, log: Callable[[str], None]) -> Optional[P
     present = [run_dir / name for name in RECORDS if (run_dir / name).exists()]
     if not present:
         return None
-    dest = run_dir / PREVIOUS / time.strftime("%Y-%m-%d_%H-%M-%S")
+    dest = move_aside(run_dir, present)
+    log(f"{why}: the earlier run's files were moved to {dest}")
+    return dest
+
+
+def move_aside(run_dir: Path, paths: List[Path], suffix: str = "") -> Path:
+    """Move paths into a new previous/<time><suffix>/ folder of the run folder (nothing is deleted)."""
+    dest = run_dir / PREVIOUS / (time.strftime("%Y-%m-%d_%H-%M-%S") + suffix)
     while dest.exists():
         dest = dest.with_name(dest.name + "_")
     dest.mkdir(parents=True)
-    for path in present:
+    for path in paths:
         shutil.move(str(path), str(dest / path.name))
-    log(f"{why}: the earlier run's files were moved to {dest}")
     return dest
 
 
@@ -108,12 +105,8 @@ def _saved_config(run_dir: Path) -> Dict[str, Any]:
 
 def finished(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """The results of this very run when it has finished already (train.resume=auto reruns it): else None."""
-    results_file, saved = run_dir / "results.json", _saved_config(run_dir)
-    if resolved["train"]["resume"] != "auto" or not results_file.is_file() or not saved:
-        return None
-    try:
-        results = json.loads(results_file.read_text())
-    except (OSError, ValueError):
+    results, saved = read_results(run_dir), _saved_config(run_dir)
+    if resolved["train"]["resume"] != "auto" or not results or not saved:
         return None
     done = results.get("stopped_by") is None and (results.get("steps") or 0) >= resolved["train"]["max_steps"]
     return results if done and not differences(saved, resolved) else None
@@ -127,7 +120,8 @@ def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[s
         set_aside(run_dir, "train.resume=never", say)
         return _told(Claim(None, notes), log)
     if resume != "auto":
-        return _told(Claim(_warm_start(run_dir, Path(resume).expanduser(), say), notes), log)
+        path, state = _warm_start(run_dir, Path(resume).expanduser(), say)
+        return _told(Claim(path, notes, state), log)
     folder = run_dir / "checkpoints"
     found = checkpoint.load_latest_good(folder, warn=say)
     if found is None:
@@ -147,30 +141,22 @@ def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[s
     if diff:
         raise GptlabError(_another_run(run_dir, f"its checkpoint {path.name} differs in {', '.join(diff)}"))
     _move_broken(folder, path, say)
-    return _told(Claim(path, notes), log)
+    return _told(Claim(path, notes, checkpoint.TrainingState.from_dict(path, state)), log)
 
 
-def _warm_start(run_dir: Path, path: Path, say: Callable[[str], None]) -> Path:
+def _warm_start(run_dir: Path, path: Path, say: Callable[[str], None]) -> Tuple[Path, checkpoint.TrainingState]:
     """train.resume=PATH: within this folder's history, the history after it goes aside; else the whole
     earlier run does."""
     folder = run_dir / "checkpoints"
-    checkpoint.load(path)  # a path that does not load stops here, before anything is moved
+    state = checkpoint.TrainingState.load(path)  # one that does not load stops here, before anything moves
     if path.resolve().parent == folder.resolve():
         later = [p for p in checkpoint.list_checkpoints(folder) if p.name > path.name]
         if later:
-            dest = set_aside_files(run_dir, later, "resuming from an earlier checkpoint")
+            dest = move_aside(run_dir, later, "_checkpoints")
             say(f"train.resume={path}: the checkpoints after it were moved to {dest}")
-        return path
+        return path, state
     set_aside(run_dir, f"train.resume={path} (a warm start)", say)
-    return path
-
-
-def set_aside_files(run_dir: Path, files: List[Path], why: str) -> Path:
-    dest = run_dir / PREVIOUS / (time.strftime("%Y-%m-%d_%H-%M-%S") + "_checkpoints")
-    dest.mkdir(parents=True, exist_ok=True)
-    for path in files:
-        shutil.move(str(path), str(dest / path.name))
-    return dest
+    return path, state
 
 
 def _move_broken(folder: Path, good: Path, say: Callable[[str], None]) -> None:
@@ -199,11 +185,14 @@ def _told(c: Claim, log: Callable[[str], None]) -> Claim:
 
 
 def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool,
-                 log: Callable[[str], None]) -> Tuple[Optional[Path], Optional[str]]:  # fmt: skip
-    """claim() on rank 0, its answer on every rank: (the checkpoint to load, rank 0's error if any)."""
+                 log: Callable[[str], None]) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:  # fmt: skip
+    """claim() on rank 0, its answer on every rank: (the checkpoint to load, the state rank 0 loaded
+    already (None on the other ranks)). Rank 0's refusal is raised on every rank. Called before the
+    data is prepared, so another run's checkpoint or a bad path stops at once."""
     from gptlab import distributed
 
     answer: Tuple[Optional[str], Optional[str]] = (None, None)
+    c = None
     if is_main:
         try:
             c = claim(run_dir, resume, resolved, log)
@@ -211,4 +200,6 @@ def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: 
         except GptlabError as e:
             answer = (None, str(e))
     path, error = distributed.broadcast_object(answer)
-    return (Path(path) if path else None), error
+    if error is not None:
+        raise GptlabError(error)
+    return (Path(path) if path else None), (c.state if c is not None else None)

@@ -48,6 +48,7 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, fail, hydra_quote
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
+from gptlab.runfolder import PREVIOUS
 from gptlab.sweep import SweepCallback, swept
 from gptlab.tracking import (
     DERIVED_FILE,
@@ -67,6 +68,7 @@ from gptlab.tracking import (
     mlflow_metrics,
     read_metrics,
     read_overrides,
+    read_results,
     read_sweep,
     run_name,
     sweep_run_name,
@@ -216,16 +218,7 @@ def read_folder(path: Path) -> Optional[RunFolder]:
     else:
         return None
     sweep = read_sweep(path) or sweep_from_multirun(path.parent)
-    return RunFolder(path, config, _results(path), sweep)
-
-
-def _results(path: Path) -> Dict[str, Any]:
-    """A run folder's results.json ({} when there is none yet)."""
-    try:
-        results = json.loads((path / "results.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return results if isinstance(results, dict) else {}
+    return RunFolder(path, config, read_results(path), sweep)
 
 
 def target_uri(folder: RunFolder, given: Optional[str]) -> str:
@@ -373,7 +366,7 @@ class Store:
     def find_run(self, folder: RunFolder) -> Any:
         """The folder's run: results.json's run when this store has it, else the run tagged with the
         folder, but none of the earlier runs moved aside into previous/<time>/ (they had the same tag)."""
-        earlier = [_results(p).get("mlflow_run_id") for p in sorted(folder.path.glob("previous/*"))]
+        earlier = [read_results(p).get("mlflow_run_id") for p in sorted((folder.path / PREVIOUS).glob("*"))]
         return self.get_run(folder.results.get("mlflow_run_id")) or self.search_one(
             f"tags.run_dir = {_quoted(str(folder.path))}", skip=[i for i in earlier if i]
         )

@@ -333,6 +333,15 @@ def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
     return rows
 
 
+def read_results(run_dir: Path) -> Dict[str, Any]:
+    """A run folder's results.json ({} when it has none yet, or one cut short)."""
+    try:
+        results = json.loads((Path(run_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return results if isinstance(results, dict) else {}
+
+
 def last_logged_step(run_dir: Path) -> int:
     """The last step recorded in a run folder's metrics.jsonl (0 when there is none)."""
     steps = [row["step"] for row in read_metrics(run_dir) if isinstance(row, dict) and isinstance(row.get("step"), int)]

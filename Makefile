@@ -20,8 +20,9 @@ setup: $(VENV)/.installed
 # torch first, so that pip never picks a multi-GB CUDA build on a machine without a GPU:
 # a wheel already on this machine (pip's find-links) wins, then CUDA where nvidia-smi works,
 # else PyTorch's CPU-only index.
+# A venv cut short (python but no pip) is made again rather than used.
 $(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python -a -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "torch already installed"; \
 	elif $(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \

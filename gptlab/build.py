@@ -86,8 +86,9 @@ class Run:
         }
 
     def close(self, status: str) -> None:
-        """Finish the records (FINISHED / FAILED) and leave the process group."""
+        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""
         self.tracker.finish(status)
+        runfolder.unlock(self.run_dir)
         distributed.teardown()
 
 

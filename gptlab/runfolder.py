@@ -15,13 +15,18 @@ Before anything is written, rank 0 decides (``claim``):
   run's files in this folder are moved aside as for ``never`` (a checkpoint inside this folder's
   own history continues it, and the history after it is moved aside).
 
-A finished run rerun with the same command is recognised before anything is built (``finished``):
-one line, nothing changed. Only rank 0 moves files; the others are told which checkpoint to load.
+Two starts in one folder at once: the second ends in one line (``lock``: rank 0 holds
+``.gptlab.lock`` while the run lasts). A finished run rerun with the same command is recognised
+before anything is built (``finished``): one line, nothing changed. Only rank 0 moves files; the
+others are told which checkpoint to load.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,8 @@ from gptlab.tracking import flatten, read_results
 RECORDS = ("checkpoints", "metrics.jsonl", "results.json", "samples.txt", "loss.png", "config_resolved.yaml",
            "derived.json", "tensorboard", "slurm.json", "bench.json", "export")  # fmt: skip
 PREVIOUS = "previous"
+LOCK_FILE = ".gptlab.lock"
+_HELD: Dict[str, Any] = {}  # run folder -> its open lock file, while this process runs it
 BROKEN = "broken"
 
 # Keys a run may change and still continue its own checkpoint: where and how fast it runs, how often
@@ -112,8 +119,49 @@ def finished(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]
     return results if done and not differences(saved, resolved) else None
 
 
+def lock(run_dir: Path) -> None:
+    """One run at a time in a folder: rank 0 holds an exclusive lock on <run>/.gptlab.lock while the run
+    lasts (the OS drops it when the process ends, however it ends); a second start there is one line."""
+    key = str(Path(run_dir).resolve())
+    if key in _HELD:
+        return  # this process runs the folder already (a test calling run_training again)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    f = open(Path(run_dir) / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise GptlabError(
+            f"run folder {run_dir} is in use by another gptlab run ({holder}): wait for it to end, "
+            "or give this run another hydra.run.dir"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _HELD[key] = f
+
+
+def unlock(run_dir: Path) -> None:
+    """Let the folder go at the end of the run (a process that dies lets it go by itself)."""
+    f = _HELD.pop(str(Path(run_dir).resolve()), None)
+    if f is not None:
+        f.close()
+
+
 def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None]) -> Claim:
     """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another run."""
+    lock(run_dir)
+    try:
+        return _decide(run_dir, resume, resolved, log)
+    except GptlabError:
+        unlock(run_dir)  # refused: the folder stays as it was, free for the next start
+        raise
+
+
+def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None]) -> Claim:
     notes: List[str] = []
     say = notes.append
     if resume == "never":

@@ -73,8 +73,8 @@ def test_auto_refuses_another_runs_checkpoint_in_one_line_naming_the_keys(tmp_pa
     line = one_error_line(r)
     assert line.startswith("gptlab.train: error: run folder") and "holds another run" in line
     assert "model.n_layer=2 (now 3)" in line and "optimizer.lr" in line and "train.resume=never" in line
-    # nothing of the earlier run changed (the new attempt's log file aside)
-    assert all(p.read_bytes() == b for p, b in snapshot.items() if p.name != "train.log")
+    # nothing of the earlier run changed (the new attempt's log file and its lock note aside)
+    assert all(p.read_bytes() == b for p, b in snapshot.items() if p.name not in ("train.log", ".gptlab.lock"))
     # a change of topology or pace continues it: another micro-batch split, more steps
     ok = run_training(compose_config(overrides(shakespeare, "train.max_steps=20", "train.micro_batch_size=4")), run_dir)
     assert ok["steps"] == 20 and steps_logged(run_dir) == [1, 5, 10, 15, 20]
@@ -159,3 +159,24 @@ def test_a_stop_checkpoint_is_kept_and_the_resumed_curve_is_the_uninterrupted_on
     a = checkpoint.load(checkpoint.latest(run_dir / "checkpoints"))["model"]
     b = checkpoint.load(checkpoint.latest(straight / "checkpoints"))["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_second_run_started_in_a_busy_folder_is_one_line_and_the_first_goes_on(tmp_path, shakespeare):
+    run_dir = tmp_path / "r"
+    args = [*overrides(shakespeare, "train.max_steps=100000", "train.log_every=1"), f"hydra.run.dir={run_dir}"]
+    first = start_cli(["gptlab.train", *args], tmp_path)
+    try:
+        deadline = time.time() + 120
+        while not (run_dir / "metrics.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline, first.stderr.read()
+            time.sleep(0.1)
+        line = one_error_line(cli(args, tmp_path))
+        assert "is in use by another gptlab run (pid " in line and str(run_dir) in line
+        assert first.poll() is None  # untouched: still training
+    finally:
+        first.send_signal(signal.SIGTERM)
+        out, err = first.communicate(timeout=60)
+    assert first.returncode == 0 and "SIGTERM received" in out, err[-2000:]
+    steps = steps_logged(run_dir)
+    assert steps == sorted(set(steps))  # one run's rows only

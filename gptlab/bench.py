@@ -119,6 +119,7 @@ def summarise(
         "precision": hw.precision,
         "compile": cfg.compile,
         "activation_checkpointing": cfg.parallelism.activation_checkpointing,
+        "strategy": cfg.parallelism.strategy,
         "attention_backend": hw.attention_backend,
         "threads": torch.get_num_threads(),
         "batch_size": cfg.train.batch_size,

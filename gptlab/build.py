@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from gptlab import checkpoint, console, distributed, runfolder
-from gptlab.config import Config
+from gptlab.config import SHARDED, Config
 from gptlab.console import Reporter
 from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
@@ -190,10 +190,21 @@ def summary_line(cfg: Config, derived: Dict[str, Any]) -> str:
     return (
         f"{cfg.model.name}: {x['params'] / 1e6:.2f}M params | data {cfg.data.name} "
         f"({x['train_tokens']:,} train tokens, vocab {x['vocab_size']}) | {cfg.hardware.name} "
-        f"x{x['world_size']} {cfg.hardware.precision} | batch {cfg.train.batch_size} = {x['micro_batch_size']} x "
+        f"x{x['world_size']} {cfg.hardware.precision}{_sharding(cfg, x['world_size'])} | "
+        f"batch {cfg.train.batch_size} = {x['micro_batch_size']} x "
         f"{x['accum_steps']} accum x {x['world_size']} ranks of {cfg.model.block_size} tokens | "
         f"peak lr {x['peak_lr']:g} | {cfg.train.max_steps} steps"
     )
+
+
+def _sharding(cfg: Config, world: int) -> str:
+    """' | fsdp mesh 2 (shard)' for a sharded run: how its ranks split the model."""
+    strategy = cfg.parallelism.strategy
+    if strategy not in SHARDED:
+        return ""
+    shape = distributed.mesh_shape(strategy, world, cfg.hardware.nodes)
+    names = "replicate x shard" if len(shape) == 2 else "shard"
+    return f" | {strategy} mesh {'x'.join(map(str, shape))} ({names})"
 
 
 def build_loaders(cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any) -> Tuple[Any, List[Any]]:
@@ -237,8 +248,7 @@ def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
     seed_everything(cfg.train.seed)  # identical initialisation on every rank
     raw_model = GPT(mcfg).to(d.device)
     seed_everything(cfg.train.seed + d.rank)  # then per-rank streams
-    p = cfg.parallelism
-    return raw_model, distributed.wrap_model(raw_model, d, p.strategy, p.activation_checkpointing, cfg.compile)
+    return raw_model, distributed.wrap_model(raw_model, d, cfg.parallelism, cfg.hardware, cfg.compile)
 
 
 def resume(run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingState]) -> Optional[str]:

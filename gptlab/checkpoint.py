@@ -4,7 +4,16 @@ The one module that knows a checkpoint's keys. The loop captures a ``TrainingSta
 objects and saves it; build restores one into freshly built objects; sample and export read the
 model part of one (``read_model``); runfolder.py decides which one a run continues. Adding a field
 to what a run saves is a change here only. Knows no model class: it sees objects with
-``state_dict()`` / ``load_state_dict()``.
+``state_dict()`` / ``load_state_dict()``, and reads the model and optimizer through
+torch.distributed.checkpoint's state-dict API, which keys both by parameter name whatever the
+wrapping (plain, DDP, FSDP), so any checkpoint restores under any strategy and world size.
+
+Two layouts, both atomic and read without code execution:
+  * ``ckpt_<step>.pt``: one file, written by rank 0 (unsharded runs: single, ddp);
+  * ``ckpt_<step>/``: a DCP folder, one shard file per rank plus ``.metadata``, and ``state.pt``
+    with everything else (sharded runs: fsdp, hsdp). It is written as ``.ckpt_<step>.partial/`` and
+    renamed once every rank's part and state.pt are complete, so a killed save never appears under
+    a checkpoint's name.
 """
 
 from __future__ import annotations
@@ -14,7 +23,8 @@ import logging
 import os
 import random
 import re
-from dataclasses import MISSING, dataclass, fields
+import shutil
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -22,13 +32,33 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
+from gptlab.safe_dcp import METADATA, load_into, load_whole, missing_data, read_metadata
 
-FORMAT_VERSION = 1
-_NAME = re.compile(r"^ckpt_(\d{8})\.pt$")
+# v2: model and optimizer keyed by parameter name (v1 keyed the optimizer's state by position)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+_NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
+_PARTIAL = re.compile(r"^\.ckpt_(\d{8})\.partial$")
+STATE_FILE = "state.pt"  # a sharded checkpoint's everything but the model and optimizer shards
+SHARDED_PARTS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
 
 
-def checkpoint_path(folder: Path, step: int) -> Path:
-    return Path(folder) / f"ckpt_{step:08d}.pt"
+def checkpoint_path(folder: Path, step: int, sharded: bool = False) -> Path:
+    return Path(folder) / (f"ckpt_{step:08d}" if sharded else f"ckpt_{step:08d}.pt")
+
+
+def step_of(path: Path) -> int:
+    """The step in a checkpoint's (or an unfinished save's) name."""
+    m = _NAME.match(Path(path).name) or _PARTIAL.match(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make a rename in it durable
+    finally:
+        os.close(fd)
 
 
 def save(path: Path, state: Dict[str, Any]) -> Path:
@@ -45,23 +75,47 @@ def save(path: Path, state: Dict[str, Any]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)
     return path
 
 
 def load(path: Path) -> Dict[str, Any]:
     """Load a checkpoint without executing code from it (weights_only unpickling).
 
-    Whatever else the file is, the error is one line naming it: missing, a folder, unreadable, not a
-    PyTorch file, truncated, a pickle that would run code (refused unread), or not gptlab's.
+    Whatever else it is, the error is one line naming it: missing, a folder that is not a sharded
+    checkpoint, an incomplete one, unreadable, not a PyTorch file, truncated, a pickle that would run
+    code (refused unread), or not gptlab's. A sharded checkpoint gives its state.pt (the shards are
+    read on restore); its metadata is checked here, and every shard file it names must be whole.
     """
+    path = Path(path)
+    if path.is_dir():
+        _check_shards(path)
+        return _load_file(path / STATE_FILE, name=path)
+    return _load_file(path)
+
+
+def _check_shards(path: Path) -> None:
+    import pickle
+
+    if not (path / STATE_FILE).is_file() or not (path / METADATA).is_file():
+        raise GptlabError(
+            f"checkpoint {path} is a folder but not a sharded checkpoint (no {STATE_FILE} and "
+            f"{METADATA}): give ckpt_<step>.pt or a sharded ckpt_<step>/"
+        )
+    try:
+        metadata = read_metadata(path)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        why = f"unreadable or unsafe metadata: {e}"
+        raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint ({why})") from None
+    short = missing_data(path, metadata)
+    if short:
+        raise GptlabError(f"checkpoint {path} is incomplete: shard file(s) {', '.join(short)} missing or cut short")
+
+
+def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
     import warnings
 
-    path = Path(path)
+    path, shown = Path(path), name or path
     try:
         with warnings.catch_warnings():  # a foreign pickle's protocol notice would be a second line
             warnings.simplefilter("ignore")
@@ -91,11 +145,11 @@ def load(path: Path) -> Dict[str, Any]:
             why = "not a PyTorch file"
         raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint ({why})") from None
     if not isinstance(state, dict) or "format_version" not in state:
-        raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)")
-    if state["format_version"] != FORMAT_VERSION:
+        raise GptlabError(f"checkpoint {shown} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)")
+    if state["format_version"] not in READABLE_VERSIONS:
         raise GptlabError(
-            f"checkpoint {path} has checkpoint format v{state['format_version']}; this gptlab reads "
-            f"v{FORMAT_VERSION}: use the gptlab version that wrote it"
+            f"checkpoint {shown} has checkpoint format v{state['format_version']}; this gptlab reads "
+            f"v{', v'.join(map(str, READABLE_VERSIONS))}: use the gptlab version that wrote it"
         )
     return state
 
@@ -116,14 +170,27 @@ def latest(folder: Path) -> Optional[Path]:
 def load_latest_good(
     folder: Path, warn: Optional[Callable[[str], None]] = None
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
-    """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable ones."""
+    """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable
+    ones and sharded saves that never finished."""
     warn = warn or logging.getLogger(__name__).warning
+    found = None
     for path in reversed(list_checkpoints(folder)):
         try:
-            return path, load(path)
+            found = path, load(path)
+            break
         except GptlabError as e:
             warn(f"warning: {e}; trying the previous checkpoint")
-    return None
+    newest = step_of(found[0]) if found else -1
+    for partial in unfinished(folder):
+        if step_of(partial) > newest:
+            warn(f"warning: {partial} is a sharded save that did not finish (the job stopped during it); skipped")
+    return found
+
+
+def unfinished(folder: Path) -> List[Path]:
+    """Sharded saves that never got their checkpoint's name (a job killed while saving)."""
+    folder = Path(folder)
+    return sorted(p for p in folder.iterdir() if _PARTIAL.match(p.name)) if folder.is_dir() else []
 
 
 def _best_marker(folder: Path) -> Path:
@@ -143,7 +210,7 @@ def best(folder: Path) -> Optional[Path]:
     if not marker.is_file():
         return None
     path = Path(folder) / json.loads(marker.read_text())["checkpoint"]
-    return path if path.is_file() else None
+    return path if path.exists() else None
 
 
 def prune(folder: Path, keep: int) -> None:
@@ -151,15 +218,24 @@ def prune(folder: Path, keep: int) -> None:
     keep_best = best(folder)
     for p in list_checkpoints(folder)[:-keep] if keep > 0 else []:
         if p != keep_best:
-            p.unlink(missing_ok=True)
+            _remove(p)
     for stale in Path(folder).glob(".ckpt_*.pt.tmp*"):  # left by a process killed mid-save
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
+    for stale in unfinished(folder):  # sharded saves of a killed job (this one's own has its name now)
+        _remove(stale)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------ the training state
 
-# the live objects whose state_dict() a checkpoint holds, by name (build.Run.stateful() gives them)
+# the live objects whose state a checkpoint holds, by name (build.Run.stateful() gives them)
 STATEFUL = ("model", "optimizer", "scaler", "loader")
 
 
@@ -170,8 +246,11 @@ class TrainingState:
     step: int
     tokens: int  # tokens trained on so far (the loader's position is in `loader`)
     best_val_loss: float
-    model: Dict[str, Any]  # the unwrapped model's state_dict
-    optimizer: Dict[str, Any]
+    # model and optimizer by parameter name (get_state_dict): whole tensors in a .pt checkpoint; this
+    # rank's shards (DTensors) while a sharded one is saved; None when read from one (they stay in
+    # its shards until restore reads them into the live objects, in their layout)
+    model: Optional[Dict[str, Any]]
+    optimizer: Optional[Dict[str, Any]]
     scaler: Dict[str, Any]  # the fp16 GradScaler (a disabled scaler's state on other precisions)
     loader: Dict[str, Any]
     rng: Dict[str, Any]  # rng_state(): python, numpy, torch (and cuda) generators, as plain types
@@ -182,20 +261,84 @@ class TrainingState:
     # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps), so
     # that a resumed run logs the same averages as one that was never stopped (older checkpoints: empty)
     loss_window: Tuple[float, int] = (0.0, 0)
+    shards: Optional[Path] = field(default=None, metadata={"saved": False})  # a sharded checkpoint's folder
+    format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})
 
     @classmethod
     def capture(cls, objects: Dict[str, Any], **fields_: Any) -> "TrainingState":
-        """The state now: objects maps each STATEFUL name to its live object; fields_ the rest."""
-        return cls(**{k: objects[k].state_dict() for k in STATEFUL}, rng=rng_state(), **fields_)
+        """The state now (every rank calls it): objects maps each STATEFUL name to its live object."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(objects["model"], objects["optimizer"])
+        rest = {k: objects[k].state_dict() for k in STATEFUL if k not in SHARDED_PARTS}
+        return cls(model=model, optimizer=optimizer, **rest, rng=rng_state(), **fields_)
+
+    @property
+    def sharded(self) -> bool:
+        """Captured from a sharded model: its model entries are DTensors (saved through DCP)."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(v, DTensor) for v in (self.model or {}).values())
 
     def restore(self, objects: Dict[str, Any]) -> None:
-        """Load every object's state and the random generators (the run continues exactly)."""
+        """Load every object's state and the random generators (the run continues exactly), resharding
+        the model and optimizer to the live objects' layout: any strategy, any world size."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        model, optimizer = objects["model"], objects["optimizer"]
+        if self.shards is not None:  # read into the live layout: each rank reads the slices it holds
+            msd, osd = get_state_dict(model, optimizer)
+            load_into({"model": msd, "optimizer": osd}, self.shards)
+            set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        elif self.format_version == 1:  # the optimizer's state by position: the unsharded objects only
+            if any(hasattr(p, "full_tensor") for p in model.parameters()):
+                raise GptlabError(
+                    "a v1 checkpoint resumes under parallelism=single or ddp only: resume it there once "
+                    "(its next checkpoint is v2), then under fsdp"
+                )
+            model.load_state_dict(self.model)
+            optimizer.load_state_dict(self.optimizer)
+        else:  # whole tensors: every rank keeps its own slice of them
+            whole = StateDictOptions(full_state_dict=True)
+            set_state_dict(model, optimizer, model_state_dict=self.model, optim_state_dict=self.optimizer,
+                           options=whole)  # fmt: skip
         for name in STATEFUL:
-            objects[name].load_state_dict(getattr(self, name))
+            if name not in SHARDED_PARTS:
+                objects[name].load_state_dict(getattr(self, name))
         restore_rng(self.rng)
 
+    def _saved(self, *leave_out: str) -> Dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata.get("saved", True) and f.name not in leave_out}  # fmt: skip
+
     def save(self, path: Path) -> Path:
-        return save(path, {f.name: getattr(self, f.name) for f in fields(self)})
+        return save(path, self._saved())
+
+    def save_sharded(self, path: Path, is_main: bool) -> Path:
+        """Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it to
+        path once all parts are complete (a killed save never appears under a checkpoint's name)."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.partial")
+        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+        if is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers (maybe from more ranks)
+        barrier()
+        dcp.save({"model": self.model, "optimizer": self.optimizer}, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        if is_main:  # dcp.save returned: every rank's shards and the metadata are written and synced
+            save(tmp / STATE_FILE, self._saved(*SHARDED_PARTS))
+            old = path.with_name(f".{path.name}.replaced")
+            if path.exists():  # the same step saved again (a stop at a checkpoint step)
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_dir(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        barrier()  # nobody lists or prunes checkpoints before the rename
+        return path
 
     @classmethod
     def load(cls, path: Path) -> "TrainingState":
@@ -203,6 +346,9 @@ class TrainingState:
 
     @classmethod
     def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
+        """The state checkpoint.load(path) read (for a sharded one, its state.pt: the shards stay put)."""
+        if Path(path).is_dir():
+            state = {**state, "model": None, "optimizer": None, "shards": Path(path)}
         names = [f.name for f in fields(cls)]
         missing = [f.name for f in fields(cls) if f.name not in state and f.default is MISSING]
         if missing:
@@ -211,18 +357,28 @@ class TrainingState:
 
 
 def read_model(path: Path) -> TrainingState:
-    """A checkpoint to read the model from (sample, export): its model_config, model weights,
-    tokenizer and step; loaded without code execution, restored into nothing."""
-    return TrainingState.load(path)
+    """A checkpoint to read the model from (sample, export): its model_config, whole model weights
+    (a sharded checkpoint's are consolidated here, in this process), tokenizer and step; loaded
+    without code execution, restored into nothing."""
+    state = TrainingState.load(path)
+    if state.shards is not None:
+        state.model = load_whole(state.shards, ["model"])["model"]
+    return state
 
 
-def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int) -> Path:
-    """Save the state as the step's checkpoint, remember it as the best when val_loss is the best so
-    far, and prune to the newest `keep` checkpoints plus the best."""
-    path = state.save(checkpoint_path(folder, state.step))
-    if val_loss is not None and val_loss <= state.best_val_loss:
-        mark_best(folder, path, val_loss)
-    prune(folder, keep)
+def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int, is_main: bool = True) -> Path:
+    """Save the state as the step's checkpoint (every rank calls it: a sharded state is written by all,
+    a whole one by rank 0); rank 0 remembers it as the best when val_loss is the best so far, and
+    prunes to the newest `keep` checkpoints plus the best."""
+    path = checkpoint_path(folder, state.step, sharded=state.sharded)
+    if state.sharded:
+        state.save_sharded(path, is_main)
+    elif is_main:
+        state.save(path)
+    if is_main:
+        if val_loss is not None and val_loss <= state.best_val_loss:
+            mark_best(folder, path, val_loss)
+        prune(folder, keep)
     return path
 
 
@@ -230,14 +386,14 @@ def find(run: str, which: str = "latest") -> Path:
     """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest (or, with
     which=best, its best by validation loss)."""
     path = Path(run).expanduser()
-    if path.is_file():
+    if path.is_file() or (path / STATE_FILE).is_file():
         return path
     folder = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if which == "best" and (found := best(folder)) is not None:
         return found
     found = latest(folder)
     if found is None:
-        raise GptlabError(f"run={run}: no checkpoint found (expected {folder}/ckpt_*.pt)")
+        raise GptlabError(f"run={run}: no checkpoint found (expected {folder}/ckpt_*.pt or a sharded ckpt_*/)")
     return found
 
 

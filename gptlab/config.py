@@ -27,7 +27,8 @@ from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
 from gptlab.tracking import TrackingConfig
 
-STRATEGIES = ("single", "ddp")  # parallelism.strategy (distributed.wrap_model reads it)
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # parallelism.strategy (distributed.wrap_model reads it)
+SHARDED = ("fsdp", "hsdp")  # strategies whose weights, gradients and optimizer state are split over ranks
 
 
 @dataclass
@@ -70,8 +71,9 @@ class HardwareConfig:
 @dataclass
 class ParallelismConfig:
     name: str
-    strategy: str  # single | ddp: how the model is wrapped across processes (distributed.wrap_model)
+    strategy: str  # single | ddp | fsdp | hsdp: how the model is wrapped across processes (distributed.wrap_model)
     activation_checkpointing: bool
+    reshard_after_forward: bool  # fsdp/hsdp: free gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
     compile: Optional[bool]  # null: the hardware's default
     timeout_s: int  # a collective waiting longer than this ends the job
 
@@ -200,6 +202,12 @@ def _validate_processes(c: Config) -> None:
     _check(h.nproc_per_node >= 1, "hardware.nproc_per_node", "must be >= 1")
     _check(h.nodes >= 1, "hardware.nodes", "must be >= 1")
     _choice("parallelism.strategy", p.strategy, list(STRATEGIES))
+    _check(
+        not (p.strategy in SHARDED and h.precision == "fp16"),
+        "hardware.precision",
+        f"fp16 with parallelism.strategy={p.strategy}: each rank would skip steps on its own shard's "
+        "overflows; use bf16 (no loss scaling needed) or fp32",
+    )
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
 
 

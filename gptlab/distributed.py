@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gptlab.config import SHARDED
+
 if TYPE_CHECKING:  # hints only: the config classes are data this module reads
     from gptlab.config import HardwareConfig, ParallelismConfig
 
@@ -161,12 +163,15 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     else:
         device = torch.device("cpu")
     global _CONTROL_GROUP
-    if world > 1 and not dist.is_initialized():
+    if (world > 1 or par.strategy in SHARDED) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=par.timeout_s)
+        # fsdp on one device still needs a process group for its mesh: a one-rank group in memory
+        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 else {}
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **alone,
         )
         # small CPU-side agreements (stop signals) go over gloo so they never sync the GPU stream
         _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
@@ -246,13 +251,21 @@ def teardown() -> None:
     _CONTROL_GROUP = None
 
 
-def wrap_model(model: nn.Module, d: Dist, strategy: str, checkpointing: bool, compile: bool) -> nn.Module:
-    """checkpointing -> compile -> the strategy's data-parallel wrapper, in that fixed order."""
-    if checkpointing:
+def wrap_model(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool) -> nn.Module:
+    """checkpointing -> compile -> the strategy's data-parallel wrapper, in that fixed order.
+
+    Unsharded (single, ddp): torch.compile of the whole model, then DDP around the compiled module
+    (its gradient hooks then fire on the compiled graph's parameters). Sharded (fsdp, hsdp): each
+    block is compiled in place, then sharded, then the root is sharded; a whole-model compile would
+    break its graph at every block's FSDP hook and silently run eager.
+    """
+    if par.activation_checkpointing:
         model.activation_checkpointing = True
+    if par.strategy in SHARDED:
+        return _shard(model, d, par, hw, compile)
     if compile:
         model = torch.compile(model)
-    return _DATA_PARALLEL[strategy](model, d)
+    return _replicate(model, d)
 
 
 def _replicate(model: nn.Module, d: Dist) -> nn.Module:
@@ -264,16 +277,61 @@ def _replicate(model: nn.Module, d: Dist) -> nn.Module:
     return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
 
 
-# parallelism.strategy -> wrapper (config.STRATEGIES lists the names). single and ddp are both unsharded
-# data parallelism today; they differ in their presets (activation checkpointing, collective timeout).
-_DATA_PARALLEL = {"single": _replicate, "ddp": _replicate}
+# hardware.precision -> the dtype FSDP gathers parameters in for compute (master weights stay fp32)
+_PARAM_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mesh_shape(strategy: str, world_size: int, nodes: int) -> tuple:
+    """fsdp: one dimension, all ranks shard; hsdp: (nodes to replicate over, ranks per node to shard over)."""
+    return (nodes, world_size // nodes) if strategy == "hsdp" else (world_size,)
+
+
+def _shard(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool) -> nn.Module:
+    """FSDP2 in place: every block is its own shard unit (gathered just before use), then the root
+    (embeddings, final norm, head). Gradients reduce in fp32 whatever the compute dtype."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shape = mesh_shape(par.strategy, d.world_size, hw.nodes)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
+    policy = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPE[hw.precision], reduce_dtype=torch.float32)
+    # Blocks return their (k, v) and the root a slice of the padded logits: views FSDP warns about on
+    # every forward. Nothing modifies them in place, so the warning says nothing here.
+    warnings.filterwarnings("ignore", message=r".*FSDP2-wrapped module.*returned a view tensor")
+    for block in model.h:
+        if compile:
+            block.compile()
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=par.reshard_after_forward)
+    # the root's parameters are used last in forward and first in backward: keeping them is free
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for a model sharded by fully_shard (its parameters are DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def no_sync(model: nn.Module, sync: bool):
-    """Skip DDP's gradient all-reduce on accumulation micro-steps: only the last one syncs."""
+    """Reduce gradients on the last accumulation micro-step only: DDP skips its all-reduce inside
+    no_sync(); an FSDP model is told whether to reduce-scatter before the backward."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(sync)
+        return nullcontext()
     if sync or not hasattr(model, "no_sync"):
         return nullcontext()
     return model.no_sync()
+
+
+def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor: over sharded gradients it is a replicated DTensor
+    that already holds the global norm."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:

@@ -81,22 +81,22 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
-    """Rank 0 writes the checkpoint; every rank waits so nobody races ahead of a slow save."""
+    """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of a
+    sharded one. Every rank then waits, so nobody races ahead of a slow save."""
     # the loss average in progress, as every rank's sum averaged over ranks (a collective: all ranks)
     window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
-    if run.dist.is_main:
-        state = checkpoint.TrainingState.capture(
-            run.stateful(),
-            step=p.step,
-            tokens=p.tokens,
-            best_val_loss=p.best_val,
-            loss_window=(window, p.loss_count),
-            config=run.resolved_config,
-            model_config=run.model_config,
-            tokenizer=run.tokenizer.to_meta(),
-            mlflow_run_id=run.tracker.run_id,
-        )
-        checkpoint.save_state(run.checkpoint_dir, state, val, run.train.keep_checkpoints)
+    state = checkpoint.TrainingState.capture(
+        run.stateful(),
+        step=p.step,
+        tokens=p.tokens,
+        best_val_loss=p.best_val,
+        loss_window=(window, p.loss_count),
+        config=run.resolved_config,
+        model_config=run.model_config,
+        tokenizer=run.tokenizer.to_meta(),
+        mlflow_run_id=run.tracker.run_id,
+    )
+    checkpoint.save_state(run.checkpoint_dir, state, val, run.train.keep_checkpoints, run.dist.is_main)
     if run.dist.world_size > 1:
         torch.distributed.barrier()
 
@@ -110,7 +110,7 @@ def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tenso
     accum = len(micro)
     for i, (x, y) in enumerate(micro):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        # DDP all-reduces gradients only on the last micro-step; earlier ones just accumulate.
+        # DDP / FSDP reduce gradients only on the last micro-step; earlier ones just accumulate.
         with distributed.no_sync(model, i == accum - 1), run.autocast():
             _, loss = model(x, y)
             # Divide by the micro-steps so the summed gradients equal those of one big batch.
@@ -120,7 +120,8 @@ def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tenso
     grad_norm = torch.zeros((), device=dev)
     if run.grad_clip > 0:
         scaler.unscale_(opt)  # clip the true gradients, not the fp16-scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.grad_clip)
+        grad_norm = distributed.grad_norm_value(norm)  # sharded: the global norm, replicated
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)

@@ -133,6 +133,10 @@ class Shape:
     flash: bool = True  # attention keeps no T x T matrix (SDPA flash / memory-efficient kernels)
     device: str = "cuda"  # cuda keeps dropout masks as bytes; the CPU as the tensor's own dtype
     world_size: int = 1
+    sharded: bool = False  # fsdp / hsdp: weights, gradients and optimizer state split over `shards` ranks
+    shards: int = 1  # ranks each parameter is split over (fsdp: the world; hsdp: the ranks of a node)
+    reshard: bool = True  # sharded: blocks free their gathered weights after forward (ZeRO-3)
+    layer_params: int = 0  # parameters of one transformer block (what a sharded run gathers at a time)
 
 
 def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
@@ -169,6 +173,15 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     weight copies and the LM head's logits, log-softmax and their gradient (transient); and the end
     of backward, holding every gradient (grads) plus, with checkpointing, one recomputed block.
     Between them activations are freed as gradients fill in, so the peak is the larger of the two.
+
+    Sharded (fsdp / hsdp): weights, optimizer state and gradients are 1/shards each, no DDP buckets
+    and no autocast copies (weights arrive in the compute dtype); instead the gathered weights in
+    flight (gathered): the root's (embeddings, head: kept from forward to backward) plus two blocks
+    (the one computing and the one prefetched), or every block when reshard is off; and at the end
+    of backward the root's whole gradient (in the compute dtype and its fp32 copy for the reduce-scatter)
+    and the block gradients not yet reduce-scattered;
+    a third moment, the first block's backward, holds the gathered weights, the activations and the
+    root's gradient at once (checked against the allocator's peak on 2 processes in tests/test_plan.py).
     """
     c = _BYTES[s.precision]
     tokens = micro_batch * s.block_size
@@ -177,19 +190,30 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     head = 4 * s.n_embd + c * s.n_embd + 4 * s.vocab  # ln_f input, head input, kept log-softmax
     layer = activation_bytes_per_layer_token(s, checkpointing=False)
     recompute = tokens * layer if checkpointing else 0.0
+    shards = s.shards if s.sharded else 1
+    root = s.params - s.n_layer * s.layer_params  # embeddings, final norm, head
+    blocks_gathered = min(s.n_layer, 2) if s.reshard else s.n_layer
+    # whole fp32 block gradients waiting for their reduce-scatter: on the CPU (gloo) FSDP2 keeps every
+    # block's until the end of backward (measured); on GPUs the reduce-scatter stream frees them, ~2 at a time
+    unreduced = s.params - root if s.device == "cpu" else min(s.n_layer, 2) * s.layer_params
     parts = {
-        "weights": 4.0 * s.params,
-        "optimizer": 8.0 * s.params,
-        "ddp": 4.0 * s.params if s.world_size > 1 else 0.0,
-        "grads": 4.0 * s.params,
-        "autocast": float(c * s.matmul_params) if c < 4 else 0.0,
+        "weights": 4.0 * s.params / shards,
+        "optimizer": 8.0 * s.params / shards,
+        "ddp": 4.0 * s.params if s.world_size > 1 and not s.sharded else 0.0,
+        "grads": 4.0 * s.params / shards + ((c + 4.0) * root + 4.0 * unreduced if s.sharded else 0.0),
+        "autocast": float(c * s.matmul_params) if c < 4 and not s.sharded else 0.0,
+        "gathered": float(c * (root + blocks_gathered * s.layer_params)) if s.sharded else 0.0,
         "activations": tokens * (s.n_layer * activation_bytes_per_layer_token(s, checkpointing) + embed + head),
         # logits in the compute dtype, the log-softmax's gradient and the logits' gradient
         "transient": max(tokens * (c + 4 + 4) * s.vocab, recompute),
     }
-    start_of_backward = parts["autocast"] + parts["activations"] + parts["transient"]
-    end_of_backward = parts["grads"] + recompute
-    parts["total"] = parts["weights"] + parts["optimizer"] + parts["ddp"] + max(start_of_backward, end_of_backward)
+    start_of_backward = parts["autocast"] + parts["gathered"] + parts["activations"] + parts["transient"]
+    end_of_backward = parts["grads"] + recompute + (c * (root + s.layer_params) if s.sharded else 0.0)
+    # sharded: the first block's backward holds the gathered weights, every kept activation, the
+    # gradients (with the root's whole one) and, with checkpointing, the recomputed block's activations
+    in_backward = parts["gathered"] + parts["activations"] + parts["grads"] + recompute if s.sharded else 0.0
+    peak = max(start_of_backward, end_of_backward, in_backward)
+    parts["total"] = parts["weights"] + parts["optimizer"] + parts["ddp"] + peak
     return parts
 
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
-from gptlab.config import Config, HardwareConfig
+from gptlab.config import SHARDED, Config, HardwareConfig
 from gptlab.errors import GptlabError
 from gptlab.metrics import (
     Shape,
@@ -163,6 +163,11 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         flash=fused,
         device=hw.device,
         world_size=cfg.world_size,
+        sharded=cfg.parallelism.strategy in SHARDED,
+        shards=cfg.world_size // hw.nodes if cfg.parallelism.strategy == "hsdp" else cfg.world_size,
+        reshard=cfg.parallelism.reshard_after_forward,
+        # one block: attention's four projections, the MLP, two LayerNorms and the biases
+        layer_params=4 * m.n_embd**2 + (3 if swiglu else 2) * m.n_embd * hidden + 9 * m.n_embd + hidden,
     )
     return shape, params, assumed
 
@@ -262,14 +267,33 @@ def what_would_fit(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable:
         options.append(f"train.micro_batch_size={own} with {per_rank // own} accumulation steps")
     elif not ckpt and other is not None and other < mb:
         options.append(f"activation checkpointing with train.micro_batch_size={other}")
+    sharded = fsdp_alternative(cfg, shape, per_rank, ckpt, usable, mb) if not shape.sharded else None
+    if sharded:
+        options.insert(0, sharded)
     if not options:
         static = sum(memory_estimate(shape, 1, True)[k] for k in ("weights", "grads", "optimizer", "ddp"))
+        more = "" if shape.sharded else ", which more data-parallel GPUs do not shrink"
         options.append(
             f"a device with more memory (hardware.memory_gb): weights, gradients and optimizer "
-            f"state alone take {static / GiB:.1f} GiB, which more data-parallel GPUs do not "
-            f"shrink; a smaller model.n_layer / model.n_embd"
+            f"state alone take {static / GiB:.1f} GiB{more}; a smaller model.n_layer / model.n_embd"
         )
     return f"{head}; would fit: " + ", or ".join(options)
+
+
+def fsdp_alternative(cfg: Config, shape: Shape, per_rank: int, ckpt: bool, usable: float, mb: int) -> Optional[str]:
+    """For an unsharded run on several devices: the fsdp setting that would fit, if one does."""
+    if cfg.world_size < 2:
+        return None
+    sharded = dataclasses.replace(shape, sharded=True, shards=cfg.world_size)
+    for checkpointing in (ckpt, True):
+        for k in sorted(_divisors(per_rank), reverse=True):
+            need = memory_estimate(sharded, k, checkpointing)["total"]
+            if k <= mb and need <= usable:
+                # the fsdp preset turns activation checkpointing on
+                how = [] if checkpointing else ["parallelism.activation_checkpointing=false"]
+                how += [] if k == mb else [f"train.micro_batch_size={k}"]
+                return f"parallelism=fsdp {' '.join(how)}".rstrip() + f" ({need / GiB:.1f} GiB per device)"
+    return None
 
 
 def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
@@ -311,7 +335,7 @@ def _duration(s: float) -> str:
 def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
     s, m, hw = plan.shape, cfg.model, cfg.hardware
     lines = [
-        f"{m.name} on {hw.name} ({plan.world_size} x {hw.device}, {hw.precision}): "
+        f"{m.name} on {hw.name} ({plan.world_size} x {hw.device}, {hw.precision}, {cfg.parallelism.strategy}): "
         f"{plan.params:,} parameters ({plan.params / 1e6:.1f}M), vocab {s.vocab}"
         + (" (assumed until the data is read)" if plan.vocab_assumed else ""),
         f"FLOPs per token: {plan.flops_per_token / 1e9:.3f} GFLOP (6N + attention)"
@@ -325,12 +349,14 @@ def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
         f"= micro-batch {plan.micro_batch} x {_steps(plan.per_rank_batch // plan.micro_batch)}",
         f"memory per device at micro-batch {plan.micro_batch}:   {'checkpointing':>14} {'no checkpointing':>17}",
     ]
+    split = f", 1/{s.shards} each" if s.sharded else ""
     for key, label in (
-        ("weights", "weights (fp32)"),
-        ("grads", "gradients (fp32)"),
-        ("optimizer", "AdamW state (fp32 x2)"),
+        ("weights", f"weights (fp32{split})"),
+        ("grads", f"gradients (fp32{split})"),
+        ("optimizer", f"AdamW state (fp32 x2{split})"),
         ("ddp", "DDP gradient buckets"),
         ("autocast", "autocast weight copies"),
+        ("gathered", "gathered weights in flight (sharded)"),
         ("activations", "activations"),
         ("transient", "logits / recompute peak"),
         ("total", "peak (estimate)"),

@@ -4,6 +4,8 @@
 # Benchmarks, with the planner's prediction beside each measurement:
 #   gpt2_124m  - GPT-2 small's shape, bf16 autocast, torch.compile, flash attention, fused AdamW
 #   gpt1b      - the 1.01B reference model, 2048 context, micro-batch 8, activation checkpointing
+#   gpt2_124m_fsdp - gpt2_124m again under parallelism=fsdp in a world of one (FSDP2's gathers, bf16
+#                parameters for compute with fp32 master weights and reductions, per-block compile)
 # and writes one JSON file (default outputs/gpu_check.json): the device, torch, and per model the
 # `gptlab.bench` JSON line, the `gptlab.plan plan.json=true` prediction, and any error.
 #
@@ -78,10 +80,12 @@ run_one gpt2_124m model=gpt2_124m train.batch_size=16 train.micro_batch_size=16 
 run_one gpt1b model=gpt1b model.block_size=2048 parallelism=ddp parallelism.activation_checkpointing=true \
   train.batch_size=8 train.micro_batch_size=8 hardware.precision=bf16 hardware.compile=$GPT1B_COMPILE \
   optimizer.fused=true
+run_one gpt2_124m_fsdp model=gpt2_124m parallelism=fsdp parallelism.activation_checkpointing=false \
+  train.batch_size=16 train.micro_batch_size=16 hardware.precision=bf16 hardware.compile=true optimizer.fused=true
 T1=$(date +%s)
 
 mkdir -p "$(dirname "$OUT_JSON")"
-"$PY" - "$WORK" "$OUT_JSON" "$((T1 - T0))" gpt2_124m gpt1b <<'EOF'
+"$PY" - "$WORK" "$OUT_JSON" "$((T1 - T0))" gpt2_124m gpt1b gpt2_124m_fsdp <<'EOF'
 import json, sys
 from pathlib import Path
 

@@ -107,9 +107,11 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["runs"]) == {"gpt2_124m", "gpt1b"}
+    assert set(report["runs"]) == {"gpt2_124m", "gpt1b", "gpt2_124m_fsdp"}
     for name, run in report["runs"].items():
         assert run["ok"], run.get("error")
-        assert run["bench"]["model"] == name and run["plan"]["model"] == name
+        model = name.removesuffix("_fsdp")
+        assert run["bench"]["model"] == model and run["plan"]["model"] == model
         assert run["measured_vs_plan"]["plan_mem_bytes"] > 0
     assert report["runs"]["gpt1b"]["bench"]["activation_checkpointing"] is True
+    assert report["runs"]["gpt2_124m_fsdp"]["bench"]["strategy"] == "fsdp"  # a world of one is valid

@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -58,7 +59,16 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
         def load_state_dict(self, state):
             self.value = int(state["value"])
 
-    objects = {name: Box(i) for i, name in enumerate(checkpoint.STATEFUL)}
+    def model_and_optimizer(seed):  # the model and optimizer go through torch's state-dict API
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = model_and_optimizer(1)
+    objects = {"model": model, "optimizer": opt, "scaler": Box(2), "loader": Box(3)}
     fields = dict(config={"a": 1}, model_config={"n_layer": 2}, tokenizer={"kind": "char"}, mlflow_run_id=None)
     torch.manual_seed(123)
     state = checkpoint.TrainingState.capture(
@@ -68,13 +78,17 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
     path = checkpoint.save_state(tmp_path, state, val_loss=1.5, keep=2)
     assert path.name == "ckpt_00000009.pt" and checkpoint.best(tmp_path) == path
 
-    fresh = {name: Box(-1) for name in checkpoint.STATEFUL}
+    fresh_model, fresh_opt = model_and_optimizer(2)
+    fresh = {"model": fresh_model, "optimizer": fresh_opt, "scaler": Box(-1), "loader": Box(-1)}
     path_found, _ = checkpoint.load_latest_good(tmp_path)
     loaded = checkpoint.TrainingState.load(path_found)
     assert (loaded.step, loaded.tokens, loaded.best_val_loss, loaded.config) == (9, 90, 1.5, {"a": 1})
     assert tuple(loaded.loss_window) == (2.5, 3)
     loaded.restore(fresh)
-    assert {k: b.value for k, b in fresh.items()} == {k: b.value for k, b in objects.items()}
+    assert (fresh["scaler"].value, fresh["loader"].value) == (2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
+    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(torch.rand(3), expected_draw)  # the random generators continue exactly
     saved = checkpoint.read_model(path)
     assert (saved.step, saved.model_config, saved.tokenizer) == (9, {"n_layer": 2}, {"kind": "char"})
@@ -114,7 +128,7 @@ def resume_overrides(shakespeare, *extra):
 
 
 def final_params(run_dir: Path):
-    return checkpoint.load(checkpoint.latest(run_dir / "checkpoints"))["model"]
+    return checkpoint.read_model(checkpoint.latest(run_dir / "checkpoints")).model
 
 
 def logged_losses(run_dir: Path):
@@ -270,3 +284,102 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
     history = client.get_metric_history(finished["mlflow_run_id"], "train/loss")
     assert sorted(m.step for m in history) == list(range(1, step + 6))
     assert client.get_run(finished["mlflow_run_id"]).info.status == "FINISHED"
+
+
+# ------------------------------------------------------------------ sharded (DCP) checkpoints, in-process
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one, in memory: enough for fully_shard and DCP in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Box:
+    def __init__(self, value=0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def _tiny(seed, shard):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    if shard:
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _save_sharded(folder, step, seed=1):
+    model, opt = _tiny(seed, shard=True)
+    objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box(step)}
+    state = checkpoint.TrainingState.capture(
+        objects, step=step, tokens=step * 10, best_val_loss=1.0, config={}, model_config={}, tokenizer={},
+        mlflow_run_id=None,
+    )  # fmt: skip
+    assert state.sharded
+    return checkpoint.save_state(folder, state, val_loss=None, keep=5), model
+
+
+def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unsharded_model(tmp_path, one_rank_group):
+    path, model = _save_sharded(tmp_path, 3)
+    assert path.name == "ckpt_00000003" and path.is_dir() and not checkpoint.unfinished(tmp_path)
+    assert {".metadata", "state.pt", "__0_0.distcp"} == {f.name for f in path.iterdir()}
+    assert checkpoint.find(str(tmp_path)) == path and checkpoint.find(str(path)) == path
+    state = checkpoint.TrainingState.load(path)
+    assert (state.step, state.model, state.shards) == (3, None, path)
+    plain, plain_opt = _tiny(2, shard=False)  # another init, unsharded: the checkpoint reshards into it
+    loader = _Box()
+    state.restore({"model": plain, "optimizer": plain_opt, "scaler": _Box(), "loader": loader})
+    assert loader.value == 3
+    whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert all(torch.equal(plain.state_dict()[k], whole[k]) for k in whole)
+    assert plain_opt.state_dict()["state"][0]["step"] == 1
+    consolidated = checkpoint.read_model(path).model  # sample / export: whole tensors, one process
+    assert consolidated.keys() == whole.keys() and all(torch.equal(consolidated[k], whole[k]) for k in whole)
+
+
+def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_one_used(tmp_path, one_rank_group):
+    first, _ = _save_sharded(tmp_path, 5)
+    second, _ = _save_sharded(tmp_path, 10)
+    shard = second / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # a cut copy
+    with pytest.raises(GptlabError, match=r"ckpt_00000010 is incomplete: shard file\(s\) __0_0.distcp missing or cut"):
+        checkpoint.load(second)
+    notes = []
+    found, _ = checkpoint.load_latest_good(tmp_path, warn=notes.append)
+    assert found == first and "incomplete" in notes[0]
+    # a save killed before its rename is named, skipped, and removed by the next save's pruning
+    partial = tmp_path / ".ckpt_00000015.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x")
+    notes.clear()
+    assert checkpoint.load_latest_good(tmp_path, warn=notes.append)[0] == first
+    assert any(".ckpt_00000015.partial is a sharded save that did not finish" in n for n in notes)
+    _save_sharded(tmp_path, 20)
+    assert not partial.exists()
+    # metadata that would run code on unpickling is refused unread
+    marker = tmp_path / "pwned"
+    Exploit.marker = marker
+    evil = tmp_path / "ckpt_00000020" / ".metadata"
+    evil.write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(GptlabError, match=r"unreadable or unsafe metadata: it refers to posix.system"):
+        checkpoint.load(evil.parent)
+    assert not marker.exists()

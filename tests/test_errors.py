@@ -268,7 +268,7 @@ def test_a_file_that_is_not_a_checkpoint_is_one_clear_line(tmp_path):
         with pytest.raises(GptlabError) as e:
             checkpoint.load(path)
         assert str(e.value) == f"checkpoint {path} is not a gptlab checkpoint ({why})"
-    with pytest.raises(GptlabError, match="is a folder: give a checkpoint file"):
+    with pytest.raises(GptlabError, match="is a folder but not a sharded checkpoint .*: give ckpt_<step>.pt or"):
         checkpoint.load(tmp_path)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")  # a PyTorch file, not gptlab's
     with pytest.raises(GptlabError, match="a PyTorch file that gptlab did not write"):

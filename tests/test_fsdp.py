@@ -1,0 +1,279 @@
+"""Sharded data parallelism (FSDP2) and sharded checkpoints, with real gloo processes on the CPU.
+
+Equivalence: fsdp / hsdp on 2 processes give the losses of 1 process with the same global batch.
+Checkpoints: a sharded save is a DCP folder that only takes its name when complete; it resumes
+exactly on the same topology, reshards onto another world size or strategy, and sample / export
+read it in one process.
+"""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import REPO, cli_env, nano_overrides, run_cli
+
+from gptlab import checkpoint
+
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+
+
+def base(shakespeare, *extra):
+    # the lr schedule is pinned to 20 steps so a 10-step first leg follows the same curve
+    return nano_overrides(
+        shakespeare,
+        "train.log_every=1",
+        "train.eval_every=5",
+        "train.eval_steps=2",
+        "train.sample_tokens=0",
+        "optimizer.decay_steps=20",
+        "model.dropout=0.0",
+        "train.checkpoint_every=5",
+        *extra,
+    )
+
+
+def train(args, run_dir: Path, cwd: Path, launcher=None, timeout=300) -> subprocess.CompletedProcess:
+    """python -m gptlab.train args into run_dir (or `launcher -m gptlab.train args`, e.g. torchrun)."""
+    args = [*args, f"hydra.run.dir={run_dir}"]
+    if launcher is None:
+        r = run_cli(["gptlab.train", *args], cwd, timeout=timeout)
+    else:
+        r = subprocess.run([*launcher, "-m", "gptlab.train", *args], cwd=cwd, env=cli_env(), capture_output=True,
+                           text=True, timeout=timeout)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def curves(run_dir: Path):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return (
+        {r["step"]: r["train_loss"] for r in rows if "train_loss" in r},
+        {r["step"]: r["val_loss"] for r in rows if "val_loss" in r},
+    )
+
+
+def final_params(run_dir: Path):
+    return checkpoint.read_model(checkpoint.latest(run_dir / "checkpoints")).model
+
+
+def assert_same_curves(got, ref, steps=None, abs=1e-5):
+    for g, r in zip(got, ref):
+        keys = sorted(r) if steps is None else [s for s in sorted(r) if s in steps]
+        assert keys and all(s in g for s in keys)
+        assert [g[s] for s in keys] == pytest.approx([r[s] for s in keys], abs=abs)
+
+
+@pytest.mark.slow
+def test_fsdp_and_hsdp_on_two_processes_match_one_process(tmp_path, shakespeare):
+    """Per-step train and val losses within 1e-5 of one process, with and without accumulation and
+    activation checkpointing, ZeRO-2 and ZeRO-3 style, and hsdp on a 2 x 1 mesh."""
+    args = base(shakespeare, "train.max_steps=8", "train.eval_every=4", "train.save_checkpoints=false")
+    torchrun = [TORCHRUN, "--nproc_per_node=2"]
+    runs = {
+        "single": (["hardware=cpu"], None, "x1"),
+        "fsdp": (["hardware=cpu_x2", "parallelism=fsdp", "parallelism.activation_checkpointing=false"], None,
+                 "fsdp mesh 2 (shard)"),
+        "fsdp_accum_ckpt": (["hardware=cpu_x2", "parallelism=fsdp", "train.micro_batch_size=2"], None,
+                            "= 2 x 2 accum x 2 ranks"),
+        "fsdp_zero2": (["hardware=cpu_x2", "parallelism=fsdp", "parallelism.reshard_after_forward=false",
+                        "train.micro_batch_size=2"], None, "fsdp mesh 2"),
+        # two "nodes" of one process each: replicate across them, shard within (a 2 x 1 mesh)
+        "hsdp": (["hardware=cpu", "hardware.nodes=2", "hardware.nproc_per_node=1", "parallelism=hsdp"], torchrun,
+                 "hsdp mesh 2x1 (replicate x shard)"),
+    }  # fmt: skip
+    out = {}
+    for name, (extra, launcher, shown) in runs.items():
+        r = train([*args, *extra], tmp_path / name, tmp_path, launcher)
+        assert shown in r.stdout, f"{name}: {r.stdout[-2000:]}"
+        out[name] = curves(tmp_path / name)
+    ref = out.pop("single")
+    assert len(ref[0]) == 8 and len(ref[1]) == 2
+    for name, got in out.items():
+        assert_same_curves(got, ref), name
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp(tmp_path_factory, shakespeare):
+    """A 20-step fsdp run on 2 processes, never interrupted: what every resumed run must equal."""
+    tmp = tmp_path_factory.mktemp("straight")
+    train([*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp"], tmp / "run", tmp)
+    return tmp / "run"
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strategy(tmp_path, shakespeare,
+                                                                                  straight_fsdp):  # fmt: skip
+    args = base(shakespeare)
+    fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
+    first = tmp_path / "first"
+    train([*args, *fsdp2, "train.max_steps=10"], first, tmp_path)
+    ckpts = checkpoint.list_checkpoints(first / "checkpoints")
+    assert [p.name for p in ckpts] == ["ckpt_00000005", "ckpt_00000010"]  # folders: sharded
+    assert sorted(f.name for f in ckpts[-1].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    ref_train, ref_val = curves(straight_fsdp)
+    ref_params = final_params(straight_fsdp)
+    # the same topology: bitwise the uninterrupted run
+    same = tmp_path / "same"
+    shutil.copytree(first, same)
+    r = train([*args, *fsdp2, "train.max_steps=20"], same, tmp_path)
+    assert "resuming from" in r.stdout
+    assert curves(same) == (ref_train, ref_val)
+    got = final_params(same)
+    assert got.keys() == ref_params.keys() and all(torch.equal(got[k], ref_params[k]) for k in got)
+    # onto one process, unsharded and as fsdp in a world of one; onto DDP on 2 processes
+    for name, topology in {
+        "single": ["hardware=cpu"],
+        "fsdp_world_of_one": ["hardware=cpu", "parallelism=fsdp"],
+        "ddp": ["hardware=cpu_x2", "parallelism=ddp", "parallelism.activation_checkpointing=false"],
+    }.items():
+        moved = tmp_path / name
+        shutil.copytree(first, moved)
+        train([*args, *topology, "train.max_steps=20"], moved, tmp_path)
+        assert_same_curves(curves(moved), (ref_train, ref_val), steps=range(11, 21))
+        got = final_params(moved)
+        assert all(torch.allclose(got[k], ref_params[k], atol=1e-5, rtol=0) for k in ref_params), name
+    # a DDP checkpoint resumes under fsdp
+    ddp = tmp_path / "from_ddp"
+    train([*args, "hardware=cpu_x2", "parallelism=ddp", "train.max_steps=10"], ddp, tmp_path)
+    assert checkpoint.latest(ddp / "checkpoints").name == "ckpt_00000010.pt"
+    train([*args, *fsdp2, "train.max_steps=20"], ddp, tmp_path)
+    assert checkpoint.latest(ddp / "checkpoints").name == "ckpt_00000020"
+    assert_same_curves(curves(ddp), (ref_train, ref_val), steps=range(11, 21))
+
+
+STALL_RANK1_IN_SECOND_SAVE = textwrap.dedent("""
+    import os, pathlib, runpy, sys, time
+    from torch.distributed.checkpoint import FileSystemWriter
+    real, calls = FileSystemWriter.write_data, []
+    def write_data(self, plan, planner):  # rank 1 writes its shard of the 2nd save, then stalls
+        result = real(self, plan, planner)
+        calls.append(1)
+        if len(calls) == 2 and os.environ["RANK"] == "1":
+            result.wait()
+            pathlib.Path({marker!r}).touch()
+            time.sleep(600)
+        return result
+    FileSystemWriter.write_data = write_data
+    sys.argv = ["gptlab.train", *{args!r}]
+    runpy.run_module("gptlab.train", run_name="__main__")
+""")
+
+
+@pytest.mark.slow
+def test_a_job_killed_during_a_sharded_save_resumes_from_the_previous_one(tmp_path, shakespeare, straight_fsdp):
+    run_dir, marker = tmp_path / "run", tmp_path / "saving"
+    args = [*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp", "parallelism.timeout_s=60"]
+    script = tmp_path / "stall.py"
+    script.write_text(STALL_RANK1_IN_SECOND_SAVE.format(marker=str(marker), args=[*args, f"hydra.run.dir={run_dir}"]))
+    proc = subprocess.Popen([TORCHRUN, "--nproc_per_node=2", str(script)], cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.time() + 180
+        while not marker.exists():
+            assert proc.poll() is None and time.time() < deadline, "never reached the second checkpoint"
+            time.sleep(0.2)
+        # the whole job at once, as a lost node or `scancel -s KILL` would: torchrun and its workers
+        job = [proc_ := psutil.Process(proc.pid), *proc_.children(recursive=True)]
+        for p in job:
+            p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(job, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    folder = run_dir / "checkpoints"
+    # rank 1's shard of step 10 is on disk, but the save never took a checkpoint's name
+    assert [p.name for p in checkpoint.list_checkpoints(folder)] == ["ckpt_00000005"]
+    (partial,) = checkpoint.unfinished(folder)
+    assert partial.name == ".ckpt_00000010.partial" and (partial / "__1_0.distcp").is_file()
+    assert not (partial / "state.pt").exists()
+    r = train(args, run_dir, tmp_path)  # the same command: resume=auto
+    assert ".ckpt_00000010.partial is a sharded save that did not finish" in r.stdout + r.stderr
+    assert "resuming from" in r.stdout and "ckpt_00000005" in r.stdout
+    assert not checkpoint.unfinished(folder)  # cleaned up by the next save
+    got, ref = final_params(run_dir), final_params(straight_fsdp)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert curves(run_dir) == curves(straight_fsdp)
+
+
+@pytest.mark.slow
+def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, shakespeare, straight_fsdp):
+    """Consolidated on load: the same logits and the same export files as the unsharded model."""
+    from gptlab.export import main as export
+    from gptlab.sample import load_model
+
+    sharded, _, saved = load_model(str(straight_fsdp))
+    assert saved.shards is not None and saved.step == 20
+    # the same weights as an unsharded .pt: resume the sharded checkpoint on one process for 0 steps
+    whole = tmp_path / "whole"
+    shutil.copytree(straight_fsdp, whole)
+    state = checkpoint.TrainingState.load(checkpoint.latest(whole / "checkpoints"))
+    unsharded, _, _ = load_model(str(straight_fsdp))
+    torch.manual_seed(0)
+    for p in unsharded.parameters():  # scramble, then restore through the resume path
+        p.data.normal_()
+    opt = torch.optim.AdamW(unsharded.parameters())
+    box = type("Box", (), {"state_dict": dict, "load_state_dict": lambda self, s: None})()
+    state.restore({"model": unsharded, "optimizer": opt, "scaler": box, "loader": box})
+    pt = checkpoint.TrainingState.capture({"model": unsharded, "optimizer": opt, "scaler": box, "loader": box},
+                                          **{k: getattr(state, k) for k in ("step", "tokens", "best_val_loss",
+                                             "config", "model_config", "tokenizer", "mlflow_run_id")})  # fmt: skip
+    pt_path = pt.save(tmp_path / "ckpt_00000020.pt")
+    x = torch.randint(0, 65, (2, 16))
+    a, b = sharded(x)[0], load_model(str(pt_path))[0](x)[0]
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+    out_sharded, out_whole = tmp_path / "export_sharded", tmp_path / "export_whole"
+    export([f"run={straight_fsdp}", f"out={out_sharded}"])
+    export([f"run={pt_path}", f"out={out_whole}"])
+    files = sorted(p.relative_to(out_sharded) for p in out_sharded.rglob("*") if p.is_file())
+    assert files and files == sorted(p.relative_to(out_whole) for p in out_whole.rglob("*") if p.is_file())
+    for f in files:
+        assert (out_sharded / f).read_bytes() == (out_whole / f).read_bytes(), f
+    r = run_cli(["gptlab.sample", f"run={straight_fsdp}", "max_new_tokens=20"], REPO, timeout=120)
+    assert r.returncode == 0 and len(r.stdout.strip()) >= 20, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_fsdp_order_is_checkpointing_then_per_block_compile_then_sharding():
+    """distributed.wrap_model under fsdp (a world of one, in this process): every block compiled in
+    place and sharded, the root sharded, checkpointing on; compiled losses equal eager ones."""
+    import torch.distributed as dist
+    from conftest import typed
+    from torch.distributed.fsdp import FSDPModule
+
+    from gptlab import distributed
+    from gptlab.model import GPT
+
+    par = typed("parallelism", "parallelism=fsdp")
+    hw = typed("hardware", "hardware=cpu")
+    d = distributed.setup(hw, par)  # fsdp needs a process group even alone: one rank, in memory
+    try:
+        cfg = typed("model", "model=gpt_nano", vocab_size=65, dropout=0.0)
+        x = torch.randint(0, 65, (4, cfg.block_size))
+        losses = {}
+        for compile_ in (False, True):
+            torch.manual_seed(0)
+            model = distributed.wrap_model(GPT(cfg), d, par, hw, compile=compile_)
+            assert isinstance(model, FSDPModule) and model.activation_checkpointing
+            assert all(isinstance(b, FSDPModule) for b in model.h)
+            assert all((b._compiled_call_impl is not None) == compile_ for b in model.h)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses[compile_] = []
+            for _ in range(3):
+                _, loss = model(x, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[compile_].append(loss.item())
+        assert losses[True] == pytest.approx(losses[False], abs=1e-5)
+        assert losses[False][-1] < losses[False][0]
+    finally:
+        distributed.teardown()
+        assert not dist.is_initialized()

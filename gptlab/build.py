@@ -26,7 +26,7 @@ from gptlab.errors import GptlabError
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
-from gptlab.plan import device_peak, flops_for, resolve_micro_batch
+from gptlab.plan import device_peak, flops_for, loss_chunk, resolve_micro_batch
 from gptlab.tracking import NullTracker, RunIdentity, Tracker, experiment_name, flatten, last_logged_step
 from gptlab.tracking import run_name as default_run_name
 
@@ -247,6 +247,7 @@ def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
     """(the plain model, the model as trained: checkpointing -> compile -> data-parallel wrapper)."""
     seed_everything(cfg.train.seed)  # identical initialisation on every rank
     raw_model = GPT(mcfg).to(d.device)
+    raw_model.loss_chunk = loss_chunk(cfg.parallelism, mcfg, mcfg.vocab_size)  # training's head + loss in chunks
     seed_everything(cfg.train.seed + d.rank)  # then per-rank streams
     return raw_model, distributed.wrap_model(raw_model, d, cfg.parallelism, cfg.hardware, cfg.compile)
 

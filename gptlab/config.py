@@ -74,6 +74,7 @@ class ParallelismConfig:
     strategy: str  # single | ddp | fsdp | hsdp: how the model is wrapped across processes (distributed.wrap_model)
     activation_checkpointing: bool
     reshard_after_forward: bool  # fsdp/hsdp: free gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
+    loss_chunk: Optional[int]  # tokens per chunk of LM head + loss; 0: whole; null: plan.loss_chunk's rule
     compile: Optional[bool]  # null: the hardware's default
     timeout_s: int  # a collective waiting longer than this ends the job
 
@@ -209,6 +210,7 @@ def _validate_processes(c: Config) -> None:
         "overflows; use bf16 (no loss scaling needed) or fp32",
     )
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
+    _check(p.loss_chunk is None or p.loss_chunk >= 0, "parallelism.loss_chunk", "must be >= 0 (0: no chunks) or null")
 
 
 def _validate_train(c: Config) -> None:

@@ -137,6 +137,7 @@ class Shape:
     shards: int = 1  # ranks each parameter is split over (fsdp: the world; hsdp: the ranks of a node)
     reshard: bool = True  # sharded: blocks free their gathered weights after forward (ZeRO-3)
     layer_params: int = 0  # parameters of one transformer block (what a sharded run gathers at a time)
+    loss_chunk: int = 0  # tokens per chunk of LM head + loss (model.ChunkedHeadLoss); 0: the whole logits
 
 
 def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
@@ -174,6 +175,10 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     of backward, holding every gradient (grads) plus, with checkpointing, one recomputed block.
     Between them activations are freed as gradients fill in, so the peak is the larger of the two.
 
+    Chunked loss (loss_chunk > 0): the logits and their gradients exist for one chunk of tokens at a
+    time; forward keeps the head input's gradient (4 bytes per token and channel) and the head
+    weight's (fp32) instead of the log-softmax.
+
     Sharded (fsdp / hsdp): weights, optimizer state and gradients are 1/shards each, no DDP buckets
     and no autocast copies (weights arrive in the compute dtype); instead the gathered weights in
     flight (gathered): the root's (embeddings, head: kept from forward to backward) plus two blocks
@@ -187,7 +192,9 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     tokens = micro_batch * s.block_size
     mask = 1 if s.device == "cuda" else 4
     embed = 16 + (mask * s.n_embd if s.dropout > 0 else 0)  # ids and targets (+ embedding dropout mask)
-    head = 4 * s.n_embd + c * s.n_embd + 4 * s.vocab  # ln_f input, head input, kept log-softmax
+    chunk = min(s.loss_chunk, tokens) if s.loss_chunk else 0
+    # ln_f input, then: the head input and the kept log-softmax; or, chunked, the head input's gradient
+    head = 4 * s.n_embd + (4 * s.n_embd if chunk else c * s.n_embd + 4 * s.vocab)
     layer = activation_bytes_per_layer_token(s, checkpointing=False)
     recompute = tokens * layer if checkpointing else 0.0
     shards = s.shards if s.sharded else 1
@@ -203,9 +210,13 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
         "grads": 4.0 * s.params / shards + ((c + 4.0) * root + 4.0 * unreduced if s.sharded else 0.0),
         "autocast": float(c * s.matmul_params) if c < 4 and not s.sharded else 0.0,
         "gathered": float(c * (root + blocks_gathered * s.layer_params)) if s.sharded else 0.0,
-        "activations": tokens * (s.n_layer * activation_bytes_per_layer_token(s, checkpointing) + embed + head),
-        # logits in the compute dtype, the log-softmax's gradient and the logits' gradient
-        "transient": max(tokens * (c + 4 + 4) * s.vocab, recompute),
+        "activations": tokens * (s.n_layer * activation_bytes_per_layer_token(s, checkpointing) + embed + head)
+        + (4.0 * s.vocab * s.n_embd if chunk else 0.0),  # chunked: the head weight's gradient, kept from forward
+        # logits in the compute dtype, the log-softmax's gradient and the logits' gradient; chunked: one
+        # chunk's fp32 logits (turned into their gradient in place), briefly beside a half-precision copy
+        "transient": max(
+            chunk * (4 + (c if c < 4 else 0)) * s.vocab if chunk else tokens * (c + 4 + 4) * s.vocab, recompute
+        ),
     }
     start_of_backward = parts["autocast"] + parts["gathered"] + parts["activations"] + parts["transient"]
     end_of_backward = parts["grads"] + recompute + (c * (root + s.layer_params) if s.sharded else 0.0)

@@ -167,6 +167,45 @@ class Block(nn.Module):
         return x, new_cache
 
 
+class ChunkedHeadLoss(torch.autograd.Function):
+    """LM head + mean cross-entropy over chunks of tokens, never holding every token's logits.
+
+    Forward walks the tokens `chunk` at a time: logits of the chunk, their log-sum-exp, the loss,
+    and at once the gradient of the summed loss (softmax - one-hot) pushed back to the head's input
+    and weight; only those two gradients are kept for backward, which scales them by the incoming
+    gradient / N. So the (N, vocab) fp32 logits, their log-softmax and their gradient exist for one
+    chunk at a time, at no extra FLOPs (the head's backward matmuls move into forward). The result
+    equals F.cross_entropy(x @ weight[:vocab].T, targets) and its gradients (tests/test_model.py).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int):
+        n = x.shape[0]  # x (N, C): the final LayerNorm's output; weight (padded vocab, C); targets (N,)
+        w = weight[:vocab]
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for s in range(0, n, chunk):
+            xc, tc = x[s : s + chunk], targets[s : s + chunk]
+            logits = (xc @ w.t()).float()  # (chunk, vocab); computed in the compute dtype under autocast
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
+            g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+            # the head's backward matmuls, in the dtype autocast gives the forward's (as autograd would)
+            grad_x[s : s + chunk] = g.to(w.dtype) @ w
+            grad_w[:vocab] += g.t().to(xc.dtype) @ xc
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.n, ctx.weight_dtype = n, weight.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_x, grad_w = ctx.saved_tensors
+        scale = grad_out / ctx.n
+        return grad_x * scale, (grad_w * scale).to(ctx.weight_dtype), None, None, None
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -174,6 +213,7 @@ class GPT(nn.Module):
             raise ValueError("GPTConfig.vocab_size is null: set it from the tokenizer before building")
         self.config = cfg
         self.activation_checkpointing = False  # switched on by distributed.wrap_model for large models
+        self.loss_chunk = 0  # tokens per chunk of head + loss when training (ChunkedHeadLoss); 0: whole
         V, C = cfg.padded_vocab_size, cfg.n_embd
         self.wte = nn.Embedding(V, C)
         if cfg.pos_emb == "learned":
@@ -246,6 +286,10 @@ class GPT(nn.Module):
             if cache is not None:
                 new_cache.append(kv)
         x = self.ln_f(x)
+        if targets is not None and self.loss_chunk and cache is None:  # the loss only: logits are None
+            flat = x.reshape(-1, x.size(-1))
+            args = (flat, self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, self.loss_chunk)
+            return None, ChunkedHeadLoss.apply(*args)
         # The head is padded for fast matmuls; the padded ids are never real tokens, so drop them.
         logits = self.lm_head(x)[..., : self.config.vocab_size]
         loss = None

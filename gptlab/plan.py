@@ -111,6 +111,17 @@ def param_count(cfg: Config, vocab: int) -> int:
     return total
 
 
+LOSS_CHUNK_TOKENS = 1024  # parallelism.loss_chunk=null's chunk, where it chunks
+
+
+def loss_chunk(par: Any, m: GPTConfig, vocab: int) -> int:
+    """Tokens per chunk of the LM head + loss: parallelism.loss_chunk, or when null, chunks where the
+    logits are the step's largest tensor (a vocabulary wider than the MLP's 4 x n_embd), else 0."""
+    if par.loss_chunk is not None:
+        return par.loss_chunk
+    return LOSS_CHUNK_TOKENS if padded_vocab(vocab, m.vocab_multiple) > 4 * m.n_embd else 0
+
+
 def flops_for(m: GPTConfig, vocab: int, checkpointing: bool) -> Tuple[float, float]:
     """(model FLOPs per token, hardware FLOPs per token) for a model of this shape and vocabulary.
 
@@ -168,6 +179,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         reshard=cfg.parallelism.reshard_after_forward,
         # one block: attention's four projections, the MLP, two LayerNorms and the biases
         layer_params=4 * m.n_embd**2 + (3 if swiglu else 2) * m.n_embd * hidden + 9 * m.n_embd + hidden,
+        loss_chunk=loss_chunk(cfg.parallelism, m, vocab),
     )
     return shape, params, assumed
 

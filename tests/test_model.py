@@ -119,3 +119,28 @@ def test_sequence_too_long_is_refused():
     model = GPT(tiny())
     with pytest.raises(ValueError, match="block_size"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+@pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+def test_chunked_head_and_loss_match_the_whole_logits_in_loss_and_every_gradient(tie, chunk):
+    """ChunkedHeadLoss against F.cross_entropy over the whole logits: fp32 loss and gradients of every
+    parameter within 1e-5, for chunks smaller than, not dividing, and larger than the 2 x 16 tokens."""
+    import copy
+
+    torch.manual_seed(0)
+    whole = GPT(tiny(vocab_size=300, vocab_multiple=64, tie_weights=tie))  # padded to 320: 20 unused rows
+    chunked = copy.deepcopy(whole)
+    chunked.loss_chunk = chunk
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    logits, ref = whole(x, y)
+    none, loss = chunked(x, y)
+    assert none is None and logits is not None
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-5)
+    (2.5 * ref).backward()  # an incoming gradient other than 1 reaches both the same way
+    (2.5 * loss).backward()
+    for (name, a), b in zip(whole.named_parameters(), chunked.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=0), name
+    assert chunked.lm_head.weight.grad[300:].abs().max() == 0  # the padding rows get no gradient
+    chunked.eval()
+    assert chunked(x)[0].shape == (2, 16, 300)  # without targets: the logits, as before

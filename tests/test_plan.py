@@ -40,13 +40,14 @@ def test_param_count_matches_the_model(overrides):
     assert param_count(cfg, 65) == model.num_params()
 
 
-def measured_peak_bytes(cfg, checkpointing: bool) -> float:
+def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0) -> float:
     """Weights + AdamW state + the allocator's peak during one training step (after a first step)."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab))
     model.activation_checkpointing = checkpointing
+    model.loss_chunk = loss_chunk
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randint(0, 65, (cfg.micro_batch_size, cfg.model.block_size))
+    x = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.model.block_size))
 
     def step():
         _, loss = model(x, x)
@@ -75,6 +76,29 @@ def test_memory_estimate_within_25_percent_of_measured(model, checkpointing):
     measured = measured_peak_bytes(cfg, checkpointing)
     print(f"{model} ckpt={checkpointing}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
     assert predicted == pytest.approx(measured, rel=0.25)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 256])
+def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, monkeypatch):
+    """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and the
+    memory model follows the allocator both ways (within 25%)."""
+    from gptlab import plan
+
+    monkeypatch.setattr(plan, "vocab_for", lambda cfg: (8192, False))
+    cfg = cfg_for("model=gpt_char", f"parallelism.loss_chunk={loss_chunk}")
+    predicted = make_plan(cfg).memory["total"]
+    measured = measured_peak_bytes(cfg, False, vocab=8192, loss_chunk=loss_chunk)
+    print(f"loss_chunk={loss_chunk}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    assert predicted == pytest.approx(measured, rel=0.25)
+
+
+def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
+    assert make_plan(cfg_for("model=gpt_char")).shape.loss_chunk == 0  # 65 symbols: never worth it
+    assert make_plan(cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2")).shape.loss_chunk == 1024
+    assert (
+        make_plan(cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "parallelism.loss_chunk=0")).shape.loss_chunk
+        == 0
+    )
 
 
 def test_activations_per_layer_match_autograds_saved_tensors():

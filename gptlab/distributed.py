@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import signal
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -67,7 +68,7 @@ def role(hw: HardwareConfig) -> str:
 
             raise GptlabError(
                 f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
-                "(hydra/launcher=slurm_a100x8) or torchrun on every node"
+                "(hydra/launcher=slurm_a100x8, or launch/sbatch_gptlab.sh) or torchrun on every node"
             )
         check_gpus(hw, hw.nproc_per_node)
         return "parent"
@@ -93,41 +94,126 @@ def check_gpus(hw: HardwareConfig, needed: int) -> None:
 
 
 def _export_slurm_env() -> None:
-    """Turn a SLURM task's identity into torch.distributed's env:// variables."""
+    """Turn a SLURM task's identity into torch.distributed's env:// variables, for any nodes x tasks.
+
+    The master is the first node of the step (SLURM gives it rank 0); the port is
+    `rendezvous_port(job id)` unless MASTER_PORT is set. Rank 0 checks that it can listen on that port
+    before any rank waits for it.
+    """
+    port = int(os.environ.get("MASTER_PORT") or rendezvous_port(int(os.environ["SLURM_JOB_ID"])))
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import submitit
 
-        # keep every GPU visible: the device is picked from the local rank below
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        return
+        env = submitit.helpers.TorchDistributedEnvironment()  # rank, local rank, world, first node
+        env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
+        env.master_port = port  # submitit's own pick is random in 20000-60000: it may be an ephemeral port
+        # keep every GPU visible: the device is picked from the local rank in setup
+        env.export(set_cuda_visible_devices=False, overwrite=True)
+    else:  # srun without submitit (launch/sbatch_gptlab.sh)
+        nodes = slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
+        os.environ.setdefault("MASTER_ADDR", nodes[0])
+        os.environ.update(
+            MASTER_PORT=str(port),
+            RANK=os.environ["SLURM_PROCID"],
+            WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
+            LOCAL_RANK=os.environ["SLURM_LOCALID"],
+        )
+    if os.environ["RANK"] == "0":
+        check_rendezvous_port(port)
+
+
+def slurm_hostnames(nodelist: str) -> list:
+    """A SLURM node list (`gptlab-n[1-2]`) as host names, in SLURM's order."""
     import subprocess
 
-    first = subprocess.run(
-        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True, text=True, check=True
-    ).stdout.split()[0]
-    os.environ.setdefault("MASTER_ADDR", first)
-    # the port is a function of the job id, so it is the same on every node and across requeues
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 40000))
-    os.environ.update(
-        RANK=os.environ["SLURM_PROCID"],
-        WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
-        LOCAL_RANK=os.environ["SLURM_LOCALID"],
-    )
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_ports(path: str = EPHEMERAL_PORTS_FILE) -> tuple:
+    """(first, last): the ports this node's kernel hands out to outgoing connections."""
+    try:
+        with open(path) as f:
+            first, last = (int(x) for x in f.read().split()[:2])
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def rendezvous_port(job_id: int, ephemeral: Optional[tuple] = None) -> int:
+    """The port rank 0 listens on for the rendezvous of SLURM job `job_id`.
+
+    A function of the job id alone, so every node computes the same port and a requeued job gets it
+    again; and outside the node's ephemeral range (ephemeral: (first, last), default: read from
+    /proc), so that no outgoing connection of this machine (a previous job's gloo sockets sitting in
+    TIME_WAIT on an ephemeral port) already holds it. It is the larger of the free stretches of
+    20000-65535 on either side of that range (with Linux's default: 20000-32767).
+    """
+    first, last = ephemeral or ephemeral_ports()
+    low, high = 20000, 65536
+    stretches = [(low, min(first, high)), (max(last + 1, low), high)]
+    start, stop = max(stretches, key=lambda s: s[1] - s[0])
+    if stop - start < 1000:
+        from gptlab.errors import GptlabError
+
+        raise GptlabError(
+            f"the ephemeral port range {first}-{last} ({EPHEMERAL_PORTS_FILE}) leaves no room for a "
+            "rendezvous port in 20000-65535; set MASTER_PORT to a port that no connection uses"
+        )
+    return start + job_id % (stop - start)
+
+
+def check_rendezvous_port(port: int) -> None:
+    """Rank 0 is about to listen on `port`: if that is impossible, say so and end this task now.
+
+    Otherwise the other ranks would wait for the rendezvous until the process group's timeout. The
+    task exits non-zero (SystemExit: Hydra's job runner catches exceptions only, and would turn the
+    error into a finished task), so that SLURM's kill-on-bad-exit ends the whole job at once.
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore: TIME_WAIT is no obstacle
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            first, last = ephemeral_ports()
+            message = (
+                f"rank 0 cannot listen on the rendezvous port {port} on {socket.gethostname()} ({e.strerror}); "
+                f"set MASTER_PORT to a free port outside {first}-{last} (this node's ephemeral ports)"
+            )
+            print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
 
 
 def slurm_job_info() -> Optional[dict]:
-    """For a job started by submitit on SLURM: its id and where its stdout/stderr go."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return None
-    import submitit
+    """For a SLURM task (started by submitit or by srun): its job id, nodes, and where its output goes."""
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
+        import submitit
 
-    env = submitit.JobEnvironment()
+        env = submitit.JobEnvironment()
+        return {
+            "job_id": env.job_id,
+            "nodes": env.hostnames,
+            "stdout": str(env.paths.stdout),
+            "stderr": str(env.paths.stderr),
+            "submitit_folder": str(env.paths.folder),
+        }
+    if not slurm_task():
+        return None
+    import subprocess
+
+    job_id = os.environ["SLURM_JOB_ID"]
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    fields = dict(word.partition("=")[::2] for word in shown.split() if "=" in word)
     return {
-        "job_id": env.job_id,
-        "nodes": env.hostnames,
-        "stdout": str(env.paths.stdout),
-        "stderr": str(env.paths.stderr),
-        "submitit_folder": str(env.paths.folder),
+        "job_id": job_id,
+        "nodes": slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]),
+        "stdout": fields.get("StdOut", ""),
+        "stderr": fields.get("StdErr", ""),
     }
 
 

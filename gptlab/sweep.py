@@ -9,7 +9,9 @@ A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
   as a child of the parent; a job that raises marks its run FAILED with the error as a tag;
 - a job that failed before it had a run (a bad override, missing data) gets a FAILED child here;
 - when the sweep ends: the parent is FINISHED, or FAILED if a job failed; if the launcher raised (a
-  failed job is re-raised once all jobs ended) the parent is marked FAILED at exit.
+  failed job is re-raised once all jobs ended) the parent is marked FAILED at exit. A SLURM job one
+  of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and node
+  that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error` tag.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import atexit
 import json
 import logging
 import os
+import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -49,6 +52,53 @@ log = logging.getLogger(__name__)
 def _is_first_task() -> bool:
     """With several SLURM tasks per node every task runs the whole job: only the first one records."""
     return os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0"
+
+
+# srun's own line for a task that ended badly, e.g. `srun: error: gptlab-n2: task 1: Killed` or
+# `srun: error: node7: tasks 8-15: Exited with exit code 1` (task numbers are global ranks)
+_SRUN_BAD_EXIT = re.compile(
+    r"^srun: error: (?P<node>[^\s:]+): (?P<kind>tasks?) (?P<tasks>[0-9][0-9,-]*): (?P<what>.+)$"
+)
+
+
+# slurmstepd's line when a requeue (submitit's, after SIGUSR2) stops the running job: srun then
+# reports the tasks it stopped, ending with rank 0's own exit (255, submitit's) after requeueing
+_REQUEUE = "DUE TO JOB REQUEUE"
+
+
+def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
+    """The tasks that srun says ended badly, one line each (`rank 1 on gptlab-n2: Killed`), and
+    whether the text ends inside a requeue (to carry into the next piece of the same log).
+
+    The tasks that a requeue stops are not failures, and are left out.
+    """
+    found = []
+    for line in text.splitlines():
+        if _REQUEUE in line:
+            requeued = True
+            continue
+        m = _SRUN_BAD_EXIT.match(line.strip())
+        if not m:
+            continue
+        if requeued:
+            if re.split(r"[-,]", m["tasks"])[0] == "0" and m["what"].strip().endswith("exit code 255"):
+                requeued = False  # the requeue is over; what comes next is the job's next start
+            continue
+        ranks = "ranks" if m["kind"] == "tasks" else "rank"
+        found.append(f"{ranks} {m['tasks']} on {m['node']}: {m['what'].strip()}")
+    return found, requeued
+
+
+def job_failures(job_folder: Path) -> List[str]:
+    """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job). srun writes to the
+    batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`."""
+    found: List[str] = []
+    for err in sorted(Path(job_folder).glob("*_0_log.err")) if Path(job_folder).is_dir() else []:
+        try:
+            found += [f for f in srun_failures(err.read_text(errors="replace"))[0] if f not in found]
+        except OSError:
+            continue
+    return found
 
 
 def _base_name(config: DictConfig) -> str:
@@ -147,9 +197,15 @@ class SweepCallback(Callback):
                     p["parent_run_id"], "summary/best_val_loss", best.data.metrics["summary/best_val_loss"]
                 )
                 client.set_tag(p["parent_run_id"], "best_run", best.info.run_name)
+            slurm_errors = []
+            for r in failed:
+                why = _slurm_error(r.data.tags.get("run_dir"))
+                if why:
+                    client.set_tag(r.info.run_id, "slurm_error", why[:5000])
+                    slurm_errors.append(why)
             if failed or stopped:
                 why = f"{len(failed)} of {len(runs)} jobs failed" if failed else "the sweep stopped early"
-                client.set_tag(p["parent_run_id"], "error", why)
+                client.set_tag(p["parent_run_id"], "error", "; ".join([why, *slurm_errors])[:5000])
             client.set_terminated(p["parent_run_id"], status="FAILED" if failed or stopped else "FINISHED")
         except Exception as e:  # noqa: BLE001
             log.warning(f"could not close the sweep's MLflow parent run {p['parent_run_id']}: {error_text(e)}")
@@ -185,20 +241,37 @@ class SweepCallback(Callback):
             log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
 
 
+def _slurm_error(run_dir: Optional[str]) -> Optional[str]:
+    """`SLURM job 61: rank 1 on gptlab-n2: Killed` for a run folder whose SLURM job lost a task."""
+    if not run_dir:
+        return None
+    try:
+        job = json.loads((Path(run_dir) / "slurm.json").read_text())
+    except (OSError, ValueError):
+        return None
+    folder = job.get("submitit_folder") if isinstance(job, dict) else None
+    failures = job_failures(Path(folder)) if folder else []
+    return f"SLURM job {job.get('job_id')}: {'; '.join(failures)}" if failures else None
+
+
 class SubmissionReporter(Callback):
-    """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear.
+    """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear, and
+    which rank on which node ended a job that lost a task.
 
     hydra-submitit-launcher submits silently and then waits for the whole sweep; this watches
-    submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job.
+    submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job, and
+    each task that srun reports as dead (killed, or exited non-zero: srun's kill-on-bad-exit then ends
+    the job's other tasks, and submitit's own error names neither the rank nor the node).
     """
 
     def __init__(self, poll_s: float = 1.0) -> None:
         self.poll_s = poll_s
         self._stop: Optional[Any] = None
+        self._thread: Optional[Any] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         # the launcher pickles callbacks into every job: the watcher stays in the launching process
-        return {"poll_s": self.poll_s, "_stop": None}
+        return {"poll_s": self.poll_s, "_stop": None, "_thread": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import threading
@@ -209,10 +282,14 @@ class SubmissionReporter(Callback):
         folder = Path(str(config.hydra.sweep.dir)).resolve() / ".submitit"
         console.setup_logging()
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True)
+        self._thread.start()
+        # a failed job makes the launcher raise, and on_multirun_end never comes: the last look at exit
+        atexit.register(self._finish)
 
     def _watch(self, folder: Path, stop: Any) -> None:
         seen: set = set()
+        reported: Dict[Path, Any] = {}
         while True:
             for script in sorted(folder.glob("*/*_submission.sh")) if folder.is_dir() else []:
                 job_id = script.parent.name
@@ -222,9 +299,38 @@ class SubmissionReporter(Callback):
                         f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
                         f"(squeue -j {job_id})"
                     )
+            self._report_failures(folder, reported)
             if stop.wait(self.poll_s):
+                self._report_failures(folder, reported)  # lines written since the last look
                 return
 
+    @staticmethod
+    def _report_failures(folder: Path, reported: Dict[Path, Any]) -> None:
+        """Log each task that srun reports dead in the jobs' stderr, reading only what was added."""
+        for err in sorted(folder.glob("*/*_0_log.err")) if folder.is_dir() else []:
+            offset, seen, requeued = reported.get(err, (0, set(), False))
+            try:
+                with open(err, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            failures, requeued = srun_failures(complete.decode(errors="replace"), requeued)
+            reported[err] = (offset + len(complete), seen, requeued)
+            for failure in failures:
+                if failure not in seen:
+                    seen.add(failure)
+                    log.error(
+                        f"SLURM job {err.parent.name}: {failure}; srun ended the job's other tasks "
+                        f"(kill-on-bad-exit); logs: {err.parent}/"
+                    )
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if self._stop is not None:
+        self._finish()
+        atexit.unregister(self._finish)
+
+    def _finish(self) -> None:
+        if self._stop is not None and self._thread is not None:
             self._stop.set()
+            self._thread.join(timeout=10)

@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from gptlab import checkpoint, distributed
-from gptlab.config import to_config
-from gptlab.model import GPT
-from gptlab.optim import build_optimizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
+from gptlab import checkpoint, distributed  # noqa: E402
+from gptlab.config import to_config  # noqa: E402
+from gptlab.model import GPT  # noqa: E402
+from gptlab.optim import build_optimizer  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -198,18 +198,14 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     layer = activation_bytes_per_layer_token(s, checkpointing=False)
     recompute = tokens * layer if checkpointing else 0.0
     shards = s.shards if s.sharded else 1
-    root = s.params - s.n_layer * s.layer_params  # embeddings, final norm, head
-    blocks_gathered = min(s.n_layer, 2) if s.reshard else s.n_layer
-    # whole fp32 block gradients waiting for their reduce-scatter: on the CPU (gloo) FSDP2 keeps every
-    # block's until the end of backward (measured); on GPUs the reduce-scatter stream frees them, ~2 at a time
-    unreduced = s.params - root if s.device == "cpu" else min(s.n_layer, 2) * s.layer_params
+    sharded = _sharded_parts(s, c)
     parts = {
         "weights": 4.0 * s.params / shards,
         "optimizer": 8.0 * s.params / shards,
         "ddp": 4.0 * s.params if s.world_size > 1 and not s.sharded else 0.0,
-        "grads": 4.0 * s.params / shards + ((c + 4.0) * root + 4.0 * unreduced if s.sharded else 0.0),
+        "grads": 4.0 * s.params / shards + sharded["grads_in_flight"],
         "autocast": float(c * s.matmul_params) if c < 4 and not s.sharded else 0.0,
-        "gathered": float(c * (root + blocks_gathered * s.layer_params)) if s.sharded else 0.0,
+        "gathered": sharded["gathered"],
         "activations": tokens * (s.n_layer * activation_bytes_per_layer_token(s, checkpointing) + embed + head)
         + (4.0 * s.vocab * s.n_embd if chunk else 0.0),  # chunked: the head weight's gradient, kept from forward
         # logits in the compute dtype, the log-softmax's gradient and the logits' gradient; chunked: one
@@ -219,13 +215,30 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
         ),
     }
     start_of_backward = parts["autocast"] + parts["gathered"] + parts["activations"] + parts["transient"]
-    end_of_backward = parts["grads"] + recompute + (c * (root + s.layer_params) if s.sharded else 0.0)
+    end_of_backward = parts["grads"] + recompute + sharded["gathered_at_end"]
     # sharded: the first block's backward holds the gathered weights, every kept activation, the
     # gradients (with the root's whole one) and, with checkpointing, the recomputed block's activations
     in_backward = parts["gathered"] + parts["activations"] + parts["grads"] + recompute if s.sharded else 0.0
     peak = max(start_of_backward, end_of_backward, in_backward)
     parts["total"] = parts["weights"] + parts["optimizer"] + parts["ddp"] + peak
     return parts
+
+
+def _sharded_parts(s: Shape, c: int) -> Dict[str, float]:
+    """What a sharded run holds beyond its shards (all 0 unsharded): gathered weights in flight,
+    whole gradients waiting for their reduce-scatter, and what stays gathered at the end of backward."""
+    if not s.sharded:
+        return {"gathered": 0.0, "grads_in_flight": 0.0, "gathered_at_end": 0.0}
+    root = s.params - s.n_layer * s.layer_params  # embeddings, final norm, head
+    blocks_gathered = min(s.n_layer, 2) if s.reshard else s.n_layer
+    # whole fp32 block gradients waiting for their reduce-scatter: on the CPU (gloo) FSDP2 keeps every
+    # block's until the end of backward (measured); on GPUs the reduce-scatter stream frees them, ~2 at a time
+    unreduced = s.params - root if s.device == "cpu" else min(s.n_layer, 2) * s.layer_params
+    return {
+        "gathered": float(c * (root + blocks_gathered * s.layer_params)),
+        "grads_in_flight": (c + 4.0) * root + 4.0 * unreduced,  # the root's whole gradient and its fp32 copy
+        "gathered_at_end": float(c * (root + s.layer_params)),
+    }
 
 
 def current_rss_bytes() -> int:

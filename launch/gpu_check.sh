@@ -6,6 +6,8 @@
 #   gpt1b      - the 1.01B reference model, 2048 context, micro-batch 8, activation checkpointing
 #   gpt2_124m_fsdp - gpt2_124m again under parallelism=fsdp in a world of one (FSDP2's gathers, bf16
 #                parameters for compute with fp32 master weights and reductions, per-block compile)
+# then the chunked loss (benchmarks/chunked_loss.py: one step's peak memory and time with the whole
+# logits and in 1024-token chunks, gpt2_124m, vocabulary 50,304, micro-batch 16 x 1024, bf16),
 # and writes one JSON file (default outputs/gpu_check.json): the device, torch, and per model the
 # `gptlab.bench` JSON line, the `gptlab.plan plan.json=true` prediction, and any error.
 #
@@ -20,6 +22,8 @@
 #   GPU_CHECK_WARMUP / GPU_CHECK_STEPS   bench steps (default 3 warm-up, 10 timed)
 #   GPU_CHECK_TIMEOUT    seconds per bench (default 200)
 #   GPU_CHECK_GPT1B_COMPILE  compile the 1B model too (default false: compiling it costs ~1-2 minutes)
+#   GPU_CHECK_CHUNKED    benchmarks/chunked_loss.py's arguments (default "model=gpt2_124m batch=16
+#                        device=cuda precision=bf16"; the CPU test shrinks it)
 #   PYTHON               the interpreter (default .venv/bin/python if present, else python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +39,7 @@ WARMUP=${GPU_CHECK_WARMUP:-3}
 STEPS=${GPU_CHECK_STEPS:-10}
 TIMEOUT=${GPU_CHECK_TIMEOUT:-200}
 GPT1B_COMPILE=${GPU_CHECK_GPT1B_COMPILE:-false}
+CHUNKED=${GPU_CHECK_CHUNKED:-model=gpt2_124m batch=16 device=cuda precision=bf16}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -82,6 +87,10 @@ run_one gpt1b model=gpt1b model.block_size=2048 parallelism=ddp parallelism.acti
   optimizer.fused=true
 run_one gpt2_124m_fsdp model=gpt2_124m parallelism=fsdp parallelism.activation_checkpointing=false \
   train.batch_size=16 train.micro_batch_size=16 hardware.precision=bf16 hardware.compile=true optimizer.fused=true
+echo "== chunked loss: $CHUNKED" >&2
+# shellcheck disable=SC2086
+timeout "$TIMEOUT" "$PY" benchmarks/chunked_loss.py $CHUNKED >"$WORK/chunked_loss.out" 2>"$WORK/chunked_loss.err"
+tail -n 1 "$WORK/chunked_loss.out" >&2
 T1=$(date +%s)
 
 mkdir -p "$(dirname "$OUT_JSON")"
@@ -126,7 +135,10 @@ for name in names:
     if plan is None:
         entry["plan_error"] = tail(work / f"{name}.plan.err", 2)
     report["runs"][name] = entry
+chunked = last_json(work / "chunked_loss.out")
+report["chunked_loss"] = chunked or {"error": tail(work / "chunked_loss.err")}
 out.write_text(json.dumps(report, indent=1) + "\n")
-print(json.dumps({"written": str(out), "ok": all(r["ok"] for r in report["runs"].values()), "wall_s": seconds}))
-sys.exit(0 if all(r["ok"] for r in report["runs"].values()) else 1)
+ok = all(r["ok"] for r in report["runs"].values()) and chunked is not None
+print(json.dumps({"written": str(out), "ok": ok, "wall_s": seconds}))
+sys.exit(0 if ok else 1)
 EOF

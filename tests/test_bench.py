@@ -94,6 +94,7 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         "GPU_CHECK_SHRINK": shrink,
         "GPU_CHECK_WARMUP": "1",
         "GPU_CHECK_STEPS": "2",
+        "GPU_CHECK_CHUNKED": "model=gpt_nano batch=2 vocab=5000 chunk=16 device=cpu steps=1",
         "PYTHON": sys.executable,
     }
     out = tmp_path / "gpu_check.json"
@@ -115,3 +116,5 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         assert run["measured_vs_plan"]["plan_mem_bytes"] > 0
     assert report["runs"]["gpt1b"]["bench"]["activation_checkpointing"] is True
     assert report["runs"]["gpt2_124m_fsdp"]["bench"]["strategy"] == "fsdp"  # a world of one is valid
+    chunked = report["chunked_loss"]
+    assert chunked["chunked"]["peak_step_bytes"] < chunked["whole"]["peak_step_bytes"]

@@ -105,7 +105,7 @@ def local_data(name: str, shakespeare: Path, tmp_path: Path):
     """Offline stand-ins: the recipes' Hugging Face corpora become a parquet file of Tiny Shakespeare
     (through the same hf source and cleaner), and BPE vocabularies shrink so training one takes seconds.
     The GPT-2 tokenizer needs a download, so those recipes use a small trained BPE here."""
-    if name.startswith("gpt2_"):
+    if compose_config([f"experiment={name}"]).data.name in ("gutenberg", "fineweb_edu"):
         import pyarrow as pa
         import pyarrow.parquet as pq
 

@@ -254,15 +254,17 @@ def _sbatch(cwd: Path, nodes: int, tasks_per_node: int, *overrides: str) -> str:
 
 @on_two_nodes
 def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
-    """Global batch 8 on 1 process, on 2 nodes x 1 task and 2 nodes x 2 tasks (submitit), and on 2 x 1
-    through launch/sbatch_gptlab.sh: the same losses; each job says which nodes it ran on, in
-    slurm.json and in MLflow (world size, nodes). The four run at once."""
+    """Global batch 8 on 1 process, on 2 nodes x 1 task and 2 nodes x 2 tasks (submitit; DDP, and HSDP
+    on a 2 x 2 mesh), and on 2 x 1 through launch/sbatch_gptlab.sh: the same losses; each job says
+    which nodes it ran on, in slurm.json and in MLflow (world size, nodes). The five run at once."""
     args = [*COMMON, f"data.path={shakespeare}"]
     t0 = time.monotonic()
     ref = start_cli(["gptlab.train", *args, "hardware=cpu"], tmp_path, merge_stderr=True)
     sweeps = {
         "2x1": _sweep(tmp_path / "2x1", *args, "hardware.nodes=2"),
         "2x2": _sweep(tmp_path / "2x2", *args, "hardware.nodes=2", "hardware.nproc_per_node=2"),
+        # sharded within each node, replicated across the two
+        "hsdp": _sweep(tmp_path / "hsdp", *args, "hardware.nodes=2", "hardware.nproc_per_node=2", "parallelism=hsdp"),
     }
     sbatch_job = _sbatch(tmp_path / "sbatch", 2, 1, *args)
     try:
@@ -273,7 +275,7 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
             if p.poll() is None:
                 p.kill()
         subprocess.run(["scancel", sbatch_job], capture_output=True)
-    print(f"\n1 process + 2x1 + 2x2 sweeps + sbatch 2x1, at once: {time.monotonic() - t0:.1f} s")
+    print(f"\n1 process + 2x1, 2x2, 2x2 hsdp sweeps + sbatch 2x1, at once: {time.monotonic() - t0:.1f} s")
     for name, p in {"ref": ref, **sweeps}.items():
         assert p.returncode == 0, f"{name}:\n{out[name][-3000:]}"
     sbatch_log = next((tmp_path / "sbatch").glob("slurm-*.out")).read_text()
@@ -284,7 +286,7 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
     assert len(ref_train) == 8 and len(ref_val) == 2
     run_dirs = {name: next((tmp_path / name).glob("outputs/sweeps/*/0")) for name in sweeps}
     run_dirs["sbatch"] = tmp_path / "sbatch" / "outputs" / "runs" / f"slurm-{sbatch_job}"
-    for name, world in (("2x1", 2), ("2x2", 4), ("sbatch", 2)):
+    for name, world in (("2x1", 2), ("2x2", 4), ("hsdp", 4), ("sbatch", 2)):
         run_dir = run_dirs[name]
         train, val = _losses(run_dir)
         assert train == pytest.approx(ref_train, abs=1e-5), name
@@ -297,6 +299,8 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
         assert run.data.params["hardware.nodes"] == "2", name  # the config, flattened into params
     logs = "".join(p.read_text() for p in (tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_log.*"))
     assert "= 2 x 1 accum x 4 ranks" in logs, logs[-2000:]
+    hsdp_logs = "".join(p.read_text() for p in (tmp_path / "hsdp").glob("outputs/sweeps/*/.submitit/*/*_log.out"))
+    assert "hsdp mesh 2x2 (replicate x shard)" in hsdp_logs, hsdp_logs[-2000:]
     assert "socket.cpp" not in logs + sbatch_log  # every rank's address has a name on both sides
     script = next((tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_submission.sh")).read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "export SLURM_KILL_BAD_EXIT=1"):
@@ -338,6 +342,44 @@ def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp
     run = _mlflow_run(cwd, run_dir)
     assert run.info.status == "FAILED"
     assert "rank 1 on gptlab-n2: Killed" in run.data.tags.get("slurm_error", ""), run.data.tags
+
+
+@on_two_nodes
+def test_a_taken_rendezvous_port_fails_the_job_at_once_with_one_line(tmp_path, shakespeare):
+    """Something on the first node listens on the job's rendezvous port: rank 0 says so in one line and
+    exits, and kill-on-bad-exit ends rank 1 (waiting for the rendezvous) at once."""
+    port = 31999  # given as MASTER_PORT, which wins over the port derived from the job id
+    holder = subprocess.Popen(
+        ["nsenter", "--net=/run/netns/gptlab-n1", sys.executable, "-c",
+         f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); print('ready', flush=True); "
+         "time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    cwd = tmp_path / "port"
+    cwd.mkdir()
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-m", "gptlab.train", "-m", "hydra/launcher=slurm_local", *COMMON,
+             f"data.path={shakespeare}", "hardware.nodes=2"],
+            cwd=cwd, env=cli_env({"MASTER_PORT": str(port)}), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    job_id = next(cwd.glob("outputs/sweeps/*/.submitit/*/*_submission.sh")).parent.name
+    state, elapsed = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ElapsedRaw"]).stdout.split("|")
+    print(
+        f"\nrendezvous port taken: job {state} after {elapsed.strip()} s in SLURM, launcher exited after {took:.1f} s"
+    )
+    assert state == "FAILED" and int(elapsed) < 30
+    line = f"gptlab: error: rank 0 cannot listen on the rendezvous port {port} on gptlab-n1 (Address already in use)"
+    assert line in out, out[-3000:]
+    assert f"SLURM job {job_id}: rank 0 on gptlab-n1: Exited with exit code 2" in out, out[-3000:]
 
 
 @on_two_nodes

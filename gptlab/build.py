@@ -288,14 +288,20 @@ def record_slurm_job(run_dir: Path) -> None:
 
 
 def write_sample(run: Run) -> Optional[str]:
-    """Generate train.sample_tokens of text from the trained model into samples.txt (rank 0)."""
-    if not run.dist.is_main or run.train.sample_tokens <= 0:
+    """Generate train.sample_tokens of text from the trained model into samples.txt (rank 0).
+
+    A sharded model generates on every rank in step (each forward is a collective; the same prompt
+    and seeded generator give every rank the same tokens); rank 0 writes them."""
+    sharded = distributed.is_sharded(run.raw_model)
+    if run.train.sample_tokens <= 0 or not (run.dist.is_main or sharded):
         return None
     prompt = run.tokenizer.encode(run.train.sample_prompt) or [0]
     idx = torch.tensor([prompt], dtype=torch.long, device=run.dist.device)
     gen = torch.Generator(device=run.dist.device).manual_seed(run.train.seed)
     with run.autocast():
         out = run.raw_model.generate(idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+    if not run.dist.is_main:
+        return None
     text = run.tokenizer.decode(out[0].tolist())
     path = run.run_dir / "samples.txt"
     path.write_text(text)

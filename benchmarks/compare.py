@@ -3,7 +3,8 @@
     python benchmarks/compare.py [runs=2] [warmup=3] [steps=10] [shapes=baby,default] [precisions=fp32,bf16]
 
 For each shape and precision it runs benchmarks/plain_loop.py and `python -m gptlab.bench` one after
-the other, `runs` times (so drift in the machine's speed hits both alike), and prints one line per
+the other, `runs` times, the first of the pair alternating (so drift in the machine's speed hits both
+alike), and prints one line per
 pair plus a JSON summary: tokens/s of each (the mean over the timed steps, as gptlab.bench reports),
 and gptlab's ratio to the plain loop. Shapes: baby = 6 x 384, 6 heads, 256 context, batch 8 (the
 shakespeare_char_baby recipe's width, dropout 0); default = gpt_char (4 x 128, 64 context, batch 16).
@@ -60,9 +61,11 @@ def main(argv):
     for name in o.get("shapes", "baby,default").split(","):
         for precision in o.get("precisions", "fp32,bf16").split(","):
             got = {"plain": [], "gptlab": []}
-            for _ in range(runs):
-                got["plain"].append(plain(SHAPES[name], precision, warmup, steps, data))
-                got["gptlab"].append(gptlab(SHAPES[name], precision, warmup, steps, data))
+            for i in range(runs):  # alternating, and which goes first alternates too
+                order = ("plain", "gptlab") if i % 2 == 0 else ("gptlab", "plain")
+                for loop in order:
+                    fn = plain if loop == "plain" else gptlab
+                    got[loop].append(fn(SHAPES[name], precision, warmup, steps, data))
             p, g = statistics.mean(got["plain"]), statistics.mean(got["gptlab"])
             summary[f"{name}/{precision}"] = {**got, "ratio": round(g / p, 3)}
             print(f"{name:8} {precision}: plain {p:10,.0f} tok/s  gptlab {g:10,.0f} tok/s  ratio {g / p:.3f}  "

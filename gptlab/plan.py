@@ -364,7 +364,7 @@ def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
     split = f", 1/{s.shards} each" if s.sharded else ""
     for key, label in (
         ("weights", f"weights (fp32{split})"),
-        ("grads", f"gradients (fp32{split})"),
+        ("grads", f"gradients (fp32{split}{', + in flight' if s.sharded else ''})"),
         ("optimizer", f"AdamW state (fp32 x2{split})"),
         ("ddp", "DDP gradient buckets"),
         ("autocast", "autocast weight copies"),

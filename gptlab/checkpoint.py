@@ -288,7 +288,10 @@ class TrainingState:
         model, optimizer = objects["model"], objects["optimizer"]
         if self.shards is not None:  # read into the live layout: each rank reads the slices it holds
             msd, osd = get_state_dict(model, optimizer)
-            load_into({"model": msd, "optimizer": osd}, self.shards)
+            try:
+                load_into({"model": msd, "optimizer": osd}, self.shards)
+            except RuntimeError as e:
+                raise GptlabError(f"checkpoint {self.shards} does not fit this model and optimizer: {e}") from None
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         elif self.format_version == 1:  # the optimizer's state by position: the unsharded objects only
             if any(hasattr(p, "full_tensor") for p in model.parameters()):

@@ -97,10 +97,20 @@ class _SafeWholePlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 
 
 def load_into(state_dict: Dict[str, Any], folder: Path) -> None:
-    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely."""
-    import torch.distributed.checkpoint as dcp
+    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely.
 
-    dcp.load(state_dict, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
+    DCP's own failure (CheckpointException) is a BaseException carrying each rank's traceback; it
+    becomes a RuntimeError with the first line of each distinct cause (a key the checkpoint lacks,
+    a shape that differs)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state_dict, storage_reader=SafeReader(str(folder)), planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        # each failure is (exception, stack) per rank
+        causes = {str(f[0] if isinstance(f, tuple) else f).strip().splitlines()[0] for f in e.failures.values()}
+        raise RuntimeError("; ".join(sorted(causes))) from None
 
 
 def load_whole(folder: Path, keys: List[str]) -> Dict[str, Any]:

@@ -352,6 +352,14 @@ def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unshard
     whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
     assert all(torch.equal(plain.state_dict()[k], whole[k]) for k in whole)
     assert plain_opt.state_dict()["state"][0]["step"] == 1
+    bigger = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
+    objects = {"model": bigger, "optimizer": torch.optim.AdamW(bigger.parameters()), "scaler": _Box(), "loader": _Box()}
+    with pytest.raises(
+        GptlabError,
+        match=r"does not fit this model and optimizer: Missing key in checkpoint state_dict: model.2.weight.$",
+    ) as e:
+        state.restore(objects)  # DCP's own error is a BaseException with a traceback per rank
+    assert "\n" not in str(e.value)
     consolidated = checkpoint.read_model(path).model  # sample / export: whole tensors, one process
     assert consolidated.keys() == whole.keys() and all(torch.equal(consolidated[k], whole[k]) for k in whole)
 

@@ -137,3 +137,38 @@ def test_worker_user_error_is_one_line(tmp_path, shakespeare):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "error" in ln]
     assert lines and lines[0].startswith("gptlab.train: error: model.block_size") and "Traceback" not in r.stderr
+
+
+HANG_RANK1 = """
+import os, runpy, sys, time
+import gptlab.loop as loop
+real = loop.optimizer_step
+def optimizer_step(run, lr, loss_sum):  # rank 1 hangs (alive, not dead) in its 4th step
+    if os.environ["RANK"] == "1" and run.train_loader.step == 3:
+        time.sleep(600)
+    return real(run, lr, loss_sum)
+loop.optimizer_step = optimizer_step
+sys.argv = ["gptlab.train", *{args!r}]
+runpy.run_module("gptlab.train", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path, shakespeare):
+    """A rank that stops answering (not dead: no exit code to notice) ends the job after
+    parallelism.timeout_s, through the waiting rank's collective, not after the job's time limit."""
+    args = ["model=gpt_nano", f"data.path={shakespeare}", "hardware=cpu_x2", "train.max_steps=50", "train.log_every=1",
+            "tracking.mlflow=false", "train.sample_tokens=0", "parallelism.timeout_s=10"]  # fmt: skip
+    args.append(f"hydra.run.dir={tmp_path / 'run'}")
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_RANK1.format(args=args))
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    t0 = time.time()
+    r = subprocess.run([torchrun, "--nproc_per_node=2", str(script)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=180)  # fmt: skip
+    took = time.time() - t0
+    assert r.returncode != 0
+    assert took < 90, f"the job took {took:.0f} s to end"
+    assert "timed out" in r.stderr.lower() or "timeout" in r.stderr.lower(), r.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # rank 0 logged until the step rank 1 never finished

@@ -25,6 +25,7 @@ from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
 from gptlab.config import to_config  # noqa: E402
+from gptlab.metrics import cpu_peak_bytes  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.plan import make_plan  # noqa: E402
 
@@ -40,15 +41,7 @@ def peak_of(step, device: torch.device) -> int:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    current = peak = 0
-    for e in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
-        current += e.self_cpu_memory_usage
-        peak = max(peak, current)
-    return peak
+    return cpu_peak_bytes(step)
 
 
 def measure(cfg, vocab: int, chunk: int, batch: int, device: torch.device, precision: str, steps: int) -> dict:

@@ -241,6 +241,20 @@ def _sharded_parts(s: Shape, c: int) -> Dict[str, float]:
     }
 
 
+def cpu_peak_bytes(fn) -> int:
+    """Peak bytes the CPU allocator held during fn() above what was held before it (torch.profiler's
+    memory events, summed in time order). How the memory model is checked against a real step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    current = peak = 0
+    for e in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start):
+        current += e.self_cpu_memory_usage
+        peak = max(peak, current)
+    return peak
+
+
 def current_rss_bytes() -> int:
     """This process's resident memory now (Linux /proc; 0 where unavailable)."""
     return _proc_status_kb("VmRSS") * 1024

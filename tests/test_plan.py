@@ -5,7 +5,6 @@ import dataclasses
 import pytest
 import torch
 from conftest import REPO, compose_config, run_cli
-from torch.profiler import ProfilerActivity, profile
 
 from gptlab import metrics
 from gptlab.config import to_config
@@ -40,12 +39,16 @@ def test_param_count_matches_the_model(overrides):
     assert param_count(cfg, 65) == model.num_params()
 
 
-def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0) -> float:
-    """Weights + AdamW state + the allocator's peak during one training step (after a first step)."""
+def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0, wrap=None) -> float:
+    """Weights + AdamW state + the allocator's peak during one training step (after a first step).
+
+    wrap: what to do to the model before training it (tests/fsdp_memory_probe.py shards it); the
+    static bytes are then this rank's shards."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab))
     model.activation_checkpointing = checkpointing
     model.loss_chunk = loss_chunk
+    model = wrap(model) if wrap else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.model.block_size))
 
@@ -56,15 +59,14 @@ def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: i
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the optimizer state
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
-    current = peak = 0
-    for e in events:
-        current += e.self_cpu_memory_usage
-        peak = max(peak, current)
-    static = sum(p.numel() * p.element_size() for p in model.parameters())
-    static += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    peak = metrics.cpu_peak_bytes(step)
+
+    def local_bytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t  # a shard's own bytes
+        return t.numel() * t.element_size()
+
+    static = sum(local_bytes(p) for p in model.parameters())
+    static += sum(local_bytes(t) for s in opt.state.values() for t in s.values() if t.dim() > 0)
     return static + peak
 
 

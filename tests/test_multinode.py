@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 from conftest import REPO, cli_env, start_cli
-from test_slurm import PARTITION, _cluster_problem
+from test_slurm import PARTITION, _cluster_problem, assert_resumed_in_one_run
 
 from gptlab.distributed import check_rendezvous_port, ephemeral_ports, rendezvous_port
 from gptlab.errors import GptlabError
@@ -408,16 +408,8 @@ def test_usr2_requeues_a_two_node_job_that_resumes_in_the_same_run_folder(tmp_pa
             os.kill(proc.pid, signal.SIGKILL)
     print(f"\nUSR2 -> requeue -> finish on 2 nodes: {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, out[-3000:]
-    results = json.loads((run_dir / "results.json").read_text())
-    assert results["steps"] == 60 and results["stopped_by"] is None, results
-    logs = "".join(p.read_text() for p in run_dir.parent.glob(f".submitit/{job_id}*/*_log.out"))
-    assert "SIGUSR2 received: stopped at step" in logs and "resuming from" in logs, logs[-3000:]
-    run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
-    assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
-    assert results["mlflow_run_id"] == run_ids[0]
+    assert_resumed_in_one_run(run_dir, job_id, 60)
     assert json.loads((run_dir / "slurm.json").read_text())["nodes"] == NODES
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
-    assert steps == sorted(set(steps)) and steps[-1] == 60, steps
     assert "rank 0 on" not in out  # a requeue is not a failure
 
 

@@ -243,6 +243,22 @@ def test_slurm_local_tasks_per_node_follow_hardware(tmp_path):
         _stop(proc)
 
 
+def assert_resumed_in_one_run(run_dir: Path, job_id, max_steps: int) -> dict:
+    """A job stopped by SIGUSR2 and requeued: it finished in run_dir, its two starts' logs say it
+    stopped and resumed, both wrote one MLflow run, and each step is logged once. Its results."""
+    stopped = [c.name for c in (run_dir / "checkpoints").iterdir()]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == max_steps and results["stopped_by"] is None, results
+    logs = "".join(p.read_text() for p in run_dir.parent.glob(f".submitit/{job_id}*/*_log.out"))
+    assert "SIGUSR2 received: stopped at step" in logs and "resuming from" in logs, logs[-3000:]
+    run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
+    assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
+    assert results["mlflow_run_id"] == run_ids[0]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
+    assert steps == sorted(set(steps)) and steps[-1] == max_steps, (steps, stopped)
+    return results
+
+
 def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path):
     """SIGUSR2 (what SLURM sends before preemption or the time limit): the job saves a checkpoint,
     submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
@@ -270,16 +286,7 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-3000:]
-    stopped = [c.name for c in (run_dir / "checkpoints").iterdir()]
-    results = json.loads((run_dir / "results.json").read_text())
-    assert results["steps"] == 200 and results["stopped_by"] is None, results
-    logs = "".join(p.read_text() for p in run_dir.parent.glob(f".submitit/{job_id}*/*_log.out"))
-    assert "SIGUSR2 received: stopped at step" in logs and "resuming from" in logs, logs[-3000:]
-    run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
-    assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
-    assert results["mlflow_run_id"] == run_ids[0]
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
-    assert steps == sorted(set(steps)) and steps[-1] == 200, (steps, stopped)
+    assert_resumed_in_one_run(run_dir, job_id, 200)
 
 
 def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import run_cli
+from conftest import model_config, run_cli, typed
 
 COMMON = [
     "model=gpt_nano",
@@ -172,3 +172,91 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path, shakespeare):
     assert "timed out" in r.stderr.lower() or "timeout" in r.stderr.lower(), r.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]  # rank 0 logged until the step rank 1 never finished
+
+
+# ------------------------------------------------------------------ in-process: a gloo group of one
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_no_sync_skips_ddps_reduction_except_when_syncing(one_rank_group):
+    """DDP all-reduces in backward unless inside no_sync (counted by a communication hook)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gptlab import distributed
+
+    ddp = DDP(torch.nn.Linear(4, 2))
+    reduced = []
+
+    def hook(state, bucket):
+        reduced.append(bucket.buffer().numel())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.randn(3, 4)
+    for sync in (False, False, True):
+        with distributed.no_sync(ddp, sync):
+            ddp(x).sum().backward()
+    assert reduced == [10]  # one bucket of 4 x 2 + 2 gradients, on the syncing micro-step only
+
+
+def test_no_sync_tells_a_sharded_model_and_leaves_a_plain_one_alone():
+    import torch
+
+    from gptlab import distributed
+
+    class Sharded(torch.nn.Linear):
+        told = []
+
+        def set_requires_gradient_sync(self, sync):
+            self.told.append(sync)
+
+        def no_sync(self):  # never used for a sharded model
+            raise AssertionError("no_sync on an FSDP model")
+
+    model = Sharded(2, 2)
+    for sync in (False, True):
+        with distributed.no_sync(model, sync):
+            pass
+    assert model.told == [False, True]
+    with distributed.no_sync(torch.nn.Linear(2, 2), False):  # one process: nothing to skip
+        pass
+
+
+def test_collectives_are_identities_without_a_group():
+    import torch
+
+    from gptlab import distributed
+
+    t = torch.tensor([3.0])
+    assert distributed.all_reduce_mean(t) is t and t.item() == 3.0
+    assert distributed.agree_on_signal("SIGUSR2", torch.device("cpu")) == "SIGUSR2"
+    assert distributed.agree_on_signal(None, torch.device("cpu")) is None
+    assert distributed.broadcast_object({"a": 1}) == {"a": 1}
+    assert distributed.grad_norm_value(t) is t
+
+
+def test_wrap_model_order_single_process():
+    """Checkpointing is switched on, then torch.compile wraps the model (lazily: nothing compiles
+    until the first forward); one process needs no DDP."""
+    from gptlab import distributed
+    from gptlab.model import GPT
+
+    hw, par = typed("hardware"), typed("parallelism", "parallelism.activation_checkpointing=true")
+    d = distributed.Dist()
+    model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    plain = distributed.wrap_model(model, d, par, hw, compile=False)
+    assert plain is model and model.activation_checkpointing
+    compiled = distributed.wrap_model(model, d, par, hw, compile=True)
+    assert type(compiled).__name__ == "OptimizedModule" and compiled._orig_mod is model
+    assert distributed.mesh_shape("hsdp", 8, 2) == (2, 4) and distributed.mesh_shape("fsdp", 8, 2) == (8,)

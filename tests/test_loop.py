@@ -44,6 +44,18 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
     assert rows[0]["train_loss"] == pytest.approx(rows[1]["train_loss"], rel=1e-5)
 
 
+def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare, monkeypatch):
+    """DDP / FSDP are told to skip the reduction on every micro-step but the last of each step (the
+    2-process equivalence test in test_distributed.py checks the losses that depend on it)."""
+    from gptlab import distributed
+
+    calls, real = [], distributed.no_sync
+    monkeypatch.setattr(distributed, "no_sync", lambda model, sync: calls.append(sync) or real(model, sync))
+    overrides = nano_overrides(shakespeare, "train.max_steps=2", "train.sample_tokens=0", "train.micro_batch_size=2")
+    train(build_run(tmp_path, overrides))
+    assert calls == [False, False, False, True] * 2  # batch 8 = 2 x 4 micro-steps, 2 steps
+
+
 def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
     text = "to be or not to be, that is the question.\n" * 50
     path = tmp_path / "tiny.txt"
@@ -99,7 +111,9 @@ def test_golden_loss_curve(tmp_path, shakespeare):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps({"train_loss": curve}, indent=1) + "\n")
     golden = json.loads(GOLDEN.read_text())["train_loss"]
-    assert curve == pytest.approx(golden, abs=2e-4)
+    # stored rounded to 1e-6, and equal after rounding on this machine (torch 2.13, 2 cores): the
+    # tolerance is that rounding (half a unit either side, both roundings) and nothing more
+    assert curve == pytest.approx(golden, abs=1.01e-6)
 
 
 def test_nan_loss_stops_with_a_clear_error(tmp_path, shakespeare):

@@ -93,6 +93,24 @@ def test_kv_cache_generation_matches_full_recompute(pos_emb):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
+def test_a_chunk_of_new_tokens_after_a_cache_sees_the_cache_and_its_own_past_only(pos_emb):
+    """Several new tokens after a cached prefix (the masked branch of attention, which generate's one
+    token at a time never takes): the same logits as one forward over the whole sequence."""
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_emb=pos_emb)).eval()
+    x = torch.randint(0, 65, (2, 12))
+    full, _ = model(x)
+    with torch.no_grad():
+        prefix, _, cache = model(x[:, :5], cache=[])
+        chunk, _, cache = model(x[:, 5:], cache=cache)
+    assert torch.allclose(prefix, full[:, :5], atol=1e-5)
+    assert torch.allclose(chunk, full[:, 5:], atol=1e-5)  # a wrong mask changes every row but the last
+    assert cache[0][0].shape == (2, 2, 12, 16)  # (B, nh, T, hs): the cache holds all 12 positions
+    with pytest.raises(ValueError, match="sequence of 17 tokens exceeds block_size 16"):
+        model(x[:, :5], cache=cache)
+
+
 def test_generation_past_block_size_and_top_k():
     torch.manual_seed(0)
     model = GPT(tiny())

@@ -37,3 +37,48 @@ def test_weight_decay_only_on_matrices():
     n = sum(p.numel() for g in opt.param_groups for p in g["params"])
     assert n == model.num_params()
     assert not opt.defaults.get("fused")  # fused kernels only on CUDA by default
+
+
+def test_warmup_peaks_exactly_at_the_peak_and_never_above():
+    """The last warmup step and the first decay step are both the peak; nothing is above it."""
+    cfg = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, 1e-3, cfg, 110) for s in range(111)]
+    assert lrs[9] == lrs[10] == 1e-3 and max(lrs) == 1e-3
+    assert lrs[:10] == pytest.approx([1e-4 * (s + 1) for s in range(10)])  # linear from peak / warmup
+    assert min(lrs) == pytest.approx(1e-4)
+    no_warmup = OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=0.1)
+    assert lr_at(0, 1e-3, no_warmup, 100) == 1e-3  # no warmup: the peak from the first step
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant"])
+def test_linear_and_constant_schedules_and_decay_steps(schedule):
+    cfg = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=50)
+    lrs = [lr_at(s, 1e-3, cfg, 110) for s in range(111)]
+    assert lrs[9] == lrs[10] == 1e-3 and max(lrs) == 1e-3
+    if schedule == "constant":
+        assert set(lrs[10:]) == {1e-3}
+    else:
+        assert lrs[30] == pytest.approx(0.55e-3)  # half way from step 10 to decay_steps = 50
+        assert lrs[50] == pytest.approx(1e-4) and lrs[110] == pytest.approx(1e-4)  # the floor after decay_steps
+        assert all(a - b == pytest.approx(0.9e-3 / 40) for a, b in zip(lrs[10:50], lrs[11:51]))  # a straight line
+    # decay no longer than the warmup: the peak ever after
+    short = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=10)
+    assert lr_at(40, 1e-3, short, 110) == 1e-3
+
+
+def test_cosine_decays_over_decay_steps_when_given():
+    cfg = OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=0.0, decay_steps=20)
+    assert lr_at(10, 1e-3, cfg, 1000) == pytest.approx(0.5e-3)
+    assert lr_at(20, 1e-3, cfg, 1000) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_adamw_takes_the_configured_hyperparameters():
+    model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    cfg = OptimizerConfig(betas=[0.8, 0.9], eps=1e-6, fused=False)
+    opt = build_optimizer(model, cfg, 3e-4, "cuda")  # fused=false wins over the device's default
+    assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["eps"] == 1e-6 and opt.defaults["lr"] == 3e-4
+    assert not opt.defaults["fused"]
+    frozen = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    frozen.wpe.weight.requires_grad_(False)
+    opt = build_optimizer(frozen, OptimizerConfig(), 1e-3, "cpu")
+    assert all(p is not frozen.wpe.weight for g in opt.param_groups for p in g["params"])

@@ -1,6 +1,7 @@
 """gptlab.plan: parameter count, the memory model against measured allocations, fit decisions."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -72,18 +73,20 @@ def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: i
 
 @pytest.mark.parametrize("model", ["gpt_char", "gpt_nano"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_memory_estimate_within_25_percent_of_measured(model, checkpointing):
+def test_memory_estimate_within_7_percent_of_measured(model, checkpointing):
     cfg = cfg_for(f"model={model}", f"parallelism.activation_checkpointing={str(checkpointing).lower()}")
     predicted = make_plan(cfg).memory["total"]
     measured = measured_peak_bytes(cfg, checkpointing)
     print(f"{model} ckpt={checkpointing}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
-    assert predicted == pytest.approx(measured, rel=0.25)
+    # measured (torch 2.13, CPU): gpt_char 43.30 / 43.16 MiB (+0.3%) and 20.54 / 20.61 (-0.3%) with
+    # checkpointing; gpt_nano 2.97 / 2.86 (+3.8%) and 1.71 / 1.62 (+5.6%). One AdamW moment is 7-13%.
+    assert predicted == pytest.approx(measured, rel=0.07)
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 256])
 def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, monkeypatch):
     """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and the
-    memory model follows the allocator both ways (within 25%)."""
+    memory model follows the allocator both ways (an over-estimate of 21% whole, 13% chunked)."""
     from gptlab import plan
 
     monkeypatch.setattr(plan, "vocab_for", lambda cfg: (8192, False))
@@ -91,7 +94,10 @@ def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, mon
     predicted = make_plan(cfg).memory["total"]
     measured = measured_peak_bytes(cfg, False, vocab=8192, loss_chunk=loss_chunk)
     print(f"loss_chunk={loss_chunk}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
-    assert predicted == pytest.approx(measured, rel=0.25)
+    # measured (torch 2.13, CPU): 182.2 predicted / 150.3 MiB measured whole (+21%), 66.2 / 58.8 chunked
+    # (+13%): the estimate errs on the safe side, by about that much and not more
+    over = {0: (0.17, 0.25), 256: (0.08, 0.17)}[loss_chunk]
+    assert over[0] < predicted / measured - 1 < over[1]
 
 
 def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
@@ -223,3 +229,47 @@ def test_a_ddp_run_that_does_not_fit_is_told_the_fsdp_setting_that_would():
     args = ["model=gpt2_1558m", "data=fineweb_edu", "hardware=a100x8", "train.batch_size=128"]
     with pytest.raises(GptlabError, match=r"would fit: parallelism=fsdp parallelism.activation_checkpointing=false"):
         main([*args, "train.micro_batch_size=8"])
+
+
+def test_the_readmes_planner_figures(capsys):
+    """README quotes these for the 1B recipe: 20.9 GiB with checkpointing (fits), 40.9 GiB without,
+    more than the 36.8 GiB usable, and the two settings that would fit."""
+    from gptlab.plan import main
+
+    gib = 2**30
+    out = main(["experiment=gpt1b_shakespeare"])
+    report = capsys.readouterr().out
+    assert out["fits"] and out["activation_checkpointing"] and out["micro_batch_size"] == 8
+    assert f"{out['memory_ckpt']['total'] / gib:.1f}" == "20.9"
+    assert f"{out['memory_no_ckpt']['total'] / gib:.1f}" == "40.9"
+    assert out["usable_bytes"] == pytest.approx(0.92 * 40 * gib)  # 36.8 GiB: 92% of an A100-40GB
+    assert "  peak (estimate)                               20.86 GiB         40.93 GiB\n" in report
+    assert "device memory 40.0 GiB, usable 36.8 GiB (92%)" in report
+    assert "with activation checkpointing: fits at micro-batch 8" in report
+    assert "without activation checkpointing: does not fit at micro-batch 8" in report
+    with pytest.raises(GptlabError) as e:
+        main(["experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"])
+    # the README's quote of this error (a comment of two lines under the command) is the error
+    lines = (REPO / "README.md").read_text().splitlines()
+    command = "python -m gptlab.plan experiment=gpt1b_shakespeare parallelism.activation_checkpointing=false"
+    at = next(i for i, line in enumerate(lines) if line.startswith(command))
+    quoted = " ".join(line[2:] for line in lines[at + 1 : at + 3])
+    assert quoted == f"gptlab.plan: error: {e.value}"
+    assert "needs 40.9 GiB per device, more than the 36.8 GiB usable" in quoted
+    assert "would fit: parallelism=fsdp" in quoted and "parallelism.activation_checkpointing=true (20.9 GiB)" in quoted
+
+
+def test_plan_json_is_one_object_of_the_plans_figures(capsys):
+    from gptlab.plan import main
+
+    out = main(["model=gpt_nano", "plan.json=true", "plan.mfu=0.3"])
+    printed = capsys.readouterr().out.strip()
+    assert "\n" not in printed
+
+    assert json.loads(printed) == json.loads(json.dumps(out))  # what main returns is what it printed
+    cfg = cfg_for("model=gpt_nano")
+    plan = make_plan(cfg)
+    assert out["params"] == plan.params == param_count(cfg, 65) and out["expected_mfu"] == 0.3
+    assert out["memory"]["total"] == plan.memory["total"] and out["fits"] is True
+    assert out["accum_steps"] * out["micro_batch_size"] * out["world_size"] == cfg.train.batch_size
+    assert out["hardware_flops_per_token"] >= out["flops_per_token"] > 6 * out["params"] * 0.5

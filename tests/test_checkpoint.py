@@ -136,31 +136,52 @@ def logged_losses(run_dir: Path):
     return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
-def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["data.sampling=sequential"],  # the sequential loader's (epoch, position) and shuffled order
+        ["hardware.precision=fp16"],  # the GradScaler's scale and growth tracker
+    ],
+    ids=["random", "sequential", "fp16"],
+)
+def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20")), straight)
-    first = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), split)
+    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), straight)
+    first = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", *extra)), split)
     assert first["steps"] == 10
-    second = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20")), split)
+    second = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), split)
     assert second["steps"] == 20 and second["tokens"] == 20 * 8 * 32
     a, b = final_params(straight), final_params(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert logged_losses(straight) == logged_losses(split)  # includes the dropout draws after resume
+    saved = checkpoint.load(checkpoint.latest(split / "checkpoints"))
+    if "hardware.precision=fp16" in extra:  # the scaler was on, and its state went through the checkpoint
+        assert saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 20 % 2000
+    if "data.sampling=sequential" in extra:
+        assert saved["loader"]["kind"] == "sequential" and saved["loader"]["position"] > 0
 
 
-def test_resume_never_starts_fresh_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
+def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), run_dir)
+    first = logged_losses(run_dir)
+    # the same folder and the same run, finished: auto would say so and train nothing; never starts over
     again = run_training(
-        compose_config(resume_overrides(shakespeare, "train.max_steps=10", "train.resume=never")), tmp_path / "fresh"
+        compose_config(resume_overrides(shakespeare, "train.max_steps=12", "train.resume=never")), run_dir
     )
-    assert again["steps"] == 10
-    ckpt = checkpoint.latest(run_dir / "checkpoints")
+    assert again["steps"] == 12 and again["tokens"] == 12 * 8 * 32
+    fresh = logged_losses(run_dir)
+    assert sorted(fresh) == list(range(1, 13)) and {s: fresh[s] for s in first} == first  # from step 1 again
+    (previous,) = list((run_dir / "previous").iterdir())
+    assert logged_losses(previous) == first
+    ckpt = checkpoint.latest(previous / "checkpoints")
     other = run_training(
         compose_config(resume_overrides(shakespeare, "train.max_steps=12", f"train.resume={ckpt}")),
         tmp_path / "from_path",
     )
     assert other["steps"] == 12 and other["tokens"] == 12 * 8 * 32
+    assert sorted(logged_losses(tmp_path / "from_path")) == [11, 12]  # continued from step 10
 
 
 def cli(args, cwd):

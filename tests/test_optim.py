@@ -48,6 +48,8 @@ def test_warmup_peaks_exactly_at_the_peak_and_never_above():
     assert min(lrs) == pytest.approx(1e-4)
     no_warmup = OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=0.1)
     assert lr_at(0, 1e-3, no_warmup, 100) == 1e-3  # no warmup: the peak from the first step
+    one_step = OptimizerConfig(lr=1e-3, warmup_steps=1, min_lr_ratio=0.1)
+    assert lr_at(0, 1e-3, one_step, 100) == lr_at(1, 1e-3, one_step, 100) == 1e-3
 
 
 @pytest.mark.parametrize("schedule", ["linear", "constant"])

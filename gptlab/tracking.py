@@ -416,8 +416,157 @@ class RunIdentity:
     resume_run_id: Optional[str] = None  # the checkpoint's MLflow run, continued instead of a new one
 
 
+# The tracker's calls to MLflow go through a Sender: a background thread, so that a slow, restarting
+# or absent server never holds the step loop (which only appends to a queue). What a server that is
+# down does not take is in metrics.jsonl anyway, and gptlab.sync records it later.
+SEND_FIRST_RETRY_S = 0.5  # the wait after a failed call, doubling ...
+SEND_MAX_RETRY_S = 8.0  # ... up to this
+SEND_TRIES = 40  # tries of one call (about 5 minutes of waits) before it is left to gptlab.sync
+SEND_QUEUE_POINTS = 100_000  # metric points waiting for the store; past this, the oldest are left to gptlab.sync
+FINAL_FLUSH_S = 30.0  # at the run's end, how long it waits for the store to take what is still queued
+# MLflow error codes that no retry will change (a bad value, a run that was deleted, no permission)
+PERMANENT_ERRORS = {
+    *("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"),
+    *("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_STATE"),
+}
+
+
+@dataclass
+class Call:
+    """One MLflow call the sender makes: what it records (for the report) and how many metric points."""
+
+    what: str  # "metrics", "the run's status", "artifact results.json", ...
+    fn: Callable[[], Any]
+    points: int = 0
+
+
+def is_permanent(e: BaseException) -> bool:
+    """A failure that trying again cannot fix (a 4xx answer); anything else may pass (no answer, 5xx, a lock)."""
+    return getattr(e, "error_code", None) in PERMANENT_ERRORS
+
+
+class Sender:
+    """Makes MLflow calls in order on a background thread; put() never waits on the store.
+
+    A call that fails in a way that may pass is tried again after a wait (SEND_FIRST_RETRY_S doubling
+    to SEND_MAX_RETRY_S), SEND_TRIES times at most; the calls behind it wait their turn, so points reach
+    the store in order once it answers again. The queue holds SEND_QUEUE_POINTS points at most: past
+    that the oldest metric calls are given up. A call is sent again with the same points (same
+    timestamps), which MLflow stores once even when an earlier try did reach it. close() waits a
+    bounded time for the queue to empty and returns the calls that were not made.
+    """
+
+    def __init__(self, name: str, max_points: int = SEND_QUEUE_POINTS):
+        import collections
+        import threading
+
+        self.name = name  # the store, as the log lines name it
+        self.max_points = max_points
+        self._queue: Any = collections.deque()
+        self._queued_points = 0
+        self._current: Optional[Call] = None
+        self._lost: List[Call] = []  # given up: too many tries, a permanent error, or the queue was full
+        self._closed = False
+        self._cond = threading.Condition()
+        self._abandon = threading.Event()
+        self._down_since: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, name="gptlab-mlflow-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, call: Call) -> None:
+        with self._cond:
+            if self._closed:
+                self._lost.append(call)
+                return
+            self._queue.append(call)
+            self._queued_points += call.points
+            while self._queued_points > self.max_points:
+                oldest = next((c for c in self._queue if c.points), None)
+                if oldest is None:
+                    break
+                self._queue.remove(oldest)
+                self._queued_points -= oldest.points
+                self._lost.append(oldest)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue or self._abandon.is_set():
+                    return
+                call = self._current = self._queue.popleft()
+                self._queued_points -= call.points
+            done = self._attempt(call)
+            with self._cond:
+                self._current = None
+                if not done:
+                    self._lost.append(call)
+                self._cond.notify_all()
+
+    def _attempt(self, call: Call) -> bool:
+        """Make the call, trying again with backoff while the failure may pass; whether it was made."""
+        wait = SEND_FIRST_RETRY_S
+        for tries in range(1, SEND_TRIES + 1):
+            try:
+                call.fn()
+            except Exception as e:  # noqa: BLE001 - a store's failure is reported, never raised into the run
+                if is_permanent(e) or tries == SEND_TRIES:
+                    log.warning(f"MLflow {self.name}: {call.what} not recorded ({error_text(e)[:300]})")
+                    return False
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    log.warning(
+                        f"MLflow {self.name} is not answering ({error_text(e)[:200]}); "
+                        "training goes on, metrics.jsonl has every point, and they are sent when it answers"
+                    )
+                if self._abandon.wait(wait * random.uniform(0.8, 1.2)):
+                    return False
+                wait = min(wait * 2, SEND_MAX_RETRY_S)
+                continue
+            if self._down_since is not None:
+                log.warning(f"MLflow {self.name} answers again after {time.monotonic() - self._down_since:.0f} s")
+                self._down_since = None
+            return True
+        return False
+
+    def close(self, timeout: float) -> List[Call]:
+        """Wait up to timeout seconds for every queued call to be made; the calls that were not."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while (self._queue or self._current) and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            self._abandon.set()  # a call still being tried stops at its next wait
+            left = [*self._lost, *([self._current] if self._current else []), *self._queue]
+            self._queue.clear()
+            self._cond.notify_all()
+        return left
+
+
+def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
+    """The one line a run that ends with calls not made prints: how many points, and the sync command."""
+    points = sum(c.points for c in left)
+    others = sorted({c.what for c in left if not c.points})
+    also = f" (nor {', '.join(others)})" if others else ""
+    if run_dir is None:
+        return f"MLflow {store} unreachable: {points} points not sent{also}"
+    return (
+        f"MLflow {store} unreachable: {points} points not sent{also}; they are in "
+        f"{Path(run_dir).resolve() / 'metrics.jsonl'} — run `{sync_command(run_dir)}`"
+    )
+
+
+def store_name(uri: str) -> str:
+    """`server http://host:port` or `store sqlite:///...`, for log lines."""
+    return f"server {uri}" if uri.startswith(("http://", "https://")) else f"store {uri}"
+
+
 class MLflowRun:
-    """A thin wrapper over MlflowClient that turns any failure into one warning and a no-op."""
+    """One MLflow run, written through a Sender: the run is created (or reopened) at once, and every
+    later call is queued; a store that cannot be reached at the start is one warning and a no-op."""
 
     def __init__(
         self,
@@ -436,8 +585,10 @@ class MLflowRun:
         self.experiment_id: Optional[str] = None
         self._buffer: List[Any] = []
         self._client = None
+        self._sender: Optional[Sender] = None
         self._monitor = None
         self.resumed = False
+        self.unsent: List[Call] = []  # what the store had not taken when the run ended
         try:
             self._check_reachable(uri)
             client = mlflow_client(uri)
@@ -457,6 +608,7 @@ class MLflowRun:
             log_params(client, self.run_id, params)
             self._client = client
             self.experiment_id = exp_id
+            self._sender = Sender(store_name(uri))
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._fail(e)
 
@@ -509,12 +661,16 @@ class MLflowRun:
 
     def _buffer_points(self, step: int, values: Dict[str, float]) -> None:
         """values (MLflow name -> value) as points at step, sent by the next flush()."""
-        import time
-
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+
+    def _send(self, what: str, fn: Callable[..., Any], *args: Any, points: int = 0, **kwargs: Any) -> None:
+        """Queue client.fn(run_id, *args, **kwargs) for the sender (nothing when MLflow is off)."""
+        if self._client is None or self._sender is None:
+            return
+        self._sender.put(Call(what, functools.partial(fn, self.run_id, *args, **kwargs), points))
 
     def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
         if self._client is None:
@@ -530,41 +686,36 @@ class MLflowRun:
         self.flush()
 
     def flush(self) -> None:
+        """Hand the buffered points to the sender, in batches of 1000 (the most one MLflow call takes)."""
         if self._client is None or not self._buffer:
             return
-        try:
-            for i in range(0, len(self._buffer), 1000):
-                self._client.log_batch(self.run_id, metrics=self._buffer[i : i + 1000])
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
+        for i in range(0, len(self._buffer), 1000):
+            batch = self._buffer[i : i + 1000]
+            self._send("metrics", self._client.log_batch, metrics=batch, points=len(batch))
         self._buffer = []
 
     def log_artifact(self, path: Path) -> None:
-        if self._client is None:
-            return
-        try:
-            self._client.log_artifact(self.run_id, str(path))
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
+        if self._client is not None:
+            self._send(f"artifact {Path(path).name}", self._client.log_artifact, str(path))
 
     def set_tag(self, key: str, value: str) -> None:
         if self._client is not None:
-            try:
-                self._client.set_tag(self.run_id, key, value)
-            except Exception as e:  # noqa: BLE001
-                self._fail(e)
+            self._send(f"tag {key}", self._client.set_tag, key, value)
 
     def finish(self, status: str) -> None:
+        """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store to
+        take it; what it did not take is one line naming gptlab.sync."""
         if self._monitor is not None:
             with contextlib.suppress(Exception):  # a sampler that fails to stop must not fail the run
                 self._monitor.finish()
             self._monitor = None
         self.flush()
-        if self._client is not None:
-            try:
-                self._client.set_terminated(self.run_id, status=status)
-            except Exception as e:  # noqa: BLE001
-                self._fail(e)
+        if self._client is None or self._sender is None:
+            return
+        self._send("the run's status", self._client.set_terminated, status=status)
+        self.unsent = self._sender.close(FINAL_FLUSH_S)
+        if self.unsent:
+            log.warning(unsent_line(store_name(self.uri), self.run_dir, self.unsent))
 
     @property
     def active(self) -> bool:

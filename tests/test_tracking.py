@@ -5,8 +5,10 @@ import importlib.util
 import json
 import shlex
 import sys
+import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import compose_config, nano_overrides, typed
@@ -188,3 +190,131 @@ def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, 
         )
         assert results["expected_met"] is met
         assert client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()
+
+
+# ---- the sender: a store that is slow, stopped or gone never holds the step loop -------------------
+
+
+class StalledClient:
+    """An MlflowClient whose store stops answering writes (a SIGSTOPped server) until `answer` is set;
+    `fail` failures (no answer) come first. Run creation and params answer at once, as they did."""
+
+    def __init__(self, fail: int = 0):
+        import threading
+
+        self.answer = threading.Event()
+        self.fail = fail
+        self.points = []  # (key, step) of every point stored, in order
+        self.calls = []  # the other writes stored, in order
+
+    def get_experiment_by_name(self, name):
+        return SimpleNamespace(experiment_id="1")
+
+    def create_run(self, experiment_id, run_name=None, tags=None):
+        return SimpleNamespace(info=SimpleNamespace(run_id="run1", experiment_id=experiment_id))
+
+    def _write(self):
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("connection refused")
+        self.answer.wait()
+
+    def log_batch(self, run_id, metrics=(), params=()):
+        if params:
+            return
+        self._write()
+        self.points += [(m.key, m.step) for m in metrics]
+
+    def log_artifact(self, run_id, path):
+        self._write()
+        self.calls.append(("artifact", Path(path).name))
+
+    def set_tag(self, run_id, key, value):
+        self._write()
+        self.calls.append(("tag", key))
+
+    def set_terminated(self, run_id, status):
+        self._write()
+        self.calls.append(("status", status))
+
+
+@pytest.fixture
+def stalled(monkeypatch, tmp_path):
+    """A Tracker on a StalledClient, with short waits: (tracker, client)."""
+    from gptlab import tracking
+
+    client = StalledClient()
+    monkeypatch.setattr(tracking, "mlflow_client", lambda uri: client)
+    monkeypatch.setattr(tracking.MLflowRun, "_check_reachable", staticmethod(lambda uri: None))
+    monkeypatch.setattr(tracking, "SEND_FIRST_RETRY_S", 0.01)
+    monkeypatch.setattr(tracking, "FINAL_FLUSH_S", 0.5)
+    cfg = typed("tracking", "tracking.uri=http://127.0.0.1:9", plots=False, flush_every=5)
+    tracker = Tracker(tmp_path / "run", cfg, tmp_path / "outputs", RunIdentity("exp", "name", {"a": 1}, {}))
+    yield tracker, client
+    client.answer.set()  # let an abandoned sender thread end
+
+
+def log_steps(tracker, steps):
+    """Log train_loss and lr at each step; the slowest log_metrics call, in seconds."""
+    slowest = 0.0
+    for step in steps:
+        t = time.perf_counter()
+        tracker.log_metrics(step, {"train_loss": 1.0 / step, "lr": 0.1})
+        slowest = max(slowest, time.perf_counter() - t)
+    return slowest
+
+
+def test_a_stopped_server_never_holds_the_step_loop_and_the_end_names_gptlab_sync(stalled, caplog):
+    tracker, client = stalled
+    slowest = log_steps(tracker, range(1, 301))  # 600 points: 30 batches queued behind a store that waits
+    assert slowest < 0.25, slowest  # queued, not sent: no call waits on the store (0.2 ms typical)
+    t = time.perf_counter()
+    with caplog.at_level("WARNING", logger="gptlab"):
+        tracker.finish("FINISHED")
+    assert time.perf_counter() - t < 5  # FINAL_FLUSH_S (0.5 s here), not the store's silence
+    assert client.points == [] and client.calls == []
+    (line,) = [r.getMessage() for r in caplog.records if "points not sent" in r.getMessage()]
+    run_dir = (tracker.run_dir).resolve()
+    assert line == (
+        "MLflow server http://127.0.0.1:9 unreachable: 600 points not sent (nor the run's status); "
+        f"they are in {run_dir / 'metrics.jsonl'} — run `python -m gptlab.sync {run_dir}`"
+    )
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 300  # the run folder has them all
+
+
+def test_points_reach_a_server_that_answers_again_in_order_and_once(stalled):
+    tracker, client = stalled
+    client.fail = 3  # refused three times (a restarting server), then silent for a while
+    log_steps(tracker, range(1, 101))
+    client.answer.set()
+    log_steps(tracker, range(101, 201))
+    tracker.set_tag("expected_met", "true")
+    tracker.finish("FINISHED")
+    assert client.points == [(k, s) for s in range(1, 201) for k in ("train/loss", "opt/lr")]
+    assert client.calls == [("tag", "expected_met"), ("status", "FINISHED")]
+    assert tracker.mlflow.unsent == []
+
+
+def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past_its_bound(monkeypatch):
+    import threading
+
+    from gptlab.tracking import Call, Sender
+
+    class Refused(Exception):
+        error_code = "INVALID_PARAMETER_VALUE"
+
+    def refuse():
+        raise Refused("bad value")
+
+    done = []
+    hold = threading.Event()
+    sender = Sender("server http://x", max_points=10)
+    sender.put(Call("tag bad", refuse))  # a 4xx answer: not tried again
+    sender.put(Call("metrics", hold.wait, points=4))  # holds the sender while the queue fills
+    time.sleep(0.2)
+    for i in range(4):  # 16 points queued behind the held call: the oldest two batches are given up
+        sender.put(Call("metrics", lambda i=i: done.append(i), points=4))
+    hold.set()
+    left = sender.close(5)
+    assert done == [2, 3]
+    assert [(c.what, c.points) for c in left] == [("tag bad", 0), ("metrics", 4), ("metrics", 4)]

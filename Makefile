@@ -4,6 +4,8 @@
 #                installed if missing, which needs root) and run the whole test suite (what CI runs)
 #   make unit    the fast tests only, no services
 #   make lint    ruff: lint rules and formatting (make test runs it first)
+#   make mutation  mutation testing (mutmut) of the core modules against the fast tests; hours, not in CI
+#                (docs/testing.md); one module: make mutation MUTANTS="gptlab.optim*"
 # Extra arguments: make train ARGS="model=gpt_nano train.max_steps=200"   make test PYTEST_ARGS="-x"
 
 PYTHON ?= python3
@@ -12,8 +14,9 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
+MUTANTS ?=
 
-.PHONY: setup train test unit lint clean
+.PHONY: setup train test unit lint mutation clean
 
 setup: $(VENV)/.installed
 
@@ -49,5 +52,14 @@ lint: setup
 unit: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# mutmut copies gptlab/, tests/ and conf/ into mutants/ and runs pytest there ([tool.mutmut] in
+# pyproject.toml), where tests/conftest.py cannot see ../shared: Tiny Shakespeare is found here first.
+# Results are kept in mutants/ between runs (only changed functions run again); rm -rf mutants to start over.
+mutation: setup
+	GPTLAB_SHAKESPEARE="$$($(BIN)/python -c 'import sys; sys.path.insert(0, "tests"); \
+		from conftest import find_shakespeare; print(find_shakespeare())')" \
+		nice -n 19 $(BIN)/mutmut run $(foreach m,$(MUTANTS),'$(m)')
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache mutants

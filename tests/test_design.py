@@ -137,8 +137,19 @@ def test_command_line_override_names_are_frozen():
         assert getattr(getattr(cfg, group), name) == value, key
 
 
-def test_entry_point_modules_exist():
-    assert (PKG / "train.py").is_file()
+# The command-line contract (DESIGN.md): each command is a module with a main() whose docstring is its usage.
+COMMANDS = ("train", "prepare", "sample", "bench", "plan", "export", "ui", "compare", "sync")
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_entry_point_modules_exist(name):
+    import ast
+
+    tree = ast.parse((PKG / f"{name}.py").read_text())
+    assert (ast.get_docstring(tree) or "").startswith(f"python -m gptlab.{name} "), name
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
+    guard = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guard and "main()" in ast.unparse(guard[0]), f"gptlab/{name}.py does not run main() as a module"
 
 
 # ---- repetition and function length -------------------------------------------------------------

@@ -139,6 +139,39 @@ def test_worker_user_error_is_one_line(tmp_path, shakespeare):
     assert lines and lines[0].startswith("gptlab.train: error: model.block_size") and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakespeare):
+    """SIGTERM reaching rank 1 alone (a scheduler signalling one task): the ranks agree at the next step
+    boundary, rank 0 saves that step's checkpoint, and the job ends cleanly; a rank stopping on its own
+    would leave the other in a collective until parallelism.timeout_s."""
+    from conftest import start_cli
+
+    from gptlab import checkpoint
+
+    run_dir = tmp_path / "run"
+    args = [*COMMON, f"data.path={shakespeare}", "hardware=cpu_x2", "train.max_steps=100000", "train.eval_every=0",
+            "parallelism.timeout_s=30", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = start_cli(["gptlab.train", *args], tmp_path)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "training to start")
+        workers = sorted(
+            (p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+            key=lambda p: p.create_time(),
+        )
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received: stopped at step" in out
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["stopped_by"] == "SIGTERM"
+    assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{results['steps']:08d}.pt"
+
+
 HANG_RANK1 = """
 import os, runpy, sys, time
 import gptlab.loop as loop
@@ -231,6 +264,23 @@ def test_no_sync_tells_a_sharded_model_and_leaves_a_plain_one_alone():
     assert model.told == [False, True]
     with distributed.no_sync(torch.nn.Linear(2, 2), False):  # one process: nothing to skip
         pass
+
+
+def test_dropout_draws_depend_on_seed_step_and_rank_only():
+    """seed_step: what a step draws is fixed by (seed, step, rank), whatever ran before, so a resumed
+    run draws what it would have drawn, and each rank draws its own masks."""
+    import torch
+
+    from gptlab.loop import seed_step
+
+    def draw(seed, step, rank):
+        torch.rand(7)  # history that must not matter
+        seed_step(seed, step, rank)
+        return torch.rand(4)
+
+    assert torch.equal(draw(1, 10, 0), draw(1, 10, 0))
+    draws = [draw(*key) for key in ((1, 10, 0), (1, 10, 1), (1, 11, 0), (2, 10, 0), (1, 0, 0), (0, 1, 0))]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
 
 
 def test_collectives_are_identities_without_a_group():

@@ -80,6 +80,21 @@ def test_gpt2_124m_parameter_count():
     assert padded == 124_439_808 + (50304 - 50257) * 768
 
 
+def test_rotary_in_complex_and_in_real_arithmetic_agree():
+    """apply_rotary (eager: complex multiply) and rotate_pairs (what torch.compile runs) are one rotation."""
+    from gptlab.model import apply_rotary, rotary_tables, rotate_pairs
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 8, dtype=torch.float64).float()
+    cos, sin = rotary_tables(16, 8, 10000.0)
+    # measured: 4.8e-7 apart in fp32 (rounding); a swapped pair or sign is O(1)
+    assert torch.allclose(apply_rotary(x, cos, sin), rotate_pairs(x, cos, sin), atol=2e-6, rtol=0)
+    # position 0 is not rotated; a rotation keeps each pair's length
+    assert torch.equal(apply_rotary(x, cos, sin)[..., 0, :], x[..., 0, :])
+    lengths = lambda t: t.unflatten(-1, (-1, 2)).norm(dim=-1)  # noqa: E731
+    assert torch.allclose(lengths(apply_rotary(x, cos, sin)), lengths(x), atol=2e-6)
+
+
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
 def test_kv_cache_generation_matches_full_recompute(pos_emb):
     torch.manual_seed(0)

@@ -60,5 +60,11 @@ def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
-    lrs = sorted(json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1"))
-    assert lrs == [5, 5]
+    assert [json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1")] == [5, 5]
+    # each job trained with its own lr: every lr job 1 logged is job 0's times 3 (the same schedule)
+    lrs = {}
+    for job in ("0", "1"):
+        rows = [json.loads(x) for x in (sweep / job / "metrics.jsonl").read_text().splitlines()]
+        lrs[job] = [r["lr"] for r in rows if "lr" in r]
+    assert len(lrs["0"]) >= 2 and lrs["1"] == pytest.approx([3 * x for x in lrs["0"]], rel=1e-9)
+    assert max(lrs["1"]) <= 3e-3

@@ -46,6 +46,9 @@ def lr_at(step: int, peak: float, cfg: OptimizerConfig, total_steps: int) -> flo
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
+
+
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.AdamW:
     """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -55,5 +58,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = cfg.fused if cfg.fused is not None else device_type == "cuda"
+    # One fused kernel per step on CUDA and the CPU. On this machine's CPU it is 4x faster than the
+    # default for-each implementation (gpt_char's parameters: 1.8 vs 7.4 ms a step at one thread;
+    # 6 x 384 x 256: 23 vs 89 ms), the same update to rounding (1.5e-6 apart after 20 steps).
+    fused = cfg.fused if cfg.fused is not None else device_type in FUSED_ADAMW_DEVICES
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

@@ -361,6 +361,8 @@ def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
             "train.log_every=3",
             "train.sample_tokens=10",
             "tracking.mlflow=false",
+            "optimizer.warmup_steps=0",  # six steps at the peak lr: enough to learn the commonest tokens
+            "optimizer.lr=1e-2",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
         cwd=tmp_path,
@@ -370,4 +372,9 @@ def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "prepared" not in r.stdout  # the shards from the prepare command were reused
     results = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert results["steps"] == 6 and results["val_loss"] < 8.4  # ln(4096) = 8.3 at initialisation
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    # measured (torch 2.13, CPU): train loss 8.32 at step 1 (ln 4096 = 8.32, untrained), val 7.70 at
+    # step 3 and 7.44 at step 6: the model learns from the reused shards, which a model fed the wrong
+    # tokens or targets would not
+    assert results["steps"] == 6 and len(val) == 2 and val[1] < val[0] < 7.9 and val[1] < 7.6

@@ -153,8 +153,11 @@ def mlflow_client(uri: str) -> Any:
     store_lock, and its calls are retried while the database is locked, so concurrent runs on one
     fresh store are all recorded.
     """
-    # MLflow's HTTP client retries for minutes by default; a down server should cost seconds.
+    # MLflow's HTTP client retries for minutes by default (7 retries, 120 s timeout); a down server
+    # should cost one call at most 3 x 15 s plus 2 s of backoff. The tracker's Sender tries again
+    # itself, on its own thread, so this bounds how long one of its tries waits.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
     # MLflow's own INFO lines (creating and migrating a new store) are not the run's: warnings only,
     # read when mlflow is first imported (MLFLOW_LOGGING_LEVEL=INFO brings them back)
@@ -609,6 +612,9 @@ class MLflowRun:
             self._client = client
             self.experiment_id = exp_id
             self._sender = Sender(store_name(uri))
+            # the sender says once that the server is not answering, and once that it answers again:
+            # not urllib3's line for each of MLflow's own retries of each try
+            logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._fail(e)
 

@@ -25,7 +25,8 @@
 # (5000), GPTLAB_MLFLOW_DIR, GPTLAB_MLFLOW_ARTIFACTS, GPTLAB_MLFLOW_WORKERS (2: the server's worker
 # processes), GPTLAB_MLFLOW_WAIT_S (180: how long `up` waits for /health), GPTLAB_MLFLOW_ALLOWED_HOSTS
 # (mlflow's --allowed-hosts, when jobs reach the server by a name or address that is not local or
-# private), GPTLAB_PYTHON (the Python with gptlab and mlflow; default: this checkout's .venv).
+# private), GPTLAB_MLFLOW_HEALTHCHECK_S (60: how long uvicorn waits for a busy worker before it
+# restarts it), GPTLAB_PYTHON (the Python with gptlab and mlflow; default: this checkout's .venv).
 #
 # What works (Debian bookworm, PostgreSQL 15, mlflow 3, psycopg 3, as root, inside a container, no
 # systemd): initdb and pg_ctl as the postgres user (runuser); mlflow server started under setsid, so
@@ -60,6 +61,12 @@ elif [ -x "$REPO/.venv/bin/python" ]; then
 else
     PY="$(command -v python3 || true)"
 fi
+# absolute (the server starts from the state folder), but not resolved: a venv's python is a symlink
+case "$PY" in
+    /*) ;;
+    */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;;
+    ?*) PY="$(command -v "$PY" || echo "$PY")" ;;
+esac
 [[ "$PORT" =~ ^[0-9]+$ ]] && ((PORT > 0 && PORT < 65536)) || die "GPTLAB_MLFLOW_PORT=$PORT: give a TCP port"
 
 # What jobs give gptlab: the host as jobs reach it (this machine's name when the server listens on all).
@@ -194,11 +201,17 @@ port_taken() { (exec 3<>"/dev/tcp/$LOCAL_ADDR/$PORT") 2>/dev/null; }
 
 install_psycopg() {
     [ -x "$PY" ] || die "no Python with mlflow (set GPTLAB_PYTHON, or run make setup)"
-    "$PY" -c "import mlflow" 2>/dev/null || die "$PY has no mlflow (set GPTLAB_PYTHON to gptlab's Python, or run make setup)"
-    "$PY" -c "import psycopg" 2>/dev/null && return 0
-    say "installing psycopg into $PY (pip install -e '$REPO[server]')"
-    "$PY" -m pip install -q -e "$REPO[server]" >"$LOG/pip.log" 2>&1 \
-        || { tail -5 "$LOG/pip.log" >&2; die "pip install of the server extra failed (log: $LOG/pip.log)"; }
+    has() { "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)" "$1" 2>/dev/null; }
+    has mlflow || die "$PY has no mlflow (set GPTLAB_PYTHON to gptlab's Python, or run make setup)"
+    has psycopg && return 0
+    # the `server` extra's packages as pyproject.toml lists them (only those: gptlab is installed already)
+    local specs
+    specs="$("$PY" -c 'import sys, tomllib; print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["server"]))' \
+        "$REPO/pyproject.toml" 2>/dev/null || echo "psycopg[binary]")"
+    say "installing the server extra into $PY: $specs"
+    # shellcheck disable=SC2086
+    "$PY" -m pip install -q $specs >"$LOG/pip.log" 2>&1 \
+        || { tail -5 "$LOG/pip.log" >&2; die "pip install $specs failed (log: $LOG/pip.log)"; }
 }
 
 start_mlflow() {
@@ -206,6 +219,11 @@ start_mlflow() {
     port_taken && die "port $PORT is taken by another program: choose another GPTLAB_MLFLOW_PORT"
     local extra=()
     [ -n "$ALLOWED_HOSTS" ] && extra+=(--allowed-hosts "$ALLOWED_HOSTS")
+    # uvicorn's supervisor kills a worker that misses a 5 s health ping, and a restarted worker
+    # (importing mlflow: seconds of CPU) misses the next one on a busy machine: measured, 16 runs
+    # training beside the server kept its workers dying and restarting for an hour (578 of 3200
+    # points recorded). A minute is a hang, not a busy spell.
+    ((WORKERS > 1)) && extra+=(--uvicorn-opts "--timeout-worker-healthcheck ${GPTLAB_MLFLOW_HEALTHCHECK_S:-60}")
     # setsid: the server and its uvicorn workers are one process group (its pid), stopped at once
     (
         cd "$STATE_DIR"

@@ -6,7 +6,7 @@
 
 ci_up_mlflow_server() {
     local python="${GPTLAB_PYTHON:-.venv/bin/python}"
-    "$python" -m pip install -q -e ".[server]"  # psycopg, for the server's side only
+    # psycopg (the `server` extra) goes into $python when it lacks it: the script installs it then
     GPTLAB_CI_MLFLOW_PORT="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     GPTLAB_CI_MLFLOW_DIR="$(mktemp -d /var/tmp/gptlab-mlflow-ci.XXXXXX)"
     chmod 755 "$GPTLAB_CI_MLFLOW_DIR"  # the postgres user enters it

@@ -173,13 +173,25 @@ def mlflow_client(uri: str) -> Any:
         return RetryingClient(retry_locked(MlflowClient, tracking_uri=uri))
 
 
+REACHABLE_TRIES = 3  # /health asked this many times, 10 s each, 2 s apart, before a server counts as down
+
+
 def check_reachable(uri: str) -> None:
-    """Raise ConnectionError, in seconds, when the tracking server at an http(s) uri does not answer."""
-    if uri.startswith("http://") or uri.startswith("https://"):
+    """Raise ConnectionError, in seconds, when the tracking server at an http(s) uri does not answer.
+
+    A server busy with many jobs (or restarting) may miss one question: it is asked REACHABLE_TRIES
+    times, so a run gives up on it after ~4 s when nothing listens, ~35 s when it hangs.
+    """
+    if not (uri.startswith("http://") or uri.startswith("https://")):
+        return
+    for attempt in range(REACHABLE_TRIES):
         try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5).read()
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
+            return
         except Exception as e:  # noqa: BLE001
-            raise ConnectionError(f"tracking server {uri} is unreachable ({e})") from None
+            if attempt == REACHABLE_TRIES - 1:
+                raise ConnectionError(f"tracking server {uri} is unreachable ({e})") from None
+            time.sleep(2)
 
 
 def sync_command(run_dir: Path) -> str:

@@ -2,6 +2,10 @@
 
 These tests need a running cluster: `bash launch/local_slurm.sh up` (.ci/run starts one). Without one
 they are skipped, except in CI (CI=true), where a missing cluster is a failure.
+
+The jobs that record in MLflow log to the session's team server (launch/mlflow_server.sh: mlflow
+server on PostgreSQL, at $GPTLAB_TEST_MLFLOW_URI, which .ci/setup.d/mlflow_server.sh starts), as a
+cluster's jobs would. Without it (outside CI) they log to an `mlflow server` on a SQLite file instead.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import List
 
 import pytest
 from conftest import run_cli, start_cli, start_mlflow_server
+from team_server import session_server_uri
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +56,39 @@ def slurm_cluster():
         if os.environ.get("CI") == "true":
             pytest.fail(message + " (.ci/run should have)")
         pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory):
+    """The tracking server the jobs log to: the session's team server, else (outside CI) an `mlflow
+    server` on a SQLite file for this module."""
+    uri = session_server_uri()
+    if uri:
+        yield uri
+        return
+    server, uri = start_mlflow_server(tmp_path_factory.mktemp("mlflow-store"))
+    try:
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+
+
+def new_experiment(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:6]}"  # the session's server outlives a test: names never repeat
+
+
+def sweep_runs(uri: str, experiment: str):
+    """(the parent run, its children) of the one sweep recorded in the experiment."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    parents = [x for x in runs if "mlflow.parentRunId" not in x.data.tags]
+    kids = [x for x in runs if "mlflow.parentRunId" in x.data.tags]
+    assert len(parents) == 1, [(x.info.run_name, x.data.tags) for x in runs]
+    assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {parents[0].info.run_id}
+    return parents[0], kids
 
 
 def _run(cmd: List[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -93,7 +132,8 @@ def test_cluster_runs_srun_and_sbatch_with_fake_gpus(tmp_path):
     assert re.match(r"batch job \d+ on \S+", out.read_text()), out.read_text()
 
 
-def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path):
+def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path, tracking_server):
+    experiment = new_experiment("slurm-sweep")
     r = run_cli(
         [
             "gptlab.train",
@@ -106,32 +146,37 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
             "train.eval_every=10",
             "train.eval_steps=2",
             "train.sample_tokens=0",
-            "tracking.mlflow=false",
-            "optimizer.lr=1e-3,3e-3",
+            f"tracking.uri={tracking_server}",
+            f"tracking.experiment={experiment}",
+            "optimizer.lr=1e-3,2e-3,3e-3",
         ],
         cwd=tmp_path,
-        timeout=240,
+        timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     sweeps = list((tmp_path / "outputs" / "sweeps").iterdir())
     assert len(sweeps) == 1, sweeps
     sweep = sweeps[0]
-    for num in ("0", "1"):
+    for num in ("0", "1", "2"):
         assert (sweep / num / "results.json").is_file(), sorted(p.name for p in (sweep / num).iterdir())
         # the run folder says which SLURM job it was and where that job's logs are
         job = json.loads((sweep / num / "slurm.json").read_text())
         assert Path(job["stdout"]).is_file() and job["job_id"]
-    # One array job of two tasks, on the local partition, one task each (hardware=cpu); its logs sit
+    # One array job of three tasks, on the local partition, one task each (hardware=cpu); its logs sit
     # next to the job folders.
     (submission,) = sweep.glob(".submitit/*/*_submission.sh")
     script = submission.read_text()
     # the launching command said which job it submitted and where its logs are
     assert f"submitted SLURM job {submission.parent.name}; logs: " in r.stdout, r.stdout[-2000:]
-    for flag in ("--array=0-1", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1", "--signal=USR2@"):
+    for flag in ("--array=0-2", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1", "--signal=USR2@"):
         assert flag in script, script
     job_id = submission.parent.name
-    for num in ("0", "1"):
+    for num in ("0", "1", "2"):
         assert (sweep / ".submitit" / f"{job_id}_{num}" / f"{job_id}_{num}_0_log.out").is_file()
+    # the sweep on the tracking server: one parent run, a FINISHED child per job
+    parent, kids = sweep_runs(tracking_server, experiment)
+    assert [k.info.status for k in kids] == ["FINISHED"] * 3 and parent.info.status == "FINISHED"
+    assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.002", "0.003"]
 
 
 def _submit_held(args: List[str], sweep: Path, cwd: Path) -> tuple[subprocess.Popen, str, str]:
@@ -259,12 +304,13 @@ def assert_resumed_in_one_run(run_dir: Path, job_id, max_steps: int) -> dict:
     return results
 
 
-def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path):
+def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path, tracking_server):
     """SIGUSR2 (what SLURM sends before preemption or the time limit): the job saves a checkpoint,
     submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
     args = ["gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano", f"data.path={shakespeare}",
             "train.max_steps=200", "train.log_every=10", "train.eval_every=100", "train.eval_steps=2",
-            "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2"]  # fmt: skip
+            "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2", f"tracking.uri={tracking_server}",
+            f"tracking.experiment={new_experiment('requeue')}"]  # fmt: skip
     proc = start_cli(args, tmp_path, merge_stderr=True)
     try:
         deadline = time.time() + 180
@@ -289,51 +335,39 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     assert_resumed_in_one_run(run_dir, job_id, 200)
 
 
-def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path):
-    """Two 2-task gloo DDP jobs on SLURM, recorded through a real `mlflow server` on loopback."""
-    server, uri = start_mlflow_server(tmp_path / "store")
-    try:
-        r = run_cli(
-            [
-                "gptlab.train",
-                "-m",
-                "hydra/launcher=slurm_local",
-                "hardware=cpu_x2",
-                "model=gpt_nano",
-                f"data.path={shakespeare}",
-                "train.max_steps=30",
-                "train.batch_size=8",
-                "train.eval_every=30",
-                "train.eval_steps=2",
-                "train.sample_tokens=0",
-                f"tracking.uri={uri}",
-                "tracking.experiment=slurm-ddp",
-                "optimizer.lr=1e-3,3e-3",
-            ],
-            cwd=tmp_path,
-            timeout=400,
-        )
-        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-        (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
-        for num in ("0", "1"):
-            results = json.loads((sweep / num / "results.json").read_text())
-            assert results["steps"] == 30
-        script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
-        assert "--ntasks-per-node=2" in script  # hardware=cpu_x2: two ranks per job
-        logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
-        assert "= 4 x 1 accum x 2 ranks" in logs, logs[-2000:]
-
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name("slurm-ddp")
-        runs = client.search_runs([exp.experiment_id])
-        parents = [x for x in runs if "mlflow.parentRunId" not in x.data.tags]
-        kids = [x for x in runs if "mlflow.parentRunId" in x.data.tags]
-        assert len(parents) == 1 and len(kids) == 2, [(x.info.run_name, x.data.tags) for x in runs]
-        assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {parents[0].info.run_id}
-        assert {k.info.status for k in kids} == {"FINISHED"} and parents[0].info.status == "FINISHED"
-        assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.003"]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path, tracking_server):
+    """Two 2-task gloo DDP jobs on SLURM, recorded through the tracking server."""
+    experiment = new_experiment("slurm-ddp")
+    r = run_cli(
+        [
+            "gptlab.train",
+            "-m",
+            "hydra/launcher=slurm_local",
+            "hardware=cpu_x2",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=30",
+            "train.batch_size=8",
+            "train.eval_every=30",
+            "train.eval_steps=2",
+            "train.sample_tokens=0",
+            f"tracking.uri={tracking_server}",
+            f"tracking.experiment={experiment}",
+            "optimizer.lr=1e-3,3e-3",
+        ],
+        cwd=tmp_path,
+        timeout=400,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
+    for num in ("0", "1"):
+        results = json.loads((sweep / num / "results.json").read_text())
+        assert results["steps"] == 30
+    script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+    assert "--ntasks-per-node=2" in script  # hardware=cpu_x2: two ranks per job
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
+    assert "= 4 x 1 accum x 2 ranks" in logs, logs[-2000:]
+    parent, kids = sweep_runs(tracking_server, experiment)
+    assert len(kids) == 2, [k.info.run_name for k in kids]  # one run per job, not one per rank
+    assert {k.info.status for k in kids} == {"FINISHED"} and parent.info.status == "FINISHED"
+    assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.003"]

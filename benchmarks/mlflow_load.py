@@ -1,7 +1,7 @@
 """N gptlab runs started at once, each logging every step to one tracking store: what the store records.
 
     python benchmarks/mlflow_load.py [backend=server] [runs=16] [steps=200] [uri=http://HOST:PORT]
-                                     [model=gpt_nano] [batch=8] [eval_every=50] [work=FOLDER]
+                                     [model=gpt_nano] [batch=8] [eval_every=50] [threads=1] [work=FOLDER]
 
 backend=server: the runs log to `mlflow server` on PostgreSQL. Without `uri`, a fresh one is started
 with launch/mlflow_server.sh (its own state folder under work/, a free port) and taken down at the
@@ -10,7 +10,8 @@ folder it was started with. backend=sqlite: a fresh SQLite file (sqlite:///work/
 default kind of store, shared by the runs.
 
 Every run is `python -m gptlab.train model=... train.max_steps=steps train.log_every=1` in its own run
-folder, started through this script (`child` mode), which times each call of the tracker's
+folder, on `threads` CPU threads (1: many runs on few cores would otherwise fight over them),
+started through this script (`child` mode), which times each call of the tracker's
 log_metrics (what the step loop pays) and each call the background sender makes to the store (what
 the store takes per batch), and writes them beside the run folder.
 
@@ -135,6 +136,7 @@ def start_runs(o: Dict[str, str], uri: str, work: Path, experiment: str) -> List
             f"model={o['model']}", f"data.path={o['data']}", f"train.max_steps={o['steps']}",
             f"train.batch_size={o['batch']}", "train.log_every=1", f"train.eval_every={o['eval_every']}",
             "train.eval_steps=2", "train.sample_tokens=0", "train.save_checkpoints=false",
+            f"hardware.threads={o['threads']}",
             f"tracking.uri={uri}", f"tracking.experiment={experiment}", f"hydra.run.dir={run_dir}",
         ]  # fmt: skip
         timings = work / f"timings-{i}.json"
@@ -175,7 +177,7 @@ def main(argv: List[str]) -> None:
     if argv[:1] == ["child"]:
         return child(Path(argv[1]), argv[2:])
     o = {"backend": "server", "runs": "16", "steps": "200", "model": "gpt_nano", "batch": "8",
-         "eval_every": "50", "data": str(DATA), **dict(a.split("=", 1) for a in argv)}  # fmt: skip
+         "eval_every": "50", "threads": "1", "data": str(DATA), **dict(a.split("=", 1) for a in argv)}  # fmt: skip
     work = Path(o.get("work") or tempfile.mkdtemp(prefix="gptlab-mlflow-load-", dir="/var/tmp")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o755)  # the postgres user enters it (a server started here keeps its database there)

@@ -31,8 +31,8 @@ from test_sync import expected_points, recorded_points
 pytestmark = pytest.mark.slow
 
 RUNS = 4  # started at once
-STEPS = 200  # each logging every step (7 metrics a step), on batches of 2 sequences: long enough to
-# still be training when the fault comes, which is as soon as the last of them has logged its first step
+STEPS = 1000  # each logging every step (7 metrics a step) on one thread: ~10 s of training for 4 runs
+# on 2 cores, so that they still train when the fault comes (as soon as the last has logged a step)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,8 @@ def start_runs(uri: str, experiment: str, cwd: Path, data: Path, n: int = RUNS) 
         run_dir, log = cwd / f"run{i}", cwd / f"run{i}.log"
         args = [
             "model=gpt_nano", f"data.path={data}", f"train.max_steps={STEPS}", "train.batch_size=2",
-            "train.log_every=1", "train.eval_every=50", "train.eval_steps=1", "train.sample_tokens=0",
+            "train.log_every=1", "train.eval_every=250", "train.eval_steps=1", "train.sample_tokens=0",
+            "hardware.threads=1",
             "train.save_checkpoints=false", f"tracking.uri={uri}", f"tracking.experiment={experiment}",
             f"hydra.run.dir={run_dir}",
         ]  # fmt: skip

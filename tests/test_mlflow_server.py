@@ -179,12 +179,29 @@ def test_a_sweep_on_the_server_is_one_parent_with_three_finished_children(server
     assert list((s.state / "artifacts").rglob("results.json"))
 
 
-def test_runs_go_on_through_a_server_stopped_for_15_s(server, shakespeare, tmp_path):
-    s, _ = server
-    experiment = new_experiment("stopped")
+def runs_through_a_fault(s, name, tmp_path, shakespeare, fault):
+    """RUNS runs on the server; fault(runs) strikes once all train and returns the logged-line counts
+    at its start and 3 s later. The step loops must go on through it, and after at most one
+    gptlab.sync per run every point is in MLflow exactly once. Returns the runs that needed sync."""
+    experiment = new_experiment(name)
     runs = start_runs(s.uri, experiment, tmp_path, shakespeare)
     try:
         wait_until_all_train(runs)
+        before, during = fault(runs)
+        finish(runs)
+    finally:
+        for r in runs:
+            stop_group(r.proc.pid)
+    assert during > before, (before, during)  # the step loops went on through the fault
+    synced = sync_what_was_not_sent(runs, tmp_path)
+    assert_every_point_once(s.uri, experiment, runs)
+    return synced
+
+
+def test_runs_go_on_through_a_server_stopped_for_15_s(server, shakespeare, tmp_path):
+    s, _ = server
+
+    def stop_for_15_s(runs):
         s.signal(signal.SIGSTOP)
         try:
             before = logged_lines(runs)
@@ -193,39 +210,29 @@ def test_runs_go_on_through_a_server_stopped_for_15_s(server, shakespeare, tmp_p
             time.sleep(12)
         finally:
             s.signal(signal.SIGCONT)
-        finish(runs)
-    finally:
-        for r in runs:
-            stop_group(r.proc.pid)
-    assert during > before, (before, during)  # the step loops went on while the server was stopped
-    synced = sync_what_was_not_sent(runs, tmp_path)
-    assert_every_point_once(s.uri, experiment, runs)
+        return before, during
+
+    synced = runs_through_a_fault(s, "stopped", tmp_path, shakespeare, stop_for_15_s)
     print(f"stopped 15 s: {len(synced)} of {RUNS} runs needed gptlab.sync")
 
 
 def test_runs_go_on_through_a_server_killed_and_restarted(server, shakespeare, tmp_path):
     s, _ = server
-    experiment = new_experiment("killed")
-    runs = start_runs(s.uri, experiment, tmp_path, shakespeare)
-    try:
-        wait_until_all_train(runs)
+
+    def kill_and_restart(runs):
         pid = s.server_pid()
         s.signal(signal.SIGKILL)  # the server and its workers, at once; PostgreSQL keeps the data
         deadline = time.time() + 30
         while live_pids(pgid=pid):
             assert time.time() < deadline, live_pids(pgid=pid)
             time.sleep(0.1)
-        before = logged_lines(runs)
+        before = logged_lines(runs)  # with no server at all
         time.sleep(3)
         during = logged_lines(runs)
         s.up()  # a new server on the same database and port (~10 s to answer)
-        finish(runs)
-    finally:
-        for r in runs:
-            stop_group(r.proc.pid)
-    assert during > before, (before, during)  # the step loops went on with no server at all
-    synced = sync_what_was_not_sent(runs, tmp_path)
-    assert_every_point_once(s.uri, experiment, runs)
+        return before, during
+
+    synced = runs_through_a_fault(s, "killed", tmp_path, shakespeare, kill_and_restart)
     print(f"killed and restarted: {len(synced)} of {RUNS} runs needed gptlab.sync")
 
 

@@ -191,6 +191,9 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _check(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas", "must be two numbers in [0, 1)")
+    _choice("optimizer.name", o.name, ["adamw", "muon"])
+    _check(0.0 <= o.muon_momentum < 1.0, "optimizer.muon_momentum", "must be in [0, 1)")
+    _check(o.muon_ns_steps >= 1, "optimizer.muon_ns_steps", "must be >= 1")
     _choice("optimizer.schedule", o.schedule, ["cosine", "linear", "constant"])
     _choice("optimizer.lr_scaling", o.lr_scaling, ["none", "sqrt", "linear"])
 
@@ -208,6 +211,12 @@ def _validate_processes(c: Config) -> None:
         "hardware.precision",
         f"fp16 with parallelism.strategy={p.strategy}: each rank would skip steps on its own shard's "
         "overflows; use bf16 (no loss scaling needed) or fp32",
+    )
+    _check(
+        not (p.strategy in SHARDED and c.optimizer.name == "muon"),
+        "optimizer",
+        f"muon with parallelism.strategy={p.strategy}: Muon orthogonalises whole matrices and each rank "
+        "holds a shard; use optimizer=adamw, or parallelism=ddp",
     )
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
     _check(p.loss_chunk is None or p.loss_chunk >= 0, "parallelism.loss_chunk", "must be >= 0 (0: no chunks) or null")

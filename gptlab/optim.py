@@ -8,11 +8,12 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.optim.adam import adam as adam_step
 
 
 @dataclass
 class OptimizerConfig:
-    name: str
+    name: str  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
     lr: float  # peak learning rate (before lr_scaling)
     min_lr_ratio: float  # the cosine floor, as a fraction of the peak
     betas: Tuple[float, float]
@@ -24,6 +25,8 @@ class OptimizerConfig:
     decay_steps: Optional[int]  # null: decay over train.max_steps
     lr_scaling: str  # none | sqrt | linear: scale lr with the number of data-parallel ranks
     fused: Optional[bool]  # null: fused kernels where the device supports them
+    muon_momentum: float  # name=muon: Nesterov momentum of the orthogonalised matrix updates
+    muon_ns_steps: int  # name=muon: Newton-Schulz iterations per update
 
 
 def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:
@@ -49,9 +52,26 @@ def lr_at(step: int, peak: float, cfg: OptimizerConfig, total_steps: int) -> flo
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.AdamW:
-    """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only."""
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.Optimizer:
+    """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only; name=muon: Muon on the
+    blocks' matrices, AdamW on the rest."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "muon":
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        matrices = [p for p in params if p.dim() == 2 and id(p) not in embeddings]
+        others = [p for p in params if p.dim() != 2 or id(p) in embeddings]
+        return Muon(
+            [
+                {"params": matrices, "weight_decay": cfg.weight_decay, "muon": True},
+                {"params": [p for p in others if p.dim() >= 2], "weight_decay": cfg.weight_decay, "muon": False},
+                {"params": [p for p in others if p.dim() < 2], "weight_decay": 0.0, "muon": False},
+            ],
+            lr=lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            momentum=cfg.muon_momentum,
+            ns_steps=cfg.muon_ns_steps,
+        )
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [
@@ -63,3 +83,93 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
     # 6 x 384 x 256: 23 vs 89 ms), the same update to rounding (1.5e-6 apart after 20 steps).
     fused = cfg.fused if cfg.fused is not None else device_type in FUSED_ADAMW_DEVICES
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
+
+
+def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximately U V^T of each matrix's SVD (singular values pushed into about [0.7, 1.2]): a
+    Newton-Schulz iteration on a (..., rows, cols) stack with rows <= cols, in g's dtype."""
+    a, b, c = NS_COEFFS
+    x = g / (g.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    flat = x.dim() == 2
+    if flat:
+        x = x.unsqueeze(0)
+    for _ in range(steps):
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * gram + c * gram @ gram, one kernel
+        x = torch.baddbmm(x, poly, x, beta=a)  # a * x + poly @ x
+    return x.squeeze(0) if flat else x
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls are native here (CUDA; a CPU with AVX-512-BF16 or AMX)."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised by
+    Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere), scaled
+    by 0.2 * sqrt(max(rows, cols)) so that its RMS matches AdamW's. That lets both kinds share one lr,
+    one weight decay and one schedule. Groups with muon=False take torch's fused AdamW step."""
+
+    def __init__(self, groups, lr: float, betas, eps: float, momentum: float, ns_steps: int):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                (self._muon if group["muon"] else self._adamw)(group, params)
+
+    def _muon(self, group, params):
+        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        grads = [p.grad for p in params]
+        torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
+        updates = list(torch._foreach_lerp(grads, bufs, group["momentum"]))  # Nesterov
+        # one batched iteration per matrix shape: 4 layers' c_attn grads are one (4, C, 3C) stack
+        by_shape: dict = {}
+        for i, u in enumerate(updates):
+            by_shape.setdefault(tuple(u.shape), []).append(i)
+        dtype = torch.bfloat16 if fast_bf16(params[0].device) else torch.float32
+        for shape, idx in by_shape.items():
+            stack = torch.stack([updates[i] for i in idx]).to(dtype)
+            tall = shape[0] > shape[1]
+            ortho = orthogonalize(stack.mT if tall else stack, group["ns_steps"])
+            ortho = (ortho.mT if tall else ortho).to(params[0].dtype) * (0.2 * math.sqrt(max(shape)))
+            for j, i in enumerate(idx):
+                updates[i] = ortho[j]
+        torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+        torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+    def _adamw(self, group, params):
+        for p in params:
+            if not self.state[p]:
+                self.state[p].update(
+                    step=torch.zeros((), dtype=torch.float32, device=p.device),
+                    exp_avg=torch.zeros_like(p),
+                    exp_avg_sq=torch.zeros_like(p),
+                )
+        states = [self.state[p] for p in params]
+        b1, b2 = group["betas"]
+        adam_step(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            fused=True,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

@@ -142,8 +142,9 @@ def logged_losses(run_dir: Path):
         [],
         ["data.sampling=sequential"],  # the sequential loader's (epoch, position) and shuffled order
         ["hardware.precision=fp16"],  # the GradScaler's scale and growth tracker
+        ["optimizer=muon"],  # Muon's momentum buffers beside AdamW's moments and step counts
     ],
-    ids=["random", "sequential", "fp16"],
+    ids=["random", "sequential", "fp16", "muon"],
 )
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -158,6 +159,9 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     saved = checkpoint.load(checkpoint.latest(split / "checkpoints"))
     if "hardware.precision=fp16" in extra:  # the scaler was on, and its state went through the checkpoint
         assert saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 20 % 2000
+    if "optimizer=muon" in extra:
+        kinds = {frozenset(v) for v in saved["optimizer"]["state"].values()}
+        assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
     if "data.sampling=sequential" in extra:
         assert saved["loader"]["kind"] == "sequential" and saved["loader"]["position"] > 0
 

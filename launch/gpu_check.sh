@@ -6,6 +6,8 @@
 #   gpt1b      - the 1.01B reference model, 2048 context, micro-batch 8, activation checkpointing
 #   gpt2_124m_fsdp - gpt2_124m again under parallelism=fsdp in a world of one (FSDP2's gathers, bf16
 #                parameters for compute with fp32 master weights and reductions, per-block compile)
+#   gpt2_124m_muon - gpt2_124m with optimizer=muon (bf16 Newton-Schulz on the blocks' matrices): its step
+#                time beside gpt2_124m's AdamW step
 # then the chunked loss (benchmarks/chunked_loss.py: one step's peak memory and time with the whole
 # logits and in 1024-token chunks, gpt2_124m, vocabulary 50,304, micro-batch 16 x 1024, bf16),
 # and writes one JSON file (default outputs/gpu_check.json): the device, torch, and per model the
@@ -87,6 +89,8 @@ run_one gpt1b model=gpt1b model.block_size=2048 parallelism=ddp parallelism.acti
   optimizer.fused=true
 run_one gpt2_124m_fsdp model=gpt2_124m parallelism=fsdp parallelism.activation_checkpointing=false \
   train.batch_size=16 train.micro_batch_size=16 hardware.precision=bf16 hardware.compile=true optimizer.fused=true
+run_one gpt2_124m_muon model=gpt2_124m train.batch_size=16 train.micro_batch_size=16 \
+  hardware.precision=bf16 hardware.compile=true optimizer=muon
 echo "== chunked loss: $CHUNKED" >&2
 # shellcheck disable=SC2086
 timeout "$TIMEOUT" "$PY" benchmarks/chunked_loss.py $CHUNKED >"$WORK/chunked_loss.out" 2>"$WORK/chunked_loss.err"
@@ -94,7 +98,7 @@ tail -n 1 "$WORK/chunked_loss.out" >&2
 T1=$(date +%s)
 
 mkdir -p "$(dirname "$OUT_JSON")"
-"$PY" - "$WORK" "$OUT_JSON" "$((T1 - T0))" gpt2_124m gpt1b gpt2_124m_fsdp <<'EOF'
+"$PY" - "$WORK" "$OUT_JSON" "$((T1 - T0))" gpt2_124m gpt1b gpt2_124m_fsdp gpt2_124m_muon <<'EOF'
 import json, sys
 from pathlib import Path
 

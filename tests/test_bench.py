@@ -108,10 +108,10 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert set(report["runs"]) == {"gpt2_124m", "gpt1b", "gpt2_124m_fsdp"}
+    assert set(report["runs"]) == {"gpt2_124m", "gpt1b", "gpt2_124m_fsdp", "gpt2_124m_muon"}
     for name, run in report["runs"].items():
         assert run["ok"], run.get("error")
-        model = name.removesuffix("_fsdp")
+        model = name.removesuffix("_fsdp").removesuffix("_muon")
         assert run["bench"]["model"] == model and run["plan"]["model"] == model
         assert run["measured_vs_plan"]["plan_mem_bytes"] > 0
     assert report["runs"]["gpt1b"]["bench"]["activation_checkpointing"] is True

@@ -98,6 +98,9 @@ def test_orthogonalize_pushes_every_singular_value_near_one():
     for dtype in (torch.float32, torch.bfloat16):
         s = torch.linalg.svdvals(orthogonalize(g.to(dtype), 5).float())
         assert s.min() > 0.6 and s.max() < 1.2, (dtype, s.min(), s.max())
+    # each matrix is scaled to unit norm first, so the result does not depend on the gradient's scale
+    assert torch.allclose(orthogonalize(g * 1e-3, 5), orthogonalize(g, 5), atol=1e-5)
+    assert torch.equal(orthogonalize(torch.zeros(2, 3), 5), torch.zeros(2, 3))  # no NaN from a zero gradient
     one = orthogonalize(g[0], 5)  # a single matrix is one stack of one
     assert one.shape == (64, 200) and torch.allclose(one, orthogonalize(g[:1], 5)[0])
 
@@ -121,9 +124,35 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
 
 
-def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw():
+def test_fast_bf16_is_cuda_and_cpus_with_native_bf16():
+    assert fast_bf16(torch.device("cuda")) is True
+    assert fast_bf16(torch.device("cpu")) is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert fast_bf16(torch.device("meta")) is False
+
+
+def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
+    torch.manual_seed(0)
+    mine = [torch.randn(64, 64, requires_grad=True) for _ in range(2)]
+    ref = [p.detach().clone().requires_grad_() for p in mine]
+    opt = Muon([{"params": mine, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5)
+    fused = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    for _ in range(20):
+        grads = [torch.randn(64, 64) for _ in mine]
+        for ps in (mine, ref):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        opt.step()
+        fused.step()
+    # the fused kernel, bitwise; the for-each one ends 1.5e-8 to 3e-8 away here (measured)
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+    assert all(int(opt.state[p]["step"]) == 20 and opt.state[p]["step"].dtype == torch.float32 for p in mine)
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16-newton-schulz", "fp32-newton-schulz"])
+def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, monkeypatch):
     """Three steps by hand: Nesterov momentum, Newton-Schulz, 0.2 sqrt(max dim) scale, decoupled decay;
-    the AdamW groups equal torch.optim.AdamW's steps to rounding."""
+    the AdamW groups equal torch.optim.AdamW's steps to rounding. Both Newton-Schulz precisions."""
+    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: bf16)
     cfg = OptimizerConfig(name="muon", weight_decay=0.1, betas=[0.9, 0.95], muon_momentum=0.9)
     model, ref = muon_model(), muon_model()
     ref.load_state_dict(model.state_dict())
@@ -139,7 +168,7 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw():
         betas=(0.9, 0.95),
         eps=cfg.eps,
     )
-    dtype = torch.bfloat16 if fast_bf16(torch.device("cpu")) else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float32
     expect = {n: p.detach().clone() for n, p in ref.named_parameters() if n in names}
     bufs = {n: torch.zeros_like(p) for n, p in expect.items()}
     x = torch.randint(0, 16, (4, 8))

@@ -122,6 +122,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert embeddings["weight_decay"] == muon["weight_decay"] == 0.1
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+    assert opt.defaults["fused"]  # the AdamW groups: the same fused-kernel rule as optimizer=adamw
+    unfused = build_optimizer(model, OptimizerConfig(name="muon", fused=False), 1e-3, "cpu")
+    assert not unfused.defaults["fused"]
 
 
 def test_fast_bf16_is_cuda_and_cpus_with_native_bf16():
@@ -134,17 +137,21 @@ def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
     torch.manual_seed(0)
     mine = [torch.randn(64, 64, requires_grad=True) for _ in range(2)]
     ref = [p.detach().clone().requires_grad_() for p in mine]
-    opt = Muon([{"params": mine, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5)
+    other = [p.detach().clone().requires_grad_() for p in mine]
+    opt = Muon([{"params": mine, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5, True)
+    unfused = Muon([{"params": other, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5, False)
     fused = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     for _ in range(20):
         grads = [torch.randn(64, 64) for _ in mine]
-        for ps in (mine, ref):
+        for ps in (mine, ref, other):
             for p, g in zip(ps, grads):
                 p.grad = g.clone()
         opt.step()
         fused.step()
+        unfused.step()
     # the fused kernel, bitwise; the for-each one ends 1.5e-8 to 3e-8 away here (measured)
     assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+    assert not all(torch.equal(a, b) for a, b in zip(other, ref))  # fused=False: the other kernel
     assert all(int(opt.state[p]["step"]) == 20 and opt.state[p]["step"].dtype == torch.float32 for p in mine)
 
 

@@ -143,3 +143,73 @@ def test_expectation_met():
     assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.05}) is True  # the default tolerance: 0.05
     assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.06}) is False
     assert metrics.expectation_met({"val_loss": 2.0, "tokens_per_s": 5}, {"val_loss": 1.0}) is True
+
+
+def _shape(**kw) -> metrics.Shape:
+    base = dict(n_layer=3, n_embd=32, n_head=4, hidden=128, vocab=96, block_size=16, params=50_000,
+                matmul_params=40_000)  # fmt: skip
+    return metrics.Shape(**{**base, **kw})
+
+
+def test_memory_estimate_counts_ids_targets_and_the_embedding_dropout_mask_per_token():
+    """Per token: int64 ids and targets (16 bytes), and with dropout the embedding's mask, one byte
+    per channel on CUDA (bool) and the fp32 embedding's 4 on the CPU; each block adds two residual masks."""
+    d, L, tokens = 32, 3, 2 * 16
+    # chunked loss: the head keeps 8 bytes per channel and token, plus the head weight's fp32 gradient
+    s = _shape(loss_chunk=8, device="cpu")
+    per_layer = metrics.activation_bytes_per_layer_token(s, checkpointing=False)
+    got = metrics.memory_estimate(s, micro_batch=2, checkpointing=False)["activations"]
+    assert got == tokens * (L * per_layer + 16 + 8 * d) + 4 * 96 * d
+    for device, mask in (("cpu", 4), ("cuda", 1)):
+        without = metrics.memory_estimate(_shape(device=device), micro_batch=2, checkpointing=False)
+        with_dropout = metrics.memory_estimate(_shape(device=device, dropout=0.1), micro_batch=2, checkpointing=False)
+        assert with_dropout["activations"] - without["activations"] == tokens * (2 * L + 1) * mask * d, device
+
+
+def test_rss_readings_are_whole_pages_in_bytes_and_agree_with_psutil():
+    import psutil
+
+    rss, peak = metrics.current_rss_bytes(), metrics.peak_rss_bytes()
+    assert rss % 4096 == 0 and peak % 4096 == 0  # /proc reports kB of 4 KiB pages
+    assert rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.01)
+    assert peak >= rss
+
+
+def test_peak_rss_falls_back_to_getrusage_without_proc(monkeypatch):
+    import resource
+
+    monkeypatch.setattr(metrics, "_proc_status_kb", lambda key: 0)
+    assert metrics.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+
+
+def test_memory_helpers_say_unavailable_when_the_os_refuses(monkeypatch):
+    assert metrics._proc_status_kb("NoSuchKey") == 0
+
+    def refuse(*args, **kwargs):
+        raise OSError("not here")
+
+    monkeypatch.setattr(metrics, "open", refuse, raising=False)  # shadows the builtin in the module
+    assert metrics.reset_peak_rss() is False
+    assert metrics._proc_status_kb("VmRSS") == 0
+
+    def no_sysconf(name):
+        raise ValueError(name)
+
+    monkeypatch.setattr(metrics.os, "sysconf", no_sysconf)
+    assert metrics.machine_memory_bytes() == 0
+
+
+def test_expectation_met_reads_the_recipes_own_tolerance():
+    exp = {"val_loss": 2.0, "val_loss_tolerance": 0.0}
+    assert metrics.expectation_met(exp, {"val_loss": 2.0}) is True
+    assert metrics.expectation_met(exp, {"val_loss": 2.01}) is False  # within the default 0.05, not within 0
+
+
+def test_peak_rss_follows_the_kernels_mark_after_a_reset():
+    """reset_peak_rss moves the kernel's mark down to the current RSS: a peak freed before it is forgotten
+    (what lets gptlab.bench report the timed steps' peak rather than the start-up's)."""
+    block = torch.ones(256 * 2**20 // 4)  # 256 MiB, its own mapping (above malloc's mmap threshold)
+    high = metrics.peak_rss_bytes()
+    del block
+    assert metrics.reset_peak_rss()
+    assert metrics.peak_rss_bytes() < high - 128 * 2**20

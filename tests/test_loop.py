@@ -16,9 +16,22 @@ from gptlab.train import run_training
 GOLDEN = Path(__file__).parent / "golden" / "nano_loss_curve.json"
 
 
+_BUILT = []
+
+
 def build_run(tmp_path, overrides):
     cfg = compose_config(overrides)
-    return build(to_config(cfg), tmp_path, {})
+    run = build(to_config(cfg), tmp_path, {})
+    _BUILT.append(run)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _close_runs():
+    """A run built here is closed as run_training would close it: its folder's lock is let go."""
+    yield
+    while _BUILT:
+        _BUILT.pop().close("FINISHED")
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):

@@ -213,3 +213,15 @@ def test_peak_rss_follows_the_kernels_mark_after_a_reset():
     del block
     assert metrics.reset_peak_rss()
     assert metrics.peak_rss_bytes() < high - 128 * 2**20
+
+
+def test_memory_estimate_static_parts_by_world_and_precision():
+    """DDP's buckets (a second fp32 gradient) from 2 processes on; autocast's half-precision copies
+    of the matmul weights only below fp32; the unchunked head keeps its input and fp32 log-softmax."""
+    est = lambda **kw: metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
+    one, two = est(), est(world_size=2)
+    assert one["ddp"] == 0.0 and two["ddp"] == 4.0 * 50_000
+    assert one["autocast"] == 0.0 and est(precision="bf16")["autocast"] == 2.0 * 40_000
+    assert est(world_size=2, sharded=True, shards=2)["ddp"] == 0.0
+    per_layer = metrics.activation_bytes_per_layer_token(_shape(), checkpointing=False)
+    assert one["activations"] == 2 * 16 * (3 * per_layer + 16 + 4 * 32 + 4 * 32 + 4 * 96)

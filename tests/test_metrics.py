@@ -225,3 +225,15 @@ def test_memory_estimate_static_parts_by_world_and_precision():
     assert est(world_size=2, sharded=True, shards=2)["ddp"] == 0.0
     per_layer = metrics.activation_bytes_per_layer_token(_shape(), checkpointing=False)
     assert one["activations"] == 2 * 16 * (3 * per_layer + 16 + 4 * 32 + 4 * 32 + 4 * 96)
+
+
+def test_memory_estimate_transient_logits_whole_and_chunked():
+    """The LM head's transient: whole logits, their log-softmax's and their own gradients (compute
+    dtype + 4 + 4 bytes a logit); chunked, one chunk's fp32 logits beside a half-precision copy."""
+    est = lambda **kw: metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
+    tokens, vocab = 2 * 16, 96
+    assert est()["transient"] == tokens * 12 * vocab
+    assert est(precision="bf16")["transient"] == tokens * 10 * vocab
+    assert est(loss_chunk=8)["transient"] == 8 * 4 * vocab
+    assert est(loss_chunk=8, precision="bf16")["transient"] == 8 * 6 * vocab
+    assert est(loss_chunk=1000)["transient"] == tokens * 4 * vocab  # a chunk longer than the micro-batch

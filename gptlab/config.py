@@ -212,12 +212,6 @@ def _validate_processes(c: Config) -> None:
         f"fp16 with parallelism.strategy={p.strategy}: each rank would skip steps on its own shard's "
         "overflows; use bf16 (no loss scaling needed) or fp32",
     )
-    _check(
-        not (p.strategy in SHARDED and c.optimizer.name == "muon"),
-        "optimizer",
-        f"muon with parallelism.strategy={p.strategy}: Muon orthogonalises whole matrices and each rank "
-        "holds a shard; use optimizer=adamw, or parallelism=ddp",
-    )
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
     _check(p.loss_chunk is None or p.loss_chunk >= 0, "parallelism.loss_chunk", "must be >= 0 (0: no chunks) or null")
 

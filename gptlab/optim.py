@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
 
@@ -135,22 +136,29 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
         updates = torch._foreach_lerp(grads, bufs, group["momentum"])  # Nesterov
         # One batched iteration per matrix shape, each matrix turned wide (rows <= cols): a block's
-        # c_fc (4C, C) and its MLP c_proj (C, 4C) share one (2 n_layer, C, 4C) stack.
+        # c_fc (4C, C) and its MLP c_proj (C, 4C) share one (2 n_layer, C, 4C) stack. Under FSDP each
+        # rank holds a shard of rows (a DTensor): the whole update is gathered, and every rank
+        # orthogonalises every matrix and keeps its own rows, so the step equals one process's.
         by_shape: dict = {}
         for u, p in zip(updates, params):
-            wide = u.mT if u.shape[0] > u.shape[1] else u
+            whole = u.full_tensor() if isinstance(u, DTensor) else u
+            wide = whole.mT if whole.shape[0] > whole.shape[1] else whole
             by_shape.setdefault(tuple(wide.shape), []).append((wide, p))
-        dtype = torch.bfloat16 if fast_bf16(params[0].device) else torch.float32
+        device = updates[0].device
+        dtype = torch.bfloat16 if fast_bf16(device) else torch.float32
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         for shape, members in by_shape.items():
-            stack = torch.empty((len(members), *shape), dtype=dtype, device=params[0].device)
+            stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
             for j, (wide, _) in enumerate(members):
                 stack[j].copy_(wide)  # the cast to the iteration's dtype in the same copy
             ortho = orthogonalize(stack, group["ns_steps"])
             # the 0.2 sqrt(max dim) scale, the lr and the cast back folded into one add per matrix
             alpha = -group["lr"] * 0.2 * math.sqrt(max(shape))
             for j, (_, p) in enumerate(members):
-                p.add_(ortho[j].mT if p.shape != shape else ortho[j], alpha=alpha)
+                o = ortho[j] if p.shape[0] <= p.shape[1] else ortho[j].mT
+                if isinstance(p, DTensor):  # this rank's rows, sliced here: no communication
+                    o = distribute_tensor(o.contiguous(), p.device_mesh, p.placements, src_data_rank=None)
+                p.add_(o, alpha=alpha)
 
     def _adamw(self, group, params):
         for p in params:

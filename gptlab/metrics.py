@@ -215,7 +215,9 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
         ),
     }
     start_of_backward = parts["autocast"] + parts["gathered"] + parts["activations"] + parts["transient"]
-    end_of_backward = parts["grads"] + recompute + sharded["gathered_at_end"]
+    # sharded, the end of backward also holds the root and one block gathered: fewer weights than the
+    # in-backward moment below holds beside the same gradients, so that moment bounds it
+    end_of_backward = parts["grads"] + recompute
     # sharded: the first block's backward holds the gathered weights, every kept activation, the
     # gradients (with the root's whole one) and, with checkpointing, the recomputed block's activations
     in_backward = parts["gathered"] + parts["activations"] + parts["grads"] + recompute if s.sharded else 0.0
@@ -225,10 +227,10 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
 
 
 def _sharded_parts(s: Shape, c: int) -> Dict[str, float]:
-    """What a sharded run holds beyond its shards (all 0 unsharded): gathered weights in flight,
-    whole gradients waiting for their reduce-scatter, and what stays gathered at the end of backward."""
+    """What a sharded run holds beyond its shards (all 0 unsharded): gathered weights in flight and
+    whole gradients waiting for their reduce-scatter."""
     if not s.sharded:
-        return {"gathered": 0.0, "grads_in_flight": 0.0, "gathered_at_end": 0.0}
+        return {"gathered": 0.0, "grads_in_flight": 0.0}
     root = s.params - s.n_layer * s.layer_params  # embeddings, final norm, head
     blocks_gathered = min(s.n_layer, 2) if s.reshard else s.n_layer
     # whole fp32 block gradients waiting for their reduce-scatter: on the CPU (gloo) FSDP2 keeps every
@@ -237,7 +239,6 @@ def _sharded_parts(s: Shape, c: int) -> Dict[str, float]:
     return {
         "gathered": float(c * (root + blocks_gathered * s.layer_params)),
         "grads_in_flight": (c + 4.0) * root + 4.0 * unreduced,  # the root's whole gradient and its fp32 copy
-        "gathered_at_end": float(c * (root + s.layer_params)),
     }
 
 

@@ -237,3 +237,52 @@ def test_memory_estimate_transient_logits_whole_and_chunked():
     assert est(loss_chunk=8)["transient"] == 8 * 4 * vocab
     assert est(loss_chunk=8, precision="bf16")["transient"] == 8 * 6 * vocab
     assert est(loss_chunk=1000)["transient"] == tokens * 4 * vocab  # a chunk longer than the micro-batch
+
+
+def test_memory_estimate_sharded_parts_exactly():
+    """fsdp on 2 ranks, 3 blocks of 10,000 parameters and a root of 20,000: the root plus two blocks
+    gathered (every block with reshard off), in the compute dtype; the root's whole gradient in the
+    compute dtype and fp32, plus the block gradients not yet reduce-scattered (gloo on the CPU keeps
+    every block's, CUDA about two); nothing of this unsharded."""
+    root, layer = 20_000, 10_000
+    s = lambda **kw: _shape(sharded=True, shards=2, world_size=2, layer_params=layer, **kw)  # noqa: E731
+    assert metrics._sharded_parts(s(device="cpu"), 4) == {
+        "gathered": 4.0 * (root + 2 * layer),
+        "grads_in_flight": 8.0 * root + 4.0 * 3 * layer,
+    }
+    assert metrics._sharded_parts(s(device="cuda"), 2) == {
+        "gathered": 2.0 * (root + 2 * layer),
+        "grads_in_flight": 6.0 * root + 4.0 * 2 * layer,
+    }
+    assert metrics._sharded_parts(s(device="cuda", reshard=False), 2)["gathered"] == 2.0 * (root + 3 * layer)
+    assert metrics._sharded_parts(_shape(), 4) == {"gathered": 0.0, "grads_in_flight": 0.0}
+    # the static parts are halved, the gathered weights and gradients in flight added
+    est = metrics.memory_estimate(s(device="cpu"), micro_batch=2, checkpointing=False)
+    assert (est["weights"], est["optimizer"], est["ddp"]) == (2.0 * 50_000, 4.0 * 50_000, 0.0)
+    assert est["grads"] == 2.0 * 50_000 + 8.0 * root + 4.0 * 3 * layer
+    assert est["gathered"] == 4.0 * (root + 2 * layer)
+    assert metrics.memory_estimate(_shape(), micro_batch=2, checkpointing=False)["gathered"] == 0.0
+
+
+def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
+    """The total is the static parts plus the largest moment: the start of backward (logits dominate a
+    large vocabulary), or, sharded, the first block's backward (gathered weights, activations and
+    gradients at once); unsharded with checkpointing, the end of backward (every gradient and one
+    recomputed block)."""
+    layer = 10_000
+    sharded = dict(sharded=True, shards=2, world_size=2, layer_params=layer, device="cpu")
+    for kw, checkpointing, moment in (
+        (dict(vocab=50_000), False, "start"),
+        (dict(vocab=50_000, **sharded), False, "start"),
+        (sharded, True, "in_backward"),
+        (dict(params=5_000_000), True, "end"),
+    ):
+        e = metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=checkpointing)
+        recompute = 2 * 16 * metrics.activation_bytes_per_layer_token(_shape(**kw), False) if checkpointing else 0
+        moments = {
+            "start": e["autocast"] + e["gathered"] + e["activations"] + e["transient"],
+            "end": e["grads"] + recompute,
+            "in_backward": e["gathered"] + e["activations"] + e["grads"] + recompute if "sharded" in kw else 0.0,
+        }
+        assert max(moments, key=moments.get) == moment, (kw, moments)
+        assert e["total"] == e["weights"] + e["optimizer"] + e["ddp"] + moments[moment], kw

@@ -276,6 +276,7 @@ def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
         (dict(vocab=50_000, **sharded), False, "start"),
         (sharded, True, "in_backward"),
         (dict(params=5_000_000), True, "end"),
+        (dict(params=5_000_000), False, "end"),  # every gradient, nothing recomputed
     ):
         e = metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=checkpointing)
         recompute = 2 * 16 * metrics.activation_bytes_per_layer_token(_shape(**kw), False) if checkpointing else 0
@@ -286,3 +287,20 @@ def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
         }
         assert max(moments, key=moments.get) == moment, (kw, moments)
         assert e["total"] == e["weights"] + e["optimizer"] + e["ddp"] + moments[moment], kw
+
+
+def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
+    """Per token and block (d=32, h=128, 4 heads, T=16, fp32): SwiGLU keeps gate, up and product (3c*h);
+    attention without a fused kernel keeps the T x T probabilities per head, and with dropout their mask
+    (a byte on CUDA, the dtype's size on the CPU) and the dropped copy; checkpointing keeps the input."""
+    d, h, c, heads, T = 32, 128, 4, 4, 16
+    per = lambda **kw: metrics.activation_bytes_per_layer_token(_shape(**kw), checkpointing=False)  # noqa: E731
+    base = 8 * d + 6 * c * d
+    assert per() == base + 2 * c * h
+    assert per(swiglu=True) == base + 3 * c * h
+    assert per(flash=False) == base + 2 * c * h + heads * T * c
+    for device, mask in (("cuda", 1), ("cpu", 4)):
+        assert per(flash=False, dropout=0.1, device=device) == base + 2 * c * h + 2 * mask * d + heads * T * (
+            c + mask + c
+        ), device
+    assert metrics.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True) == 4 * d

@@ -62,6 +62,7 @@ def test_mfu_and_hfu():
     assert metrics.mfu(1000.0, 6e6, 6e9) == pytest.approx(1.0)
     assert metrics.mfu(500.0, 6e6, 12e9) == pytest.approx(0.25)
     assert metrics.mfu(1000.0, 6e6, 0.0) == 0.0 and metrics.mfu(1000.0, 6e6, -1.0) == 0.0
+    assert metrics.mfu(0.5, 1.0, 1.0) == 0.5  # any positive peak is a peak, however small
     # HFU: the same rate over hardware FLOPs, which add checkpointing's second forward of the blocks
     n_layer, d, hidden, vocab, T = 2, 64, 256, 128, 64
     fpt = metrics.flops_per_token(n_layer, d, T, metrics.matmul_params(n_layer, d, hidden, vocab))

@@ -214,3 +214,39 @@ def test_an_unknown_optimizer_is_refused():
 
     with pytest.raises(GptlabError, match="optimizer.name=lion: must be one of adamw, muon"):
         to_config(compose_config(["optimizer.name=lion"]))
+
+
+def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
+    """fully_shard in a gloo group of one, in this process: Muon's parameters, gradients and momentum
+    buffers are DTensors; each update is gathered whole, orthogonalised and cut back to the shard, so
+    three steps equal the unsharded model's (fp32 Newton-Schulz: bitwise, measured)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        whole, sharded = muon_model(), muon_model()
+        sharded.load_state_dict(whole.state_dict())
+        mesh = init_device_mesh("cpu", (1,))
+        for block in sharded.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        cfg = OptimizerConfig(name="muon", weight_decay=0.1)
+        opts = [build_optimizer(m, cfg, 1e-2, "cpu") for m in (whole, sharded)]
+        x = torch.randint(0, 16, (4, 8))
+        for _ in range(3):
+            for m, o in zip((whole, sharded), opts):
+                o.zero_grad()
+                m(x, x)[1].backward()
+                o.step()
+        matrices = opts[1].param_groups[0]["params"]
+        assert matrices and all(isinstance(p, DTensor) for p in matrices)
+        assert all(isinstance(opts[1].state[p]["momentum_buffer"], DTensor) for p in matrices)
+        got = {n: p.full_tensor() for n, p in sharded.named_parameters()}
+        for n, p in whole.named_parameters():
+            assert torch.equal(got[n], p), (n, (got[n] - p).abs().max())
+    finally:
+        dist.destroy_process_group()

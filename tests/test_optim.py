@@ -216,6 +216,7 @@ def test_an_unknown_optimizer_is_refused():
         to_config(compose_config(["optimizer.name=lion"]))
 
 
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module.*returned a view tensor")  # as distributed.py does
 def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
     """fully_shard in a gloo group of one, in this process: Muon's parameters, gradients and momentum
     buffers are DTensors; each update is gathered whole, orthogonalised and cut back to the shard, so

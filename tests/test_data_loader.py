@@ -110,3 +110,41 @@ def test_random_mode_over_shards_and_mode_mismatch_is_clear():
         build_train_loader(tokens, T, B, 2, 0, 1, seed=5, sampling="shuffled")
     with pytest.raises(GptlabError, match="train.batch_size x model.block_size"):
         SequentialLoader(shards(1, 30), T, B, 2, 0, 1, seed=5)
+
+
+def test_a_step_needs_its_tokens_plus_one_target_exactly():
+    """A step of B x T tokens needs B x T + 1 (the last target): that many is enough, one fewer is refused;
+    in an epoch the last window may end on the stream's last token, one token further starts the next."""
+    span = B * T
+    SequentialLoader(shards(1, span + 1), T, B, 2, 0, 1, seed=5)  # exactly enough
+    with pytest.raises(GptlabError, match="train.batch_size x model.block_size"):
+        SequentialLoader(shards(1, span), T, B, 2, 0, 1, seed=5)
+    ld = loader(shards(1, 2 * span + 1))  # one shard: every epoch reads the same order
+    first, second, third = (global_batch([ld]) for _ in range(3))
+    assert first.flatten().tolist() == list(range(span))
+    assert second.flatten().tolist() == list(range(span, 2 * span))  # its last target is the last token
+    assert third.equal(first) and ld.state_dict()["epoch"] == 1  # no room for a third: the next epoch
+    ld = loader(shards(1, 2 * span))  # one token short of a second step
+    first, second = global_batch([ld]), global_batch([ld])
+    assert second.equal(first) and ld.state_dict()["epoch"] == 1
+
+
+def test_two_shards_are_reordered_per_epoch_and_an_epochs_order_is_kept():
+    tokens = shards(2, 100)
+    ld = loader(tokens)
+    firsts = {int(ld._stream(epoch)[0]) for epoch in range(8)}
+    assert firsts == {0, 100}  # each shard leads some epoch (seeded, so always the same epochs)
+    assert ld._stream(7) is ld._stream(7)  # the epoch's reordered view is made once
+    assert list(ld._streams) == [7]  # and only the current epoch's is kept
+
+
+def test_loader_states_name_their_kind_and_old_checkpoints_were_random_windows():
+    tokens = shards()
+    rnd = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, sampling="random")
+    rnd.next_step()
+    assert rnd.state_dict() == {"kind": "random_windows", "step": 1, "seed": 5}
+    # a checkpoint from before loaders named their kind holds a random-window position
+    rnd.load_state_dict({"step": 3, "seed": 5})
+    assert rnd.state_dict()["step"] == 3
+    with pytest.raises(GptlabError, match="'random_windows' but this run samples 'sequential'"):
+        loader(tokens).load_state_dict({"step": 3, "seed": 5})

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import data_config
 
-from gptlab.data import CharTokenizer, RandomWindowLoader, eval_batches, prepare_data
+from gptlab.data import CharTokenizer, RandomWindowLoader, prepare_data
 from gptlab.errors import GptlabError
 
 
@@ -117,13 +117,3 @@ def torch_cat(batches):
     import torch
 
     return torch.cat([x for x, _ in batches])
-
-
-def test_eval_batches_are_fixed_and_split_across_ranks():
-    tokens = np.arange(1000, dtype=np.uint16)
-    a = eval_batches(tokens, 8, 4, 5, seed=1)
-    b = eval_batches(tokens, 8, 4, 5, seed=1)
-    assert len(a) == 5 and all(x.equal(y) for (x, _), (y, _) in zip(a, b))
-    r0 = eval_batches(tokens, 8, 4, 5, seed=1, rank=0, world_size=2)
-    r1 = eval_batches(tokens, 8, 4, 5, seed=1, rank=1, world_size=2)
-    assert len(r0) + len(r1) == 5 and r1[0][0].equal(a[1][0])

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab.data import SequentialLoader, TokenShards, build_train_loader
+from gptlab.data import RandomWindowLoader, SequentialLoader, TokenShards, build_train_loader, eval_batches
+from gptlab.data.loader import window_starts
 from gptlab.errors import GptlabError
 
 T, B = 8, 8
@@ -148,3 +149,34 @@ def test_loader_states_name_their_kind_and_old_checkpoints_were_random_windows()
     assert rnd.state_dict()["step"] == 3
     with pytest.raises(GptlabError, match="'random_windows' but this run samples 'sequential'"):
         loader(tokens).load_state_dict({"step": 3, "seed": 5})
+
+
+def test_eval_batches_are_fixed_their_own_stream_and_split_across_ranks():
+    """The same validation windows at every evaluation, drawn from stream 1 (never the training stream 0),
+    batch i on rank i % world."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = eval_batches(tokens, 8, 4, 5, seed=1)
+    b = eval_batches(tokens, 8, 4, 5, seed=1)
+    assert len(a) == 5 and all(x.equal(y) for (x, _), (y, _) in zip(a, b))
+    for i, (x, y) in enumerate(a):
+        starts = window_starts(1000, 8, 4, seed=1, step=i, stream=1)
+        assert x[:, 0].tolist() == starts.tolist() and (y[:, :-1] == x[:, 1:]).all()
+        assert not np.array_equal(starts, window_starts(1000, 8, 4, seed=1, step=i, stream=0))
+    r0 = eval_batches(tokens, 8, 4, 5, seed=1, rank=0, world_size=2)
+    r1 = eval_batches(tokens, 8, 4, 5, seed=1, rank=1, world_size=2)
+    assert (len(r0), len(r1)) == (3, 2)
+    got = [x for x, _ in r0] + [x for x, _ in r1]
+    assert all(g.equal(a[i][0]) for g, i in zip(got, (0, 2, 4, 1, 3)))
+
+
+def test_random_windows_split_one_global_batch_across_ranks():
+    """Random sampling is random windows by default; two ranks read disjoint halves of the rows one rank
+    reads, each its own micro-batch x accumulation rows."""
+    tokens = shards()
+    one = build_train_loader(tokens, T, B, 2, 0, 1, seed=5)
+    assert isinstance(one, RandomWindowLoader)
+    two = [build_train_loader(tokens, T, B, 2, r, 2, seed=5) for r in range(2)]
+    for _ in range(3):
+        halves = [torch.cat([x for x, _ in ld.next_step()]) for ld in two]
+        assert [h.shape for h in halves] == [(B // 2, T)] * 2
+        assert torch.cat(halves).equal(torch.cat([x for x, _ in one.next_step()]))

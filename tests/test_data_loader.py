@@ -180,3 +180,18 @@ def test_random_windows_split_one_global_batch_across_ranks():
         halves = [torch.cat([x for x, _ in ld.next_step()]) for ld in two]
         assert [h.shape for h in halves] == [(B // 2, T)] * 2
         assert torch.cat(halves).equal(torch.cat([x for x, _ in one.next_step()]))
+
+
+def test_loader_defaults_shapes_and_prefetch_switch():
+    """Defaults: rank 0 of one process, seed 0. A batch that micro-batches x ranks do not divide is a
+    ValueError naming the rule. The next step is prepared on a thread when asked (prefetch, or pin_memory,
+    which a CUDA run sets), and not otherwise."""
+    tokens = shards()
+    ld = SequentialLoader(tokens, T, B, 2)
+    assert (ld.rank, ld.world_size, ld.seed, ld.accum_steps) == (0, 1, 0, 4) and ld._pool is None
+    for mb, world in ((3, 1), (4, 4)):  # 4 x 4 rows do not divide 8 (where 4 / 4 would)
+        with pytest.raises(ValueError, match="batch_size must be a multiple of micro_batch_size \\* world_size"):
+            SequentialLoader(tokens, T, B, mb, 0, world)
+    assert loader(tokens, prefetch=True)._pool is not None and loader(tokens, prefetch=False)._pool is None
+    pinned = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, pin_memory=True)  # not stepped: no CUDA here
+    assert pinned.pin_memory is True and pinned._pool is not None

@@ -142,20 +142,21 @@ class Muon(torch.optim.Optimizer):
         by_shape: dict = {}
         for u, p in zip(updates, params):
             whole = u.full_tensor() if isinstance(u, DTensor) else u
-            wide = whole.mT if whole.shape[0] > whole.shape[1] else whole
-            by_shape.setdefault(tuple(wide.shape), []).append((wide, p))
+            tall = whole.shape[0] > whole.shape[1]
+            wide = whole.mT if tall else whole
+            by_shape.setdefault(tuple(wide.shape), []).append((wide, p, tall))
         device = updates[0].device
         dtype = torch.bfloat16 if fast_bf16(device) else torch.float32
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         for shape, members in by_shape.items():
             stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
-            for j, (wide, _) in enumerate(members):
+            for j, (wide, _, _) in enumerate(members):
                 stack[j].copy_(wide)  # the cast to the iteration's dtype in the same copy
             ortho = orthogonalize(stack, group["ns_steps"])
             # the 0.2 sqrt(max dim) scale, the lr and the cast back folded into one add per matrix
             alpha = -group["lr"] * 0.2 * math.sqrt(max(shape))
-            for j, (_, p) in enumerate(members):
-                o = ortho[j] if p.shape[0] <= p.shape[1] else ortho[j].mT
+            for j, (_, p, tall) in enumerate(members):
+                o = ortho[j].mT if tall else ortho[j]
                 if isinstance(p, DTensor):  # this rank's rows, sliced here: no communication
                     o = distribute_tensor(o.contiguous(), p.device_mesh, p.placements, src_data_rank=None)
                 p.add_(o, alpha=alpha)

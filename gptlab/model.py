@@ -122,7 +122,7 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             # q and k rotated together in their (B, T, heads, hs) layout: one kernel each way for both,
             # on contiguous memory (the rotary model's step: 5.2 ms slower than learned positions at
-            # two threads with two rotations a layer on transposed views, 2.4 ms with one)
+            # two threads with two rotations a layer on transposed views, about 2 ms with one)
             cos, sin = rope
             qk = apply_rotary(qkv[:, :, : 2 * self.n_head], cos[:, None], sin[:, None])
             q, k = qk.transpose(1, 2).split(self.n_head, dim=1)

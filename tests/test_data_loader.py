@@ -182,6 +182,37 @@ def test_random_windows_split_one_global_batch_across_ranks():
         assert torch.cat(halves).equal(torch.cat([x for x, _ in one.next_step()]))
 
 
+def test_prefetch_prepares_each_step_once_on_the_loader_thread():
+    """The step prepared ahead is the one handed out: each position is read once (the first on the
+    caller's thread, every later one on the named loader thread), and a restore to another position
+    reads that position afresh instead of handing out the stale one."""
+    import threading
+
+    for make in (loader, lambda tokens, **kw: RandomWindowLoader(tokens, T, B, 2, seed=5, **kw)):
+        ld = make(shards(), prefetch=True)
+        reads = []
+        inner = ld._batches_at
+
+        def counted(pos, inner=inner, reads=reads):
+            reads.append((pos, threading.current_thread().name))
+            return inner(pos)
+
+        ld._batches_at = counted
+        first = ld.state_dict()
+        for _ in range(4):
+            ld.next_step()
+        ld._ahead[1].result()  # the fifth step's read has finished
+        positions = [pos for pos, _ in reads]
+        assert len(positions) == 5 and len(set(map(str, positions))) == 5, reads
+        assert reads[0][1] == threading.current_thread().name
+        assert all(name.startswith("gptlab-loader_") for _, name in reads[1:]), reads
+        ld.load_state_dict(first)  # back to the start: that position is read again, not the fifth
+        again = ld.next_step()
+        assert str(reads[5][0]) == str(positions[0]) and reads[5][1] == threading.current_thread().name
+        fresh = make(shards())
+        assert all(a.equal(b) for (a, _), (b, _) in zip(again, fresh.next_step()))
+
+
 def test_loader_defaults_shapes_and_prefetch_switch():
     """Defaults: rank 0 of one process, seed 0. A batch that micro-batches x ranks do not divide is a
     ValueError naming the rule. The next step is prepared on a thread when asked (prefetch, or pin_memory,
@@ -190,7 +221,7 @@ def test_loader_defaults_shapes_and_prefetch_switch():
     ld = SequentialLoader(tokens, T, B, 2)
     assert (ld.rank, ld.world_size, ld.seed, ld.accum_steps) == (0, 1, 0, 4) and ld._pool is None
     for mb, world in ((3, 1), (4, 4)):  # 4 x 4 rows do not divide 8 (where 4 / 4 would)
-        with pytest.raises(ValueError, match="batch_size must be a multiple of micro_batch_size \\* world_size"):
+        with pytest.raises(ValueError, match="^batch_size must be a multiple of micro_batch_size \\* world_size$"):
             SequentialLoader(tokens, T, B, mb, 0, world)
     assert loader(tokens, prefetch=True)._pool is not None and loader(tokens, prefetch=False)._pool is None
     pinned = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, pin_memory=True)  # not stepped: no CUDA here

@@ -86,24 +86,21 @@ def vocab_for(cfg: Config) -> Tuple[int, bool]:
     return (65 if cfg.data.source == "shakespeare" else 256), True
 
 
+def block_params(m: GPTConfig) -> int:
+    """Parameters of one transformer block: two LayerNorms, attention's projections, the MLP, biases."""
+    d, h, b = m.n_embd, m.hidden_dim, 1 if m.bias else 0
+    fc_out = (2 if m.mlp == "swiglu" else 1) * h
+    layer_norms = 2 * (d + b * d)
+    attention = 3 * d * d + b * 3 * d + d * d + b * d  # c_attn, c_proj
+    mlp = d * fc_out + b * fc_out + h * d + b * d  # c_fc, c_proj
+    return layer_norms + attention + mlp
+
+
 def param_count(cfg: Config, vocab: int) -> int:
     """Parameters of gptlab.model.GPT for this config, without building it."""
     m = cfg.model
-    d, V = m.n_embd, padded_vocab(vocab, m.vocab_multiple)
-    h, b = m.hidden_dim, 1 if m.bias else 0
-    fc_out = (2 if m.mlp == "swiglu" else 1) * h
-    layer = (
-        2 * (d + b * d)  # two LayerNorms
-        + 3 * d * d
-        + b * 3 * d
-        + d * d
-        + b * d  # c_attn, c_proj
-        + d * fc_out
-        + b * fc_out
-        + h * d
-        + b * d
-    )  # c_fc, c_proj
-    total = V * d + m.n_layer * layer + (d + b * d)  # wte, blocks, ln_f
+    d, V, b = m.n_embd, padded_vocab(vocab, m.vocab_multiple), 1 if m.bias else 0
+    total = V * d + m.n_layer * block_params(m) + (d + b * d)  # wte, blocks, ln_f
     if m.pos_emb == "learned":
         total += m.block_size * d
     if not m.tie_weights:
@@ -177,8 +174,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         sharded=cfg.parallelism.strategy in SHARDED,
         shards=cfg.world_size // hw.nodes if cfg.parallelism.strategy == "hsdp" else cfg.world_size,
         reshard=cfg.parallelism.reshard_after_forward,
-        # one block: attention's four projections, the MLP, two LayerNorms and the biases
-        layer_params=4 * m.n_embd**2 + (3 if swiglu else 2) * m.n_embd * hidden + 9 * m.n_embd + hidden,
+        layer_params=block_params(m),
         loss_chunk=loss_chunk(cfg.parallelism, m, vocab),
     )
     return shape, params, assumed
@@ -249,11 +245,7 @@ def resolve_micro_batch(cfg: Config) -> Config:
 def auto_micro_batch(cfg: Config) -> int:
     """train.micro_batch_size=auto: the largest micro-batch that divides the per-process batch and fits."""
     shape, _, _ = shape_for(cfg)
-    per_rank = cfg.train.batch_size // cfg.world_size
-    if per_rank < 1:
-        raise GptlabError(
-            f"train.batch_size={cfg.train.batch_size}: fewer sequences than the {cfg.world_size} processes"
-        )
+    per_rank = cfg.train.batch_size // cfg.world_size  # >= 1: to_config refuses a batch the processes do not split
     usable = device_memory_bytes(cfg) * USABLE_FRACTION[cfg.hardware.device]
     ckpt = cfg.parallelism.activation_checkpointing
     mb = largest_fit(shape, per_rank, ckpt, usable)

@@ -273,3 +273,233 @@ def test_plan_json_is_one_object_of_the_plans_figures(capsys):
     assert out["memory"]["total"] == plan.memory["total"] and out["fits"] is True
     assert out["accum_steps"] * out["micro_batch_size"] * out["world_size"] == cfg.train.batch_size
     assert out["hardware_flops_per_token"] >= out["flops_per_token"] > 6 * out["params"] * 0.5
+
+
+def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
+    """The whole report, line for line: README's block for the 1B recipe, and an fsdp recipe's labels
+    (the 1/8 shards, the gradients in flight, the gathered weights) with a multi-hour estimate."""
+    from gptlab.plan import main
+
+    main(["experiment=gpt1b_shakespeare"])
+    report = capsys.readouterr().out
+    lines = (REPO / "README.md").read_text().splitlines()
+    at = lines.index("The first command's report (the 1B recipe on 8 A100-40GB; `tests/test_plan.py` checks that "
+                     "it is the real output):")  # fmt: skip
+    assert lines[at + 2] == "```text"
+    end = lines.index("```", at + 3)
+    assert "\n".join(lines[at + 3 : end]) + "\n" == report
+
+    main(["experiment=gpt_2b7_fsdp"])
+    assert capsys.readouterr().out == (
+        "gpt_2b7 on a100x8 (8 x cuda, bf16, fsdp): 2,649,052,160 parameters (2649.1M), vocab 50304\n"
+        "FLOPs per token: 16.879 GFLOP (6N + attention); 20.570 GFLOP with checkpointing's recomputation\n"
+        "batch: 512 sequences x 1024 tokens = 524,288 tokens per step; per device 64 = micro-batch 16 x 4 "
+        "accumulation steps\n"
+        "memory per device at micro-batch 16:    checkpointing  no checkpointing\n"
+        "  weights (fp32, 1/8 each)                       1.23 GiB          1.23 GiB\n"
+        "  gradients (fp32, 1/8 each, + in flight)        2.55 GiB          2.55 GiB\n"
+        "  AdamW state (fp32 x2, 1/8 each)                2.47 GiB          2.47 GiB\n"
+        "  DDP gradient buckets                           0.00 GiB          0.00 GiB\n"
+        "  autocast weight copies                         0.00 GiB          0.00 GiB\n"
+        "  gathered weights in flight (sharded)           0.54 GiB          0.54 GiB\n"
+        "  activations                                    5.79 GiB         45.79 GiB\n"
+        "  logits / recompute peak                        1.41 GiB          0.29 GiB\n"
+        "  peak (estimate)                               13.99 GiB         52.59 GiB\n"
+        "  device memory 40.0 GiB, usable 36.8 GiB (92%)\n"
+        "     with activation checkpointing: fits at micro-batch 16; largest micro-batch that fits: 64 "
+        "(1 accumulation step)\n"
+        "  without activation checkpointing: does not fit at micro-batch 16; largest micro-batch that fits: 8 "
+        "(8 accumulation steps)\n"
+        "expected at 40% MFU of 312 TFLOP/s per device (config): 8,864 ms per step, 59,151 tokens/s, "
+        "19,073 steps in 46.96 h\n"
+        "configured (activation checkpointing on): FITS\n"
+    )
+
+
+def test_report_durations_plurals_and_a_device_where_nothing_fits(capsys):
+    from gptlab.plan import _duration, _steps, main
+
+    assert [_duration(s) for s in (0.04, 119.94, 120, 7199, 7200, 169_200)] == [
+        "0.0 s", "119.9 s", "2.0 min", "120.0 min", "2.00 h", "47.00 h"]  # fmt: skip
+    assert (_steps(1), _steps(2)) == ("1 accumulation step", "2 accumulation steps")
+    with pytest.raises(GptlabError, match="^train.micro_batch_size=8: needs 20.9 GiB per device"):
+        main(["experiment=gpt1b_shakespeare", "hardware.memory_gb=8"])
+    report = capsys.readouterr().out
+    assert "  device memory 8.0 GiB, usable 7.4 GiB (92%)\n" in report
+    assert "     with activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n" in report
+    assert "  without activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n" in report
+    assert report.endswith("configured (activation checkpointing on): DOES NOT FIT\n")
+
+
+GPT2_ON_A_SMALL_GPU = ["model=gpt2_124m", "data=fineweb_edu", "hardware=h200", "train.batch_size=16"]
+
+
+def test_auto_micro_batch_is_the_largest_that_fits_the_usable_memory():
+    """gpt2_124m, 16 sequences a step on a GPU of 3 GiB (2.76 usable): 2 a micro-batch without
+    checkpointing (4 needs more: with 3 / 0.92 = 3.26 GiB usable it would be 4), all 16 with it; a batch of
+    one sequence is a micro-batch of one; when none fits, the error is about micro-batch 1."""
+
+    def auto(*overrides):
+        return cfg_for(*GPT2_ON_A_SMALL_GPU, "train.micro_batch_size=auto", *overrides).micro_batch_size
+
+    assert auto("hardware.memory_gb=3", "parallelism.activation_checkpointing=false") == 2
+    assert auto(f"hardware.memory_gb={3 / 0.92**2}", "parallelism.activation_checkpointing=false") == 4
+    assert auto("hardware.memory_gb=3", "parallelism.activation_checkpointing=true") == 16
+    assert auto("hardware.memory_gb=3", "train.batch_size=1") == 1
+    with pytest.raises(GptlabError) as e:
+        auto("hardware.memory_gb=0.5", "parallelism.activation_checkpointing=true")
+    assert str(e.value).startswith(
+        "train.micro_batch_size=1: needs 1.8 GiB per device, more than the 0.5 GiB usable of hardware=h200; "
+        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and optimizer state alone "
+        "take 1.7 GiB, which more data-parallel GPUs do not shrink"
+    )
+
+
+@pytest.mark.parametrize(
+    "checkpointing, memory_gb, would_fit",
+    [
+        (True, 2, "train.micro_batch_size=2 with 8 accumulation steps"),
+        (False, 2, "activation checkpointing with train.micro_batch_size=2"),
+        (False, 4, "parallelism.activation_checkpointing=true (2.6 GiB), or train.micro_batch_size=4 with 4 "
+                   "accumulation steps"),
+    ],
+)  # fmt: skip
+def test_what_would_fit_names_the_change_that_fits_this_device(checkpointing, memory_gb, would_fit):
+    """One process, so no fsdp: a smaller micro-batch at the configured checkpointing, else checkpointing
+    on (alone, or with a smaller micro-batch)."""
+    from gptlab.plan import main
+
+    ckpt = str(checkpointing).lower()
+    need = "2.6" if checkpointing else "6.9"
+    with pytest.raises(GptlabError) as e:
+        main([*GPT2_ON_A_SMALL_GPU, "train.micro_batch_size=16", f"parallelism.activation_checkpointing={ckpt}",
+              f"hardware.memory_gb={memory_gb}"])  # fmt: skip
+    usable = f"{memory_gb * 0.92:.1f}"
+    assert str(e.value) == (
+        f"train.micro_batch_size=16: needs {need} GiB per device, more than the {usable} GiB usable of "
+        f"hardware=h200; would fit: {would_fit}"
+    )
+
+
+def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
+    from gptlab.plan import main
+
+    main(["experiment=gpt1b_shakespeare", "plan.json=true"])
+    out = json.loads(capsys.readouterr().out)  # what was printed
+    assert sorted(out) == sorted(
+        ["model", "hardware", "world_size", "params", "flops_per_token", "hardware_flops_per_token",
+         "micro_batch_size", "accum_steps", "activation_checkpointing", "device_bytes", "usable_bytes", "memory",
+         "memory_ckpt", "memory_no_ckpt", "fits", "fits_ckpt", "fits_no_ckpt", "largest_micro_batch",
+         "expected_mfu", "expected_peak_flops_per_device", "expected_peak_source", "expected_tokens_per_step",
+         "expected_tokens_per_s", "expected_step_s", "expected_train_s"]
+    )  # fmt: skip
+    assert (out["model"], out["hardware"], out["world_size"]) == ("gpt1b", "a100x8", 8)
+    assert out["device_bytes"] == 40 * 2**30 and out["usable_bytes"] == pytest.approx(0.92 * 40 * 2**30)
+    assert (out["fits"], out["fits_ckpt"], out["fits_no_ckpt"]) == (True, True, False)
+    assert out["largest_micro_batch"] == 8 and out["accum_steps"] == 1 and isinstance(out["accum_steps"], int)
+    assert out["expected_tokens_per_step"] == 64 * 2048 and out["expected_peak_source"] == "config"
+    assert out["expected_step_s"] == pytest.approx(0.925, abs=5e-4)  # the report's 925 ms
+    assert out["expected_train_s"] == pytest.approx(15_000 * out["expected_step_s"])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model=gpt_nano"],
+        ["model=gpt_nano", "model.mlp=swiglu"],
+        ["model=gpt_nano", "model.mlp=swiglu", "model.bias=false"],
+    ],
+)
+def test_the_shape_is_the_models_block_by_block(overrides):
+    """What the memory model is told: one block's parameters as the model has them (a sharded run
+    gathers one block at a time), SwiGLU, the head count and the device."""
+    cfg = cfg_for(*overrides)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    shape, params, assumed = shape_for(cfg)
+    assert shape.layer_params == sum(p.numel() for p in model.h[0].parameters())
+    assert (params, assumed) == (model.num_params(), True)
+    assert shape.swiglu == ("model.mlp=swiglu" in overrides) and shape.n_head == cfg.model.n_head == 2
+    swiglu_weights = metrics.matmul_params(2, 32, cfg.model.hidden_dim, 65, True)
+    assert (shape.matmul_params == swiglu_weights) == shape.swiglu
+    assert (shape.device, shape.reshard, shape.world_size, shape.shards) == ("cpu", True, 1, 1)
+
+
+def test_the_shape_knows_fused_attention_and_hsdps_shards():
+    """The fused attention kernels keep no T x T matrix, except the math backend, and on the CPU with
+    dropout (SDPA's CPU kernels take none). hsdp splits over the ranks of a node; fsdp over all."""
+    flash = {
+        (backend, device, dropout): shape_for(cfg_for(f"hardware={device}", f"hardware.attention_backend={backend}",
+                                                      f"model.dropout={dropout}", "hardware.memory_gb=8"))[0].flash
+        for backend in ("auto", "math") for device in ("cpu", "gpu") for dropout in (0.0, 0.1)
+    }  # fmt: skip
+    assert [k for k, fused in flash.items() if fused] == [
+        ("auto", "cpu", 0.0),
+        ("auto", "gpu", 0.0),
+        ("auto", "gpu", 0.1),
+    ]
+    two_nodes = ["hardware=a100x8", "hardware.nodes=2", "train.batch_size=64", "train.micro_batch_size=4"]
+    assert shape_for(cfg_for(*two_nodes, "parallelism=hsdp"))[0].shards == 8
+    assert shape_for(cfg_for(*two_nodes, "parallelism=fsdp"))[0].shards == 16
+    assert (
+        shape_for(cfg_for(*two_nodes, "parallelism=fsdp", "parallelism.reshard_after_forward=false"))[0].reshard
+        is False
+    )
+
+
+def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
+    from gptlab import plan
+
+    def vocab(*overrides):
+        return plan.vocab_for(to_config(compose_config(list(overrides))))
+
+    assert vocab("model.vocab_size=100") == (100, False)
+    assert vocab("data=fineweb_edu", "data.tokenizer.kind=gpt2") == (50257, False)  # tiktoken's GPT-2 encoding
+    assert vocab("data=shakespeare", "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=4096") == (4096, False)
+    assert vocab() == (65, True)  # Tiny Shakespeare's characters, until the text is read
+    assert vocab("data=text_files", "data.tokenizer.kind=char") == (256, True)  # bytes, until read
+
+    peak = plan.device_peak
+    hw = cfg_for("hardware=a100x8").hardware
+    assert peak(hw) == (312e12, "config")  # bf16
+    assert peak(dataclasses.replace(hw, precision="fp32")) == (156e12, "config")  # TF32 on
+    assert peak(dataclasses.replace(hw, precision="fp32", tf32=False)) == (19.5e12, "config")
+    assert peak(dataclasses.replace(hw, peak_tflops=None, peak_tflops_tf32=None, peak_tflops_fp32=None)) == (
+        0.0,
+        "unknown",
+    )
+    monkeypatch.setattr(plan, "measured_cpu_peak", lambda dtype: {"float32": 1e11, "bfloat16": 3e11}[dtype])
+    assert peak(cfg_for().hardware) == (1e11, "measured")
+    assert peak(cfg_for("hardware.precision=bf16").hardware) == (3e11, "measured")
+
+    monkeypatch.setattr(plan, "machine_memory_bytes", lambda: 24 * 2**30)
+    assert plan.device_memory_bytes(cfg_for()) == 24 * 2**30
+    assert plan.device_memory_bytes(cfg_for("hardware=cpu_x2")) == 12 * 2**30  # one machine, two processes
+    assert plan.device_memory_bytes(cfg_for("hardware=cpu_x2", "hardware.memory_gb=3")) == 3 * 2**30
+    if not torch.cuda.is_available():
+        with pytest.raises(GptlabError) as e:
+            plan.device_memory_bytes(to_config(compose_config(["hardware=gpu"])))
+        assert str(e.value) == (
+            "hardware.memory_gb: unknown for hardware=gpu without a visible GPU; set it, e.g. hardware.memory_gb=80"
+        )
+    assert plan._divisors(1) == [1] and plan._divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert make_plan(cfg_for("model=gpt_nano"), micro_batch=2).micro_batch == 2  # the one asked about
+
+
+def test_two_processes_that_do_not_fit_are_told_the_fsdp_setting():
+    """The smallest data-parallel job (2 processes) is offered fsdp, with a smaller micro-batch where
+    only that fits, and with checkpointing on where only that fits."""
+    from gptlab.plan import main
+
+    args = ["model=gpt2_124m", "data=fineweb_edu", "hardware=h200", "hardware.nproc_per_node=2", "train.batch_size=32",
+            "train.micro_batch_size=16", "parallelism.activation_checkpointing=false"]  # fmt: skip
+    for memory_gb, offer in (
+        (7, "parallelism=fsdp parallelism.activation_checkpointing=false (6.3 GiB per device)"),
+        (
+            4,
+            "parallelism=fsdp parallelism.activation_checkpointing=false train.micro_batch_size=4 (2.5 GiB per device)",
+        ),
+        (1.5, "parallelism=fsdp train.micro_batch_size=2 (1.3 GiB per device)"),  # the fsdp preset's checkpointing
+    ):
+        with pytest.raises(GptlabError) as e:
+            main([*args, f"hardware.memory_gb={memory_gb}"])
+        assert f"; would fit: {offer}" in str(e.value), str(e.value)

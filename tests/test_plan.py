@@ -503,3 +503,81 @@ def test_two_processes_that_do_not_fit_are_told_the_fsdp_setting():
         with pytest.raises(GptlabError) as e:
             main([*args, f"hardware.memory_gb={memory_gb}"])
         assert f"; would fit: {offer}" in str(e.value), str(e.value)
+
+
+def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
+    """The 1B recipe without checkpointing at micro-batch 2 on a 21 GB device: no micro-batch fits
+    without checkpointing, micro-batch 2 fits with it, and that is one option, not two. The report of
+    a run configured without checkpointing, line for line."""
+    from gptlab.plan import main
+
+    with pytest.raises(GptlabError) as e:
+        main(["experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false",
+              "train.micro_batch_size=2", "hardware.memory_gb=21"])  # fmt: skip
+    assert str(e.value).endswith(
+        "would fit: parallelism=fsdp parallelism.activation_checkpointing=false (8.5 GiB per device), "
+        "or parallelism.activation_checkpointing=true (19.1 GiB)"
+    )
+    assert capsys.readouterr().out == (
+        "gpt1b on a100x8 (8 x cuda, bf16, ddp): 1,011,496,960 parameters (1011.5M), vocab 65 (assumed until the data "
+        "is read)\n"
+        "FLOPs per token: 7.047 GFLOP (6N + attention)\n"
+        "batch: 64 sequences x 2048 tokens = 131,072 tokens per step; per device 8 = micro-batch 2 x 4 accumulation "
+        "steps\n"
+        "memory per device at micro-batch 2:    checkpointing  no checkpointing\n"
+        "  weights (fp32)                                 3.77 GiB          3.77 GiB\n"
+        "  gradients (fp32)                               3.77 GiB          3.77 GiB\n"
+        "  AdamW state (fp32 x2)                          7.54 GiB          7.54 GiB\n"
+        "  DDP gradient buckets                           3.77 GiB          3.77 GiB\n"
+        "  autocast weight copies                         1.88 GiB          1.88 GiB\n"
+        "  gathered weights in flight (sharded)           0.00 GiB          0.00 GiB\n"
+        "  activations                                    0.68 GiB          5.99 GiB\n"
+        "  logits / recompute peak                        0.30 GiB          0.00 GiB\n"
+        "  peak (estimate)                               19.14 GiB         22.94 GiB\n"
+        "  device memory 21.0 GiB, usable 19.3 GiB (92%)\n"
+        "     with activation checkpointing: fits at micro-batch 2; largest micro-batch that fits: 2 (4 accumulation "
+        "steps)\n"
+        "  without activation checkpointing: does not fit at micro-batch 2; no micro-batch fits\n"
+        "expected at 40% MFU of 312 TFLOP/s per device (config): 925 ms per step, 141,673 tokens/s, 15,000 steps in "
+        "3.85 h\n"
+        "configured (activation checkpointing off): DOES NOT FIT\n"
+    )
+
+
+def test_a_sharded_run_that_does_not_fit_is_not_told_to_shard():
+    """An fsdp run on too small a device: only a larger device or a smaller model helps (sharding is
+    already on, so neither fsdp nor "more data-parallel GPUs" is offered)."""
+    from gptlab.plan import main
+
+    with pytest.raises(GptlabError) as e:
+        main(["experiment=gpt_2b7_fsdp", "hardware.memory_gb=2"])
+    assert str(e.value) == (
+        "train.micro_batch_size=16: needs 14.0 GiB per device, more than the 1.8 GiB usable of hardware=a100x8; "
+        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and optimizer state alone "
+        "take 6.3 GiB; a smaller model.n_layer / model.n_embd"
+    )
+    with pytest.raises(GptlabError) as e:
+        main(["experiment=gpt_2b7_fsdp", "hardware.memory_gb=14"])
+    assert str(e.value).endswith(
+        "GiB usable of hardware=a100x8; would fit: train.micro_batch_size=8 with 8 accumulation steps"
+    )
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_the_plans_flops_are_what_the_model_does(mlp):
+    """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's second
+    forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP (4 x n_embd)."""
+    from test_metrics import counted_flops_per_token
+
+    from gptlab.plan import flops_for, loss_chunk
+
+    cfg = cfg_for("model=gpt_nano", f"model.mlp={mlp}")
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    fpt, hfpt = flops_for(cfg.model, 65, checkpointing=True)
+    assert flops_for(cfg.model, 65, checkpointing=False) == (fpt, fpt)
+    assert counted_flops_per_token(model, B=2, T=cfg.model.block_size) == fpt
+    model.activation_checkpointing = True
+    assert counted_flops_per_token(model, B=2, T=cfg.model.block_size) == hfpt > fpt
+    wide = 4 * cfg.model.n_embd
+    assert [loss_chunk(cfg.parallelism, cfg.model, v) for v in (wide, wide + 1)] == [0, 1024]

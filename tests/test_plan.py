@@ -346,6 +346,8 @@ def test_auto_micro_batch_is_the_largest_that_fits_the_usable_memory():
     assert auto(f"hardware.memory_gb={3 / 0.92**2}", "parallelism.activation_checkpointing=false") == 4
     assert auto("hardware.memory_gb=3", "parallelism.activation_checkpointing=true") == 16
     assert auto("hardware.memory_gb=3", "train.batch_size=1") == 1
+    with pytest.raises(GptlabError, match="^train.batch_size: 1 sequences do not split over 2 processes"):
+        cfg_for("hardware=cpu_x2", "train.batch_size=1", "train.micro_batch_size=auto")  # refused before planning
     with pytest.raises(GptlabError) as e:
         auto("hardware.memory_gb=0.5", "parallelism.activation_checkpointing=true")
     assert str(e.value).startswith(

@@ -122,9 +122,7 @@ def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise GptlabError(f"checkpoint {path}: no such file") from None
-    except IsADirectoryError:
-        raise GptlabError(f"checkpoint {path} is a folder: give a checkpoint file (ckpt_<step>.pt)") from None
-    except OSError as e:  # permission denied, an I/O error
+    except OSError as e:  # permission denied, an I/O error (a folder never gets here: load() takes it as sharded)
         raise GptlabError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or unsafe files all land here
         # torch's own message is a page long (its weights_only upgrade notice) or says nothing
@@ -414,7 +412,7 @@ def rng_state() -> Dict[str, Any]:
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
-    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in state["python"]))
+    random.setstate(state["python"])  # torch.save keeps getstate()'s tuples as tuples
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

@@ -1,5 +1,6 @@
 """Checkpoints: atomic, safe to load, and a resumed run continues exactly."""
 
+import dataclasses
 import json
 import os
 import pickle
@@ -94,11 +95,16 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
     assert (saved.step, saved.model_config, saved.tokenizer) == (9, {"n_layer": 2}, {"kind": "char"})
 
     raw = checkpoint.load(path)
-    del raw["loader"]
+    assert json.loads((tmp_path / "best.json").read_text())["val_loss"] == 1.5
+    # every field but the in-memory ones (a sharded checkpoint's folder, the version read)
+    names = {f.name for f in dataclasses.fields(checkpoint.TrainingState)} - {"shards"}
+    assert raw.keys() == names and raw["format_version"] == checkpoint.FORMAT_VERSION
+    del raw["loader"], raw["rng"]
     checkpoint.save(checkpoint.checkpoint_path(tmp_path, 10), {k: v for k, v in raw.items() if k != "format_version"})
-    with pytest.raises(GptlabError, match="not a gptlab training checkpoint.*loader") as e:
-        checkpoint.TrainingState.load(checkpoint.checkpoint_path(tmp_path, 10))
-    assert "\n" not in str(e.value)
+    bad = checkpoint.checkpoint_path(tmp_path, 10)
+    with pytest.raises(GptlabError) as e:
+        checkpoint.TrainingState.load(bad)
+    assert str(e.value) == f"checkpoint {bad} is not a gptlab training checkpoint (no loader, rng)"
 
 
 class Exploit:
@@ -416,3 +422,205 @@ def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_on
     with pytest.raises(GptlabError, match=r"unreadable or unsafe metadata: it refers to posix.system"):
         checkpoint.load(evil.parent)
     assert not marker.exists()
+
+
+def test_checkpoint_names_and_steps(tmp_path):
+    assert checkpoint.step_of(Path("ckpt_00000007.pt")) == 7
+    assert checkpoint.step_of(Path("ckpt_00000012")) == 12  # a sharded checkpoint's folder
+    assert checkpoint.step_of(Path(".ckpt_00000015.partial")) == 15  # an unfinished sharded save
+    # anything else sorts before step 0, so an unfinished save is compared against "no checkpoint"
+    assert [checkpoint.step_of(Path(n)) for n in ("best.json", "ckpt_7.pt", "ckpt_00000007.pt.tmp1")] == [-1] * 3
+    assert checkpoint.latest(tmp_path) is None and checkpoint.latest(tmp_path / "absent") is None
+    assert checkpoint.list_checkpoints(tmp_path / "absent") == [] and checkpoint.unfinished(tmp_path / "absent") == []
+
+
+def test_removing_a_checkpoint_someone_already_deleted_is_not_an_error(tmp_path):
+    """Pruning lists, then deletes: a checkpoint a user removed by hand in between is simply gone."""
+    checkpoint._remove(tmp_path / "ckpt_00000001.pt")
+    checkpoint._remove(tmp_path / "ckpt_00000002")
+    kept = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 3), {"step": 3})
+    folder = tmp_path / "ckpt_00000004"
+    (folder / "sub").mkdir(parents=True)
+    checkpoint._remove(folder)
+    assert not folder.exists() and kept.exists()
+
+
+@pytest.mark.parametrize("present", ["state.pt", ".metadata", None])
+def test_a_folder_without_both_state_and_metadata_is_not_taken_for_a_sharded_checkpoint(tmp_path, present):
+    folder = tmp_path / "ckpt_00000005"
+    folder.mkdir()
+    if present:
+        (folder / present).write_bytes(b"x")
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(folder)
+    assert str(e.value) == (
+        f"checkpoint {folder} is a folder but not a sharded checkpoint (no state.pt and .metadata): "
+        "give ckpt_<step>.pt or a sharded ckpt_<step>/"
+    )
+
+
+def test_an_incomplete_sharded_checkpoint_names_every_missing_shard(tmp_path, one_rank_group, monkeypatch):
+    path, _ = _save_sharded(tmp_path, 5)
+    monkeypatch.setattr(checkpoint, "missing_data", lambda *_: ["__0_0.distcp", "__1_0.distcp"])
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(path)
+    names = "__0_0.distcp, __1_0.distcp"
+    assert str(e.value) == f"checkpoint {path} is incomplete: shard file(s) {names} missing or cut short"
+
+
+def test_a_sharded_save_makes_its_folders_clears_a_killed_saves_leftovers_and_replaces_the_same_step(
+    tmp_path, one_rank_group
+):
+    """A new run's checkpoints/ (parents too) is created; a killed save's .partial folder (maybe with
+    another world size's shards) is cleared first; saving the same step again (a stop at a checkpoint
+    step) replaces the folder whole, even past a stale .replaced from a save killed in that rename."""
+    folder = tmp_path / "run" / "checkpoints"
+    _save_sharded(folder, 1)  # into folders that do not exist yet
+    stale = folder / ".ckpt_00000003.partial"
+    stale.mkdir(parents=True)
+    (stale / "__1_0.distcp").write_bytes(b"a rank that no longer exists")
+    path, _ = _save_sharded(folder, 3, seed=1)
+    assert {f.name for f in path.iterdir()} == {".metadata", "state.pt", "__0_0.distcp"}
+    assert not stale.exists()
+    first = checkpoint.read_model(path).model
+    old = folder / ".ckpt_00000003.replaced"
+    old.mkdir()
+    (old / "junk").write_bytes(b"x")
+    again, _ = _save_sharded(folder, 3, seed=2)
+    assert again == path and sorted(f.name for f in folder.iterdir()) == ["ckpt_00000001", "ckpt_00000003"]
+    second = checkpoint.read_model(path).model  # the second save's weights, consolidated
+    assert second.keys() == first.keys() and not torch.equal(second["0.weight"], first["0.weight"])
+    _save_sharded(folder, 3, seed=2)  # and once more with no stale folder in the way
+    assert sorted(f.name for f in folder.iterdir()) == ["ckpt_00000001", "ckpt_00000003"]
+
+
+def test_best_json_names_the_checkpoint_and_its_val_loss(tmp_path):
+    path = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 4), {"step": 4})
+    checkpoint.mark_best(tmp_path, path, 1.625)
+    assert json.loads((tmp_path / "best.json").read_text()) == {"checkpoint": "ckpt_00000004.pt", "val_loss": 1.625}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.json", "ckpt_00000004.pt"]  # no temporary left
+    assert checkpoint.best(tmp_path) == path
+    path.unlink()
+    assert checkpoint.best(tmp_path) is None  # a marker naming a deleted checkpoint names nothing
+
+
+def test_an_unfinished_sharded_save_is_named_only_when_newer_than_the_checkpoint_used(tmp_path, caplog):
+    def notes():
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gptlab.checkpoint"):
+            found = checkpoint.load_latest_good(tmp_path)  # warnings go to gptlab.checkpoint's logger
+        return found, [r.getMessage() for r in caplog.records if r.name == "gptlab.checkpoint"]
+
+    (tmp_path / ".ckpt_00000001.partial").mkdir()
+    assert notes() == (None, [f"warning: {tmp_path}/.ckpt_00000001.partial is a sharded save that did not finish "
+                              "(the job stopped during it); skipped"])  # fmt: skip
+    good = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 5), {"step": 5})
+    (tmp_path / ".ckpt_00000005.partial").mkdir()  # the same step saved again, killed: step 5 is whole
+    found, said = notes()
+    assert found[0] == good and said == []
+    (tmp_path / ".ckpt_00000006.partial").mkdir()
+    found, said = notes()
+    assert found[0] == good and len(said) == 1 and ".ckpt_00000006.partial" in said[0]
+
+
+def _v1_state(model, opt, step):
+    """A format-1 checkpoint's state: the model by name, the optimizer's state by position."""
+    return checkpoint.TrainingState(
+        step=step, tokens=0, best_val_loss=1.0, model=model.state_dict(), optimizer=opt.state_dict(),
+        scaler={"value": 0}, loader={"value": step}, rng=checkpoint.rng_state(), config={}, model_config={},
+        tokenizer={}, mlflow_run_id=None, format_version=1,
+    )  # fmt: skip
+
+
+def test_whole_checkpoints_restore_into_a_sharded_model_and_v1_ones_into_unsharded_ones_only(tmp_path, one_rank_group):
+    model, opt = _tiny(1, shard=False)
+    objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box(4)}
+    state = checkpoint.TrainingState.capture(
+        objects, step=4, tokens=40, best_val_loss=1.0, config={}, model_config={}, tokenizer={}, mlflow_run_id=None
+    )
+    sharded, sharded_opt = _tiny(2, shard=True)
+    state.restore({"model": sharded, "optimizer": sharded_opt, "scaler": _Box(), "loader": _Box()})
+    got = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+
+    old = _v1_state(model, opt, 4)
+    plain, plain_opt = _tiny(3, shard=False)
+    old.restore({"model": plain, "optimizer": plain_opt, "scaler": _Box(), "loader": _Box()})
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(plain_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(GptlabError) as e:
+        old.restore({"model": sharded, "optimizer": sharded_opt, "scaler": _Box(), "loader": _Box()})
+    assert str(e.value) == (
+        "a v1 checkpoint resumes under parallelism=single or ddp only: resume it there once "
+        "(its next checkpoint is v2), then under fsdp"
+    )
+
+
+def test_find_resolves_a_file_a_run_folder_or_a_checkpoints_folder_latest_or_best(tmp_path):
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    first, second = (checkpoint.save(checkpoint.checkpoint_path(folder, s), {"step": s}) for s in (2, 4))
+    assert checkpoint.find(str(first)) == first  # a file is itself
+    assert checkpoint.find(str(run)) == second and checkpoint.find(str(folder)) == second
+    assert checkpoint.find(str(run), which="best") == second  # no best.json yet: the newest
+    checkpoint.mark_best(folder, first, 1.5)
+    assert checkpoint.find(str(run), which="best") == first and checkpoint.find(str(folder), which="best") == first
+    assert checkpoint.find(str(run), which="latest") == second
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(GptlabError) as e:
+        checkpoint.find(str(empty))
+    assert str(e.value) == f"run={empty}: no checkpoint found (expected {empty}/ckpt_*.pt or a sharded ckpt_*/)"
+
+
+def test_pruning_keeps_all_with_keep_0_one_with_keep_1_and_clears_other_processes_temporaries(tmp_path):
+    paths = [checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3)]
+    checkpoint.prune(tmp_path, keep=0)  # 0: keep every checkpoint
+    assert checkpoint.list_checkpoints(tmp_path) == paths
+    killed = tmp_path / ".ckpt_00000004.pt.tmp999999"  # a save killed mid-write, by another process
+    own = tmp_path / f".ckpt_00000005.pt.tmp{os.getpid()}"  # this process's save in progress
+    killed.write_bytes(b"x")
+    own.write_bytes(b"x")
+    checkpoint.prune(tmp_path, keep=1)
+    assert checkpoint.list_checkpoints(tmp_path) == [paths[2]]
+    assert not killed.exists() and own.exists()
+
+
+def test_unreadable_checkpoints_say_what_is_wrong_in_one_line(tmp_path, one_rank_group):
+    missing = tmp_path / "ckpt_00000001.pt"
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(missing)
+    assert str(e.value) == f"checkpoint {missing}: no such file"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    inside = blocker / "ckpt_00000001.pt"  # a path through a file: an OSError that is not "no such file"
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(inside)
+    assert str(e.value) == f"checkpoint {inside} cannot be read (Not a directory)"
+    # a sharded checkpoint whose state.pt is someone else's: the message names the checkpoint's folder
+    path, _ = _save_sharded(tmp_path / "run", 3)
+    torch.save({"x": 1}, path / "state.pt")
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(path)
+    assert str(e.value) == f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)"
+
+
+def test_a_file_that_is_not_a_gptlab_checkpoint_is_named_for_what_it_is(tmp_path):
+    good = checkpoint.save(tmp_path / "good.pt", {"step": 1}).read_bytes()
+    cases = {
+        "empty.pt": (b"", "an empty file"),
+        "cut.pt": (good[: len(good) // 2], "a truncated or corrupt PyTorch file"),  # a zip archive, cut
+        "notes.pt": (b"step 1\n", "not a PyTorch file"),
+    }
+    for name, (content, why) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(GptlabError) as e:
+            checkpoint.load(tmp_path / name)
+        assert str(e.value) == f"checkpoint {tmp_path / name} is not a gptlab checkpoint ({why})"
+    newer = tmp_path / "newer.pt"
+    torch.save({"format_version": 99, "step": 1}, newer)
+    with pytest.raises(GptlabError) as e:
+        checkpoint.load(newer)
+    assert str(e.value) == (
+        f"checkpoint {newer} has checkpoint format v99; this gptlab reads v1, v2: use the gptlab version that wrote it"
+    )

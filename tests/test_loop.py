@@ -137,3 +137,63 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path, shakespeare):
         run.raw_model.wte.weight.fill_(math.nan)
     with pytest.raises(GptlabError, match="train loss is nan at step 1"):
         train(run)
+
+
+def test_what_each_step_does_logs_evaluates_and_saves_on_its_cadence():
+    from types import SimpleNamespace
+
+    from gptlab.loop import Progress, due
+
+    t = SimpleNamespace(max_steps=20, log_every=5, eval_every=10, checkpoint_every=4, save_checkpoints=True)
+
+    def at(step, stopped_by=None, **changes):
+        cadence = SimpleNamespace(**{**vars(t), **changes})
+        return due(cadence, Progress(step, 0, math.inf, torch.zeros(()), stopped_by=stopped_by))
+
+    assert at(1) == (True, False, False)  # the first step logs
+    assert at(3) == (False, False, False)
+    assert at(4) == (False, False, True) and at(5) == (True, False, False) and at(8) == (False, False, True)
+    assert at(10) == (True, True, False) and at(12) == (False, False, True)
+    assert at(20) == (True, True, True)  # the last step does everything
+    assert at(3, stopped_by="SIGTERM") == (False, False, True)  # a stop saves, without logging
+    assert at(4, checkpoint_every=0) == (False, False, False)  # 0: no periodic checkpoints
+    assert at(20, save_checkpoints=False) == (True, True, False)
+    assert at(3, "SIGTERM", save_checkpoints=False)[2] is False
+
+
+def test_each_steps_random_stream_is_fixed_by_seed_step_and_rank():
+    """The seed formula is part of what resumes exactly: a checkpoint written by an earlier version
+    continues with the same dropout draws only while (seed * 1_000_003 + step) * 4099 + rank stays."""
+    from gptlab.loop import seed_step
+
+    seed_step(1337, 25, 3)
+    assert torch.initial_seed() == (1337 * 1_000_003 + 25) * 4099 + 3 == 5_480_379_543_567
+    seeds = set()
+    for seed, step, rank in [(1, 0, 0), (1, 0, 1), (1, 1, 0), (2, 0, 0), (0, 4099, 0)]:
+        seed_step(seed, step, rank)
+        seeds.add(torch.initial_seed())
+    assert len(seeds) == 5
+
+
+def test_results_count_this_sessions_tokens_and_time_only():
+    from types import SimpleNamespace
+
+    from gptlab.loop import Progress, results
+
+    def run(start_tokens, train_time):
+        return SimpleNamespace(
+            start_tokens=start_tokens, reporter=SimpleNamespace(train_time=train_time), num_params=10,
+            flops_per_token=6.0, peak_flops=1200.0, tracker=SimpleNamespace(run_id="abc"),
+        )  # fmt: skip
+
+    p = Progress(step=30, tokens=3000, best_val=1.25, loss_sum=torch.zeros(()), train_loss=1.5, last_val=1.3)
+    got = results(run(start_tokens=1000, train_time=4.0), p, wall_s=9.0)
+    assert got == {
+        "params": 10, "steps": 30, "tokens": 3000, "train_loss": 1.5, "val_loss": 1.3, "best_val_loss": 1.25,
+        "tokens_per_s": 500.0, "mfu": 2.5, "wall_s": 9.0, "mlflow_run_id": "abc", "stopped_by": None,
+    }  # fmt: skip
+    p.best_val = math.inf  # never evaluated
+    none = results(run(start_tokens=3000, train_time=0.0), p, wall_s=0.5)  # a resume with nothing to do
+    assert (none["tokens_per_s"], none["mfu"], none["best_val_loss"]) == (None, None, None)
+    half = results(run(start_tokens=1000, train_time=0.5), p, wall_s=1.0)
+    assert half["tokens_per_s"] == 4000.0

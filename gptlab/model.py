@@ -132,9 +132,9 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)
-        # With a cache (never empty: the first forward of generate() passes none), the T new queries
-        # sit at the end of the key sequence: one new query may see every key, so it needs no mask;
-        # several need the causal mask shifted by the cached length.
+        # A layer's cache is never empty (GPT.forward passes None for an empty cache list), so with one
+        # the T new queries sit after the cached keys: one new query may see every key and needs no
+        # mask; several need the causal mask shifted by the cached length.
         if cache is None:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0

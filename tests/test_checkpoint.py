@@ -96,7 +96,7 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
 
     raw = checkpoint.load(path)
     assert json.loads((tmp_path / "best.json").read_text())["val_loss"] == 1.5
-    # every field but the in-memory ones (a sharded checkpoint's folder, the version read)
+    # every field but a sharded checkpoint's folder, which exists only in memory (save adds the version)
     names = {f.name for f in dataclasses.fields(checkpoint.TrainingState)} - {"shards"}
     assert raw.keys() == names and raw["format_version"] == checkpoint.FORMAT_VERSION
     del raw["loader"], raw["rng"]

@@ -492,7 +492,7 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def agree_on_signal(received: Optional[str], device: torch.device) -> Optional[str]:
+def agree_on_signal(received: Optional[str]) -> Optional[str]:
     """The stop signal if any rank received one (every rank gets the same answer)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return received

@@ -190,7 +190,7 @@ def train(run: "Run") -> Dict[str, Any]:
             p.step, p.tokens, p.loss_count = p.step + 1, p.tokens + tokens_per_step, p.loss_count + 1
             report.trained(tokens_per_step)
             # every rank must agree to stop at the same step, or the others would wait in a collective
-            p.stopped_by = distributed.agree_on_signal(stop.received, dev)
+            p.stopped_by = distributed.agree_on_signal(stop.received)
             do_log, do_eval, do_save = due(t, p)
             if not (do_log or do_eval or do_save):
                 report.tick(p.step)

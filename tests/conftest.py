@@ -40,6 +40,17 @@ def shakespeare() -> Path:
     return find_shakespeare()
 
 
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one, in memory: enough for DDP, fully_shard and DCP in this process."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if dist.is_initialized():  # a test may have torn it down itself
+        dist.destroy_process_group()
+
+
 def find_shakespeare(
     env: Mapping[str, str] = os.environ, shared: Path = SHARED_SHAKESPEARE, cache: Path = GPTLAB_CACHE, data=None
 ) -> Path:

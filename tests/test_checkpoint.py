@@ -320,16 +320,6 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
 # ------------------------------------------------------------------ sharded (DCP) checkpoints, in-process
 
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo process group of one, in memory: enough for fully_shard and DCP in this process."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class _Box:
     def __init__(self, value=0):
         self.value = value

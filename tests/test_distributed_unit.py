@@ -1,0 +1,1025 @@
+"""gptlab.distributed in one process: every decision it makes, with its exact messages.
+
+What needs other processes (a second rank, SLURM, CUDA) is stood in for by fakes of torch's and
+the OS's calls; the real multi-process runs are the slow tests of test_distributed / test_multinode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import functools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import model_config, typed
+
+from gptlab import distributed
+from gptlab.errors import GptlabError
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SUBMITIT_EXECUTOR", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+               "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "CUDA_VISIBLE_DEVICES")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def _section(section: str, *overrides: str):
+    return typed(section, *overrides)
+
+
+def hw(preset: str = "cpu", **changes):
+    return dataclasses.replace(_section("hardware", f"hardware={preset}"), **changes)
+
+
+def par(preset: str = "single", **changes):
+    return dataclasses.replace(_section("parallelism", f"parallelism={preset}"), **changes)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """No launcher variables; whatever a test sets (or the code under test writes) is undone after it."""
+    for name in LAUNCH_VARS:
+        monkeypatch.setenv(name, "")  # recorded, so that a value the code writes itself is removed after the test
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def recorder(result=None):
+    calls = []
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs) if kwargs else args)
+        return result
+
+    record.calls = calls
+    return record
+
+
+def fake_cuda(monkeypatch, count: int):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+# ------------------------------------------------------------------ who am I
+
+
+def test_dist_defaults_and_is_main():
+    d = distributed.Dist()
+    assert (d.rank, d.local_rank, d.world_size, d.device) == (0, 0, 1, torch.device("cpu"))
+    assert d.is_main
+    assert not distributed.Dist(rank=1).is_main
+
+
+def test_slurm_task_needs_both_the_task_id_and_the_step_size(env):
+    assert not distributed.slurm_task()
+    env.setenv("SLURM_PROCID", "0")
+    assert not distributed.slurm_task()
+    env.delenv("SLURM_PROCID")
+    env.setenv("SLURM_STEP_NUM_TASKS", "2")
+    assert not distributed.slurm_task()
+    env.setenv("SLURM_PROCID", "0")
+    assert distributed.slurm_task()
+
+
+def test_role_of_each_kind_of_process(env):
+    checked = recorder()
+    env.setattr(distributed, "check_gpus", checked)
+    assert distributed.role(hw()) == "plain"
+    assert checked.calls == [(hw(), 1)]
+    assert distributed.role(hw(nproc_per_node=3)) == "parent"
+    assert distributed.role(hw(nproc_per_node=2)) == "parent"
+    assert checked.calls[1:] == [(hw(nproc_per_node=3), 3), (hw(nproc_per_node=2), 2)]
+    checked.calls[2:] = []
+    env.setenv("SLURM_PROCID", "0")
+    env.setenv("SLURM_STEP_NUM_TASKS", "1")  # a one-task step is a plain process
+    assert distributed.role(hw()) == "plain"
+    env.setenv("SLURM_STEP_NUM_TASKS", "2")
+    assert distributed.role(hw(nproc_per_node=2)) == "slurm"
+    env.setenv("RANK", "0")
+    assert distributed.role(hw(nproc_per_node=2)) == "slurm"  # WORLD_SIZE as well makes torchrun
+    env.setenv("WORLD_SIZE", "2")
+    assert distributed.role(hw(nproc_per_node=2)) == "torchrun"
+    env.delenv("RANK")
+    assert distributed.role(hw(nproc_per_node=2)) == "slurm"
+    assert len(checked.calls) == 3  # launched processes check nothing here
+
+
+def test_role_refuses_to_start_a_multi_node_job_itself(env):
+    with pytest.raises(GptlabError) as e:
+        distributed.role(hw(nodes=2))
+    assert str(e.value) == (
+        "hardware.nodes=2: a multi-node job must be started by SLURM "
+        "(hydra/launcher=slurm_a100x8, or launch/sbatch_gptlab.sh) or torchrun on every node"
+    )
+
+
+def test_check_gpus_messages(env):
+    fake_cuda(env, 0)
+    distributed.check_gpus(hw(), 8)  # a CPU preset needs none
+    with pytest.raises(GptlabError) as e:
+        distributed.check_gpus(hw("gpu"), 1)
+    assert str(e.value) == "hardware=gpu needs CUDA, but no GPU is visible; use hardware=cpu"
+    fake_cuda(env, 2)
+    distributed.check_gpus(hw("gpu"), 2)
+    with pytest.raises(GptlabError) as e:
+        distributed.check_gpus(hw("gpu"), 3)
+    assert str(e.value) == (
+        "hardware=gpu starts 3 processes, one per GPU, but 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=unset); "
+        "set hardware.nproc_per_node=2 or make the GPUs visible"
+    )
+    env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(GptlabError, match=r"\(CUDA_VISIBLE_DEVICES=0,1\); "):
+        distributed.check_gpus(hw("gpu"), 3)
+
+
+# ------------------------------------------------------------------ SLURM
+
+
+def test_slurm_hostnames_asks_scontrol(monkeypatch):
+    run = recorder(SimpleNamespace(stdout="gptlab-n1\ngptlab-n2\n"))
+    monkeypatch.setattr(subprocess, "run", run)
+    assert distributed.slurm_hostnames("gptlab-n[1-2]") == ["gptlab-n1", "gptlab-n2"]
+    assert run.calls == [
+        ((["scontrol", "show", "hostnames", "gptlab-n[1-2]"],), {"capture_output": True, "text": True, "check": True})
+    ]
+
+
+@pytest.fixture
+def srun_step(env):
+    """Task 1 of a 4-task srun step (no submitit) on nodes n[1-2], with its hosts and checks faked."""
+    for k, v in dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="4", SLURM_LOCALID="1", SLURM_JOB_ID="61",
+                     SLURM_JOB_NODELIST="job[1-2]").items():  # fmt: skip
+        env.setenv(k, v)
+    hosts = {"job[1-2]": ["job1", "job2"], "step[1-2]": ["step1", "step2"]}
+    env.setattr(distributed, "slurm_hostnames", lambda nodelist: hosts[nodelist])
+    env.setattr(distributed, "rendezvous_port", lambda job_id: 20000 + job_id)
+    checked = recorder()
+    env.setattr(distributed, "check_rendezvous_port", checked)
+    return checked
+
+
+def test_export_slurm_env_from_an_srun_task(srun_step, env):
+    distributed._export_slurm_env()
+    launch = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    assert launch == {"MASTER_ADDR": "job1", "MASTER_PORT": "20061", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    assert srun_step.calls == []  # only rank 0 listens
+
+
+def test_export_slurm_env_prefers_the_steps_nodes_and_the_users_master(srun_step, env):
+    env.setenv("SLURM_STEP_NODELIST", "step[1-2]")
+    env.setenv("SLURM_PROCID", "0")
+    distributed._export_slurm_env()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"]) == ("step1", "20061", "0")
+    assert srun_step.calls == [(20061,)]
+    env.setenv("MASTER_ADDR", "head")
+    env.setenv("MASTER_PORT", "29400")
+    distributed._export_slurm_env()
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("head", "29400")
+    assert srun_step.calls[1:] == [(29400,)]
+    env.setenv("MASTER_PORT", "")  # empty: the job id's port
+    distributed._export_slurm_env()
+    assert os.environ["MASTER_PORT"] == "20061"
+
+
+def test_export_slurm_env_under_submitit(srun_step, env):
+    import submitit
+
+    made = []
+
+    class TorchDistributedEnvironment:
+        def __init__(self):
+            self.master_addr, self.master_port, self.exported = "first-node", 45678, None
+            made.append(self)
+
+        def export(self, **kwargs):
+            self.exported = kwargs
+            os.environ["RANK"] = "0"
+
+    env.setattr(submitit.helpers, "TorchDistributedEnvironment", TorchDistributedEnvironment)
+    env.setenv("SUBMITIT_EXECUTOR", "slurm")
+    distributed._export_slurm_env()
+    (e,) = made
+    assert (e.master_addr, e.master_port) == ("first-node", 20061)
+    assert e.exported == {"set_cuda_visible_devices": False, "overwrite": True}
+    assert srun_step.calls == [(20061,)]
+    env.setenv("MASTER_ADDR", "head")
+    distributed._export_slurm_env()
+    assert made[1].master_addr == "head"
+
+
+def test_slurm_job_info_outside_slurm_is_none(env):
+    assert distributed.slurm_job_info() is None
+    env.setenv("SLURM_PROCID", "0")
+    assert distributed.slurm_job_info() is None
+
+
+def test_slurm_job_info_of_an_srun_task(env):
+    env.setenv("SLURM_PROCID", "0")
+    env.setenv("SLURM_STEP_NUM_TASKS", "2")
+    env.setenv("SLURM_JOB_ID", "74")
+    env.setenv("SLURM_JOB_NODELIST", "n[1-2]")
+    shown = "JobId=74 JobName=train StdOut=/runs/74.out Reason=None Comment= StdErr=/runs/74.err\n"
+    run = recorder(SimpleNamespace(stdout=shown))
+    env.setattr(subprocess, "run", run)
+    env.setattr(distributed, "slurm_hostnames", {"n[1-2]": ["n1", "n2"], "s[1]": ["n1"]}.get)
+    info = distributed.slurm_job_info()
+    assert info == {"job_id": "74", "nodes": ["n1", "n2"], "stdout": "/runs/74.out", "stderr": "/runs/74.err"}
+    assert run.calls == [((["scontrol", "show", "job", "-o", "74"],), {"capture_output": True, "text": True})]
+    env.setenv("SLURM_STEP_NODELIST", "s[1]")
+    env.setattr(subprocess, "run", recorder(SimpleNamespace(stdout="JobId=74 StdOut=a=b\n")))
+    info = distributed.slurm_job_info()
+    assert info == {"job_id": "74", "nodes": ["n1"], "stdout": "a=b", "stderr": ""}
+    env.setattr(subprocess, "run", recorder(SimpleNamespace(stdout="")))  # scontrol no longer knows the job
+    assert distributed.slurm_job_info() == {"job_id": "74", "nodes": ["n1"], "stdout": "", "stderr": ""}
+
+
+def test_slurm_job_info_under_submitit(env):
+    import submitit
+
+    paths = SimpleNamespace(stdout="/f/%j_0_log.out", stderr="/f/%j_0_log.err", folder="/f")
+    fake = SimpleNamespace(job_id="99_1", hostnames=["a", "b"], paths=paths)
+    env.setattr(submitit, "JobEnvironment", lambda: fake)
+    env.setenv("SUBMITIT_EXECUTOR", "slurm")
+    assert distributed.slurm_job_info() == {
+        "job_id": "99_1",
+        "nodes": ["a", "b"],
+        "stdout": "/f/%j_0_log.out",
+        "stderr": "/f/%j_0_log.err",
+        "submitit_folder": "/f",
+    }
+    env.setenv("SUBMITIT_EXECUTOR", "local")
+    assert distributed.slurm_job_info() is None
+
+
+# ------------------------------------------------------------------ rendezvous ports
+
+
+def test_ephemeral_ports_read_from_the_kernels_file(tmp_path):
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert distributed.ephemeral_ports(str(f)) == (40000, 50000)
+    f.write_text("1000 2000 3000\n")  # only the first two numbers count
+    assert distributed.ephemeral_ports(str(f)) == (1000, 2000)
+    for junk in ("40000\n", "forty fifty\n"):
+        f.write_text(junk)
+        assert distributed.ephemeral_ports(str(f)) == (32768, 60999)
+    assert distributed.ephemeral_ports(str(tmp_path / "missing")) == (32768, 60999)
+    assert distributed.EPHEMERAL_PORTS_FILE == "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def test_rendezvous_port_values():
+    linux = (32768, 60999)
+    assert [distributed.rendezvous_port(j, linux) for j in (0, 1, 12767, 12768)] == [20000, 20001, 32767, 20000]
+    # the range above the ephemeral ports is the larger: 60001-65535
+    assert [distributed.rendezvous_port(j, (20000, 60000)) for j in (0, 5534, 5535)] == [60001, 65535, 60001]
+    assert distributed.rendezvous_port(3, (40000, 50000)) == 20003  # 20000 below, 15535 above
+    assert distributed.rendezvous_port(3, (1000, 5000)) == 20003  # all of 20000-65535 is free
+    assert distributed.rendezvous_port(45536, (1000, 5000)) == 20000
+    assert distributed.rendezvous_port(45536, (70000, 80000)) == 20000
+    assert distributed.rendezvous_port(999, (21000, 65535)) == 20999  # 1000 ports are enough
+    assert distributed.rendezvous_port(1000, (21000, 65535)) == 20000
+    assert distributed.rendezvous_port(1000, (20000, 64535)) == 64536
+
+
+def test_rendezvous_port_reads_this_nodes_range(monkeypatch):
+    monkeypatch.setattr(distributed, "ephemeral_ports", lambda: (40000, 50000))
+    assert distributed.rendezvous_port(7) == 20007
+
+
+def test_rendezvous_port_without_room_says_to_set_master_port():
+    for ephemeral in ((20999, 65535), (20000, 64536), (1024, 65000)):
+        with pytest.raises(GptlabError) as e:
+            distributed.rendezvous_port(7, ephemeral)
+        first, last = ephemeral
+        assert str(e.value) == (
+            f"the ephemeral port range {first}-{last} (/proc/sys/net/ipv4/ip_local_port_range) leaves no room for a "
+            "rendezvous port in 20000-65535; set MASTER_PORT to a port that no connection uses"
+        )
+
+
+def test_check_rendezvous_port_on_a_taken_port_prints_one_line_and_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(distributed, "ephemeral_ports", lambda: (40000, 50000))
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as e:
+            distributed.check_rendezvous_port(port)
+    assert e.value.code == 2 and e.value.__cause__ is None and e.value.__suppress_context__
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"gptlab: error: rank 0 cannot listen on the rendezvous port {port} on node7 "
+        f"({os.strerror(errno.EADDRINUSE)}); set MASTER_PORT to a free port outside 40000-50000 "
+        "(this node's ephemeral ports)\n"
+    )
+    distributed.check_rendezvous_port(port)  # free again
+
+
+def test_check_rendezvous_port_flushes_its_line_at_once(monkeypatch):
+    """The task exits right after the line: it must be out before SLURM's kill-on-bad-exit ends the step."""
+    written = []
+
+    class Stderr:
+        def write(self, text):
+            written.append(("write", text))
+
+        def flush(self):
+            written.append("flush")
+
+    monkeypatch.setattr(distributed, "ephemeral_ports", lambda: (40000, 50000))
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        with pytest.raises(SystemExit):
+            distributed.check_rendezvous_port(taken.getsockname()[1])
+    assert written[-1] == "flush" and written[0][1].startswith("gptlab: error: rank 0 cannot listen")
+
+
+def test_check_rendezvous_port_allows_a_port_left_in_time_wait():
+    """A previous job's closed connection on the port (TIME_WAIT) does not stop torch's TCPStore."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the previous job's TCPStore
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server side closes first: its end waits in TIME_WAIT
+        client.recv(1)
+        client.close()
+    with socket.socket() as plain, pytest.raises(OSError):  # without SO_REUSEADDR the port is taken
+        plain.bind(("", port))
+    distributed.check_rendezvous_port(port)
+
+
+def test_check_rendezvous_port_binds_every_address_of_ipv4(monkeypatch):
+    made = []
+
+    class Socket:
+        def __init__(self, *args):
+            self.args, self.calls = args, []
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.calls.append("closed")
+
+        def setsockopt(self, *args):
+            self.calls.append(("setsockopt", *args))
+
+        def bind(self, address):
+            self.calls.append(("bind", address))
+
+    monkeypatch.setattr(socket, "socket", Socket)
+    distributed.check_rendezvous_port(29500)
+    (s,) = made
+    assert s.args == (socket.AF_INET, socket.SOCK_STREAM)
+    assert s.calls == [("setsockopt", socket.SOL_SOCKET, socket.SO_REUSEADDR, 1), ("bind", ("", 29500)), "closed"]
+
+
+def test_free_port_is_a_free_unprivileged_loopback_port():
+    port = distributed._free_port()
+    assert isinstance(port, int) and 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# ------------------------------------------------------------------ setup / teardown
+
+
+@pytest.fixture
+def fake_group(env):
+    """setup's process-group calls recorded instead of made (any world size, any backend)."""
+    calls = SimpleNamespace(init=[], new_group=[], threads=[], kept=[])
+    env.setattr(dist, "is_initialized", lambda: False)
+    env.setattr(dist, "init_process_group", lambda **kw: calls.init.append(kw))
+    env.setattr(dist, "new_group", lambda **kw: calls.new_group.append(kw) or "control-group")
+    env.setattr(torch, "set_num_threads", calls.threads.append)
+    env.setattr(distributed, "keep_freed_memory", lambda: calls.kept.append(True))
+    env.setattr(distributed, "_CONTROL_GROUP", "stale")
+    return calls
+
+
+def test_setup_of_a_plain_process(fake_group):
+    d = distributed.setup(hw(), par())
+    assert d == distributed.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert fake_group.init == [] and fake_group.threads == [] and fake_group.kept == [True]
+    assert distributed._CONTROL_GROUP == "stale"  # no group made, none replaced
+
+
+def test_setup_of_a_torchrun_worker_on_the_cpu(fake_group, env):
+    env.setenv("RANK", "3")
+    env.setenv("WORLD_SIZE", "4")
+    env.setenv("LOCAL_RANK", "1")
+    env.setattr(os, "cpu_count", lambda: 16)
+    d = distributed.setup(hw(nproc_per_node=2, nodes=2), par("ddp", timeout_s=42))
+    assert d == distributed.Dist(rank=3, local_rank=1, world_size=4, device=torch.device("cpu"))
+    assert fake_group.init == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=42), "device_id": None}]
+    assert distributed._CONTROL_GROUP is None and fake_group.new_group == []
+    assert fake_group.threads == [8] and type(fake_group.threads[0]) is int  # 16 cores, 2 processes per node
+    assert fake_group.kept == [True]
+
+
+@pytest.mark.parametrize(
+    "world, nodes, cores, threads",
+    [(2, 2, 8, 8), (4, 1, 2, 1), (2, 1, None, 1), (2, 2, None, 1), (2, 1, 3, 1), (3, 1, 9, 3)],
+)
+def test_setup_shares_the_cores_among_a_nodes_cpu_processes(fake_group, env, world, nodes, cores, threads):
+    env.setenv("RANK", "0")
+    env.setenv("WORLD_SIZE", str(world))
+    env.setattr(os, "cpu_count", lambda: cores)
+    distributed.setup(hw(nproc_per_node=world // nodes, nodes=nodes), par("ddp"))
+    assert fake_group.threads == [threads]
+    assert [init["backend"] for init in fake_group.init] == ["gloo"]
+
+
+def test_setup_sets_the_hardwares_threads(fake_group, env):
+    distributed.setup(hw(threads=3), par())
+    env.setenv("RANK", "0")
+    env.setenv("WORLD_SIZE", "2")
+    distributed.setup(hw(nproc_per_node=2, threads=5), par("ddp"))
+    assert fake_group.threads == [3, 5]
+
+
+def test_setup_of_a_world_of_one_under_fsdp_uses_an_in_memory_group(fake_group):
+    d = distributed.setup(hw(), par("fsdp", timeout_s=7))
+    assert d == distributed.Dist()
+    (init,) = fake_group.init
+    store = init.pop("store")
+    assert isinstance(store, dist.HashStore)
+    assert init == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7), "device_id": None, "rank": 0,
+                    "world_size": 1}  # fmt: skip
+    assert distributed.setup(hw(), par("hsdp")) == distributed.Dist() and len(fake_group.init) == 2
+
+
+def test_setup_joins_no_group_twice(fake_group, env):
+    env.setattr(dist, "is_initialized", lambda: True)
+    env.setenv("RANK", "0")
+    env.setenv("WORLD_SIZE", "2")
+    assert distributed.setup(hw(nproc_per_node=2), par("ddp")).world_size == 2
+    env.setenv("WORLD_SIZE", "1")
+    assert distributed.setup(hw(), par("fsdp")).world_size == 1
+    assert fake_group.init == [] and distributed._CONTROL_GROUP == "stale"
+
+
+@pytest.fixture
+def tf32_flags():
+    """torch's TF32 switches, put back after the test (monkeypatch cannot: they are properties of modules)."""
+    flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
+    before = [f.allow_tf32 for f in flags]
+    for f in flags:
+        f.allow_tf32 = False
+    yield
+    for f, value in zip(flags, before):
+        f.allow_tf32 = value
+
+
+def test_setup_on_a_gpu_picks_the_local_ranks_device_and_nccl(fake_group, env, tf32_flags):
+    fake_cuda(env, 2)
+    picked = recorder()
+    env.setattr(torch.cuda, "set_device", picked)
+    env.setenv("RANK", "5")
+    env.setenv("WORLD_SIZE", "8")
+    env.setenv("LOCAL_RANK", "3")
+    d = distributed.setup(hw("gpu", nproc_per_node=4, nodes=2, threads=None), par("ddp", timeout_s=9))
+    assert d == distributed.Dist(rank=5, local_rank=3, world_size=8, device=torch.device("cuda", 1))
+    assert picked.calls == [(torch.device("cuda", 1),)]
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    timeout = datetime.timedelta(seconds=9)
+    assert fake_group.init == [{"backend": "nccl", "timeout": timeout, "device_id": torch.device("cuda", 1)}]
+    assert fake_group.new_group == [{"backend": "gloo", "timeout": timeout}]
+    assert distributed._CONTROL_GROUP == "control-group"
+    assert fake_group.threads == [] and fake_group.kept == []  # threads and malloc are the CPU's concerns
+    distributed.setup(hw("gpu", nproc_per_node=4, nodes=2, tf32=False), par("ddp"))
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_setup_on_a_gpu_checks_that_one_is_visible(fake_group, env, tf32_flags):
+    fake_cuda(env, 0)
+    env.setenv("RANK", "0")
+    env.setenv("WORLD_SIZE", "1")  # a torchrun worker: role checked nothing
+    with pytest.raises(GptlabError, match="^hardware=gpu needs CUDA, but no GPU is visible"):
+        distributed.setup(hw("gpu"), par())
+    fake_cuda(env, 1)  # one GPU is all a rank needs
+    env.setattr(torch.cuda, "set_device", recorder())
+    assert distributed.setup(hw("gpu"), par()).device == torch.device("cuda", 0)
+
+
+def test_setup_refuses_a_world_the_hardware_does_not_describe(fake_group, env):
+    env.setenv("RANK", "0")
+    env.setenv("WORLD_SIZE", "3")
+    with pytest.raises(GptlabError) as e:
+        distributed.setup(hw(nproc_per_node=2, nodes=2), par("ddp"))
+    assert str(e.value) == (
+        "hardware=cpu asks for 4 process(es) but this job has 3: set hardware.nproc_per_node / hardware.nodes to "
+        "match the launcher (torchrun --nproc_per_node, SLURM tasks)"
+    )
+    assert fake_group.init == []
+
+
+def test_setup_of_a_slurm_task_exports_its_identity_first(fake_group, env):
+    env.setenv("SLURM_PROCID", "1")
+    env.setenv("SLURM_STEP_NUM_TASKS", "2")
+
+    def export():
+        env.setenv("RANK", "1")
+        env.setenv("WORLD_SIZE", "2")
+        env.setenv("LOCAL_RANK", "0")
+
+    env.setattr(distributed, "_export_slurm_env", export)
+    d = distributed.setup(hw(nproc_per_node=1, nodes=2), par("ddp"))
+    assert (d.rank, d.local_rank, d.world_size) == (1, 0, 2)
+    env.setenv("SLURM_STEP_NUM_TASKS", "1")
+    env.setattr(distributed, "_export_slurm_env", lambda: pytest.fail("a one-task step has nothing to export"))
+    env.delenv("RANK")
+    env.delenv("WORLD_SIZE")
+    env.delenv("LOCAL_RANK")
+    assert distributed.setup(hw(), par()) == distributed.Dist()
+
+
+def test_setup_and_teardown_of_a_real_one_rank_fsdp_group(env):
+    sleeps = recorder()
+    env.setattr(distributed.time, "sleep", sleeps)
+    d = distributed.setup(hw(), par("fsdp", timeout_s=11))
+    try:
+        assert d == distributed.Dist()
+        assert dist.is_initialized() and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        assert distributed._CONTROL_GROUP is None
+    finally:
+        distributed.teardown()
+    assert not dist.is_initialized() and sleeps.calls == []  # one rank: no other gloo thread to wait for
+    distributed.teardown()  # no group: nothing to do
+
+
+@pytest.mark.parametrize(
+    "world, backend, control, slept",
+    [(2, "gloo", None, True), (2, "nccl", None, False), (2, "nccl", "control", True), (1, "gloo", "control", False)],
+)
+def test_teardown_waits_for_gloos_threads_only_with_other_ranks(one_rank_group, env, world, backend, control, slept):
+    sleeps = recorder()
+    env.setattr(distributed.time, "sleep", sleeps)
+    env.setattr(dist, "get_world_size", lambda *a, **k: world)
+    env.setattr(dist, "get_backend", lambda *a, **k: backend)
+    env.setattr(distributed, "_CONTROL_GROUP", control)
+    distributed.teardown()
+    assert not dist.is_initialized()
+    assert sleeps.calls == ([(0.2,)] if slept else [])
+    assert distributed._CONTROL_GROUP is None
+    assert distributed.GLOO_SETTLE_S == 0.2
+
+
+# ------------------------------------------------------------------ the allocator
+
+
+def test_keep_freed_memory_on_glibc():
+    assert distributed.keep_freed_memory() is True
+    assert (distributed.MMAP_THRESHOLD, distributed.TRIM_THRESHOLD) == (32 * 2**20, 2**31 - 1)
+
+
+@pytest.mark.parametrize("answers, kept", [((1, 1), True), ((0, 1), False), ((1, 0), False), ((2, 3), True)])
+def test_keep_freed_memory_sets_the_mmap_then_the_trim_threshold(monkeypatch, answers, kept):
+    import ctypes
+
+    calls = []
+    replies = iter(answers)
+
+    def mallopt(param, value):
+        calls.append((param, value))
+        return next(replies)
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: SimpleNamespace(mallopt=mallopt) if name is None else None)
+    assert distributed.keep_freed_memory() is kept
+    expected = [(-3, 32 * 2**20), (-1, 2**31 - 1)]
+    assert calls == (expected if answers[0] else expected[:1])
+
+
+def test_keep_freed_memory_without_mallopt_changes_nothing(monkeypatch):
+    import ctypes
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: SimpleNamespace())
+    assert distributed.keep_freed_memory() is False
+
+    def no_library(name):
+        raise OSError("no C library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert distributed.keep_freed_memory() is False
+
+
+# ------------------------------------------------------------------ collectives
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """This process as rank 0 of two; rank 1's contribution to each collective is peer.value."""
+    peer = SimpleNamespace(value=None, ops=[])
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+
+    def all_reduce(t, op, group=None):
+        peer.ops.append((op, group))
+        other = torch.as_tensor(peer.value, dtype=t.dtype)
+        if op == dist.ReduceOp.SUM:
+            t += other
+        elif op == dist.ReduceOp.MAX:
+            torch.maximum(t, other, out=t)
+        else:
+            raise AssertionError(f"unexpected op {op}")
+
+    def broadcast_object_list(box, src):
+        peer.ops.append(("broadcast", src))
+        if src == 1:
+            box[0] = peer.value
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast_object_list)
+    return peer
+
+
+def test_all_reduce_mean_over_two_ranks(two_ranks):
+    two_ranks.value = [5.0, -1.0]
+    t = torch.tensor([1.0, 3.0])
+    assert distributed.all_reduce_mean(t) is t
+    assert t.tolist() == [3.0, 1.0]
+    assert two_ranks.ops == [(dist.ReduceOp.SUM, None)]
+
+
+def test_all_reduce_mean_in_a_group_of_one(one_rank_group, monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one"))
+    t = torch.tensor([2.0])
+    assert distributed.all_reduce_mean(t) is t and t.item() == 2.0
+
+
+@pytest.mark.parametrize(
+    "mine, theirs, agreed",
+    [(None, 0, None), (None, 1, "SIGTERM"), (None, 2, "SIGUSR2"), ("SIGTERM", 0, "SIGTERM"),
+     ("SIGTERM", 2, "SIGUSR2"), ("SIGUSR2", 1, "SIGUSR2"), ("SIGINT", 0, "SIGTERM")],
+)  # fmt: skip
+def test_agree_on_signal_over_two_ranks(two_ranks, monkeypatch, mine, theirs, agreed):
+    monkeypatch.setattr(distributed, "_CONTROL_GROUP", "control")
+    two_ranks.value = [theirs]
+    assert distributed.agree_on_signal(mine) == agreed
+    assert two_ranks.ops == [(dist.ReduceOp.MAX, "control")]
+
+
+def test_agree_on_signal_in_a_group_of_one(one_rank_group, monkeypatch):
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one"))
+    assert distributed.agree_on_signal("SIGUSR2") == "SIGUSR2"
+    assert distributed.agree_on_signal(None) is None
+
+
+def test_broadcast_object_over_two_ranks(two_ranks):
+    two_ranks.value = {"theirs": 1}
+    assert distributed.broadcast_object({"mine": 0}, src=1) == {"theirs": 1}
+    assert distributed.broadcast_object({"mine": 0}) == {"mine": 0}
+    assert two_ranks.ops == [("broadcast", 1), ("broadcast", 0)]
+
+
+def test_broadcast_object_in_a_group_of_one(one_rank_group, monkeypatch):
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: pytest.fail("no one to broadcast to"))
+    obj = {"a": 1}
+    assert distributed.broadcast_object(obj) is obj
+
+
+def test_grad_norm_value_of_a_sharded_norm():
+    class Replicated:
+        def full_tensor(self):
+            return torch.tensor(4.0)
+
+    assert distributed.grad_norm_value(Replicated()).item() == 4.0
+    t = torch.tensor(2.0)
+    assert distributed.grad_norm_value(t) is t
+
+
+def test_no_sync_on_ddp_enters_its_no_sync_only_between_syncs():
+    entered = []
+
+    class FakeDDP(torch.nn.Linear):
+        def no_sync(self):
+            entered.append(True)
+            return nullcontext("skipped")
+
+    model = FakeDDP(2, 2)
+    with distributed.no_sync(model, False) as inside:
+        assert inside == "skipped"
+    with distributed.no_sync(model, True) as inside:
+        assert inside is None
+    assert entered == [True]
+
+
+def test_no_sync_on_a_sharded_model_returns_an_empty_context():
+    told = []
+
+    class Sharded(torch.nn.Linear):
+        def set_requires_gradient_sync(self, sync):
+            told.append(sync)
+            return "not a context"
+
+    for sync in (False, True):
+        ctx = distributed.no_sync(Sharded(2, 2), sync)
+        assert isinstance(ctx, nullcontext)
+    assert told == [False, True]
+
+
+# ------------------------------------------------------------------ wrapping the model
+
+
+def tiny_gpt():
+    from gptlab.model import GPT
+
+    torch.manual_seed(0)
+    return GPT(model_config(vocab_size=10, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
+
+
+def test_replicate_alone_and_with_others(one_rank_group, monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    assert distributed._replicate(model, distributed.Dist()) is model
+    ddp = distributed._replicate(model, distributed.Dist(world_size=2))
+    assert type(ddp).__name__ == "DistributedDataParallel" and ddp.module is model and ddp.device_ids is None
+    made = recorder("ddp")
+    monkeypatch.setattr("torch.nn.parallel.DistributedDataParallel", made)
+    assert distributed._replicate(model, distributed.Dist(world_size=2, device=torch.device("cuda", 3))) == "ddp"
+    assert made.calls == [((model,), {"device_ids": [3]})]
+
+
+def test_wrap_model_without_sharding_leaves_checkpointing_as_configured():
+    d = distributed.Dist()
+    model = tiny_gpt()
+    assert distributed.wrap_model(model, d, par(activation_checkpointing=False), hw(), compile=False) is model
+    assert not model.activation_checkpointing
+    assert distributed.wrap_model(model, d, par(activation_checkpointing=True), hw(), compile=False) is model
+    assert model.activation_checkpointing
+
+
+def test_mesh_shape():
+    assert distributed.mesh_shape("hsdp", 8, 2) == (2, 4)
+    assert distributed.mesh_shape("hsdp", 16, 4) == (4, 4) and type(distributed.mesh_shape("hsdp", 16, 4)[1]) is int
+    assert distributed.mesh_shape("fsdp", 8, 2) == (8,)
+    assert distributed.mesh_shape("ddp", 8, 2) == (8,)
+
+
+def _fsdp_settings(module):
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group.mp_policy, group.post_forward_mesh_info is not None
+
+
+def test_fsdp_on_one_rank_shards_every_block_then_the_root(one_rank_group):
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    model = tiny_gpt()
+    assert not distributed.is_sharded(model)
+    wrapped = distributed.wrap_model(model, distributed.Dist(), par("fsdp", activation_checkpointing=False),
+                                     hw(precision="bf16"), compile=False)  # fmt: skip
+    assert wrapped is model and isinstance(model, FSDPModule) and not model.activation_checkpointing
+    assert distributed.is_sharded(model)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert all(isinstance(b, FSDPModule) and _fsdp_settings(b) == (policy, True) for b in model.h)
+    assert _fsdp_settings(model) == (policy, False)  # the root keeps its gathered parameters
+    assert all(b._compiled_call_impl is None for b in model.h)
+    mesh = next(model.parameters()).device_mesh
+    assert (mesh.device_type, mesh.mesh_dim_names, tuple(mesh.shape)) == ("cpu", ("shard",), (1,))
+    x = torch.randint(0, 10, (2, 8))
+    _, loss = model(x, x)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a replicated DTensor
+    assert type(norm).__name__ == "DTensor" and type(distributed.grad_norm_value(norm)) is torch.Tensor
+    ignored = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None]
+    assert any(f[1].pattern == r".*FSDP2-wrapped module.*returned a view tensor" for f in ignored)
+
+
+def test_fsdp_warns_of_nothing_on_its_views(one_rank_group, recwarn):
+    model = distributed.wrap_model(tiny_gpt(), distributed.Dist(), par("fsdp"), hw(), compile=False)
+    x = torch.randint(0, 10, (2, 8))
+    model(x, x)
+    assert not [w for w in recwarn if "FSDP2-wrapped module" in str(w.message)]
+
+
+def test_hsdp_and_fp32_and_zero2_settings(one_rank_group):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = tiny_gpt()
+    distributed.wrap_model(model, distributed.Dist(), par("hsdp", reshard_after_forward=False),
+                           hw(precision="fp32"), compile=True)  # fmt: skip
+    assert model.activation_checkpointing  # the hsdp preset's choice
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    assert all(_fsdp_settings(b) == (policy, False) for b in model.h)
+    assert all(b._compiled_call_impl is not None for b in model.h)  # each block compiled (lazily) in place
+    assert model._compiled_call_impl is None
+    mesh = next(model.parameters()).device_mesh
+    assert (mesh.mesh_dim_names, tuple(mesh.shape)) == (("replicate", "shard"), (1, 1))
+    fp16 = distributed.wrap_model(tiny_gpt(), distributed.Dist(), par("fsdp"), hw(precision="fp16"), compile=False)
+    assert _fsdp_settings(fp16.h[0])[0].param_dtype == torch.float16
+
+
+def test_attention_context_restricts_sdpa_to_one_kernel_family():
+    b = torch.backends.cuda
+    enabled = lambda: (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())  # noqa: E731
+    assert isinstance(distributed.attention_context("auto"), nullcontext)
+    with distributed.attention_context("auto"):
+        assert enabled() == (True, True, True)
+    for backend, only in (("flash", (True, False, False)), ("efficient", (False, True, False)),
+                          ("math", (False, False, True))):  # fmt: skip
+        with distributed.attention_context(backend):
+            assert enabled() == only, backend
+    assert enabled() == (True, True, True)
+    with pytest.raises(KeyError):
+        distributed.attention_context("fast")
+
+
+# ------------------------------------------------------------------ spawned workers
+
+
+def test_worker_sets_its_rank_runs_and_exits_with_its_code(env):
+    exits = recorder()
+    env.setattr(distributed, "_exit_now", exits)
+    seen = []
+
+    def fn(a, b):
+        seen.append((a, b, {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                                       "MASTER_ADDR", "MASTER_PORT")}))  # fmt: skip
+
+    distributed._worker(1, 3, 29511, fn, ("x", 2))
+    assert seen == [("x", 2, {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})]  # fmt: skip
+    assert exits.calls == [(0,)]
+
+
+@pytest.mark.parametrize("code, exit_code", [(2, 2), (0, 0), (None, 0), ("a message", 1), (True, True)])
+def test_worker_turns_systemexit_into_its_exit_code(env, code, exit_code):
+    exits = recorder()
+    env.setattr(distributed, "_exit_now", exits)
+
+    def fn():
+        raise SystemExit(code)
+
+    distributed._worker(0, 1, 1234, fn, ())
+    assert exits.calls == [(exit_code,)] and type(exits.calls[0][0]) is type(exit_code)
+
+
+def test_worker_lets_a_crash_propagate(env):
+    env.setattr(distributed, "_exit_now", lambda code: pytest.fail("a crash is not an exit"))
+
+    def fn():
+        raise ValueError("bug")
+
+    with pytest.raises(ValueError, match="bug"):
+        distributed._worker(0, 1, 1234, fn, ())
+
+
+class Exited(Exception):
+    pass
+
+
+def test_exit_now_flushes_everything_then_leaves(monkeypatch):
+    events = []
+
+    class Stream:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def flush(self):
+            events.append(f"flush {self.name}")
+            if self.error:
+                raise self.error
+
+    def leave(code):
+        events.append(("exit", code))
+        raise Exited
+
+    monkeypatch.setattr(logging, "shutdown", lambda: events.append("logging"))
+    monkeypatch.setattr(os, "_exit", leave)
+    monkeypatch.setattr(sys, "stdout", Stream("stdout", OSError("closed pipe")))
+    monkeypatch.setattr(sys, "stderr", Stream("stderr"))
+    with pytest.raises(Exited):
+        distributed._exit_now(3)
+    assert events == ["logging", "flush stdout", "flush stderr", ("exit", 3)]
+    events.clear()
+    monkeypatch.setattr(sys, "stdout", Stream("stdout"))
+    monkeypatch.setattr(sys, "stderr", Stream("stderr", ValueError("I/O operation on closed file")))
+    with pytest.raises(Exited):
+        distributed._exit_now(0)
+    assert events == ["logging", "flush stdout", "flush stderr", ("exit", 0)]
+
+
+class FakeProcess:
+    def __init__(self, pid, alive):
+        self.pid, self.alive = pid, alive
+
+    def is_alive(self):
+        return self.alive
+
+
+@pytest.fixture
+def fake_spawn(monkeypatch):
+    """mp.start_processes recorded; its context's join() runs the steps the test gives."""
+    import torch.multiprocessing as mp
+
+    started = SimpleNamespace(calls=[], steps=[], kills=[])
+
+    class Context:
+        processes = [FakeProcess(101, True), FakeProcess(102, False), FakeProcess(103, True)]
+
+        def join(self):
+            step = started.steps.pop(0)
+            return step() if callable(step) else step
+
+    def start_processes(fn, **kwargs):
+        started.calls.append((fn, kwargs))
+        return Context()
+
+    monkeypatch.setattr(mp, "start_processes", start_processes)
+    monkeypatch.setattr(distributed, "_free_port", lambda: 29555)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: started.kills.append((pid, sig)))
+    return started
+
+
+def test_spawn_starts_the_workers_and_waits_for_all(fake_spawn):
+    def target():
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    fake_spawn.steps = [False, False, True]
+    assert distributed.spawn(target, 3, ("a",)) is None
+    assert fake_spawn.steps == []
+    assert fake_spawn.calls == [
+        (distributed._worker, {"args": (3, 29555, target, ("a",)), "nprocs": 3, "start_method": "spawn", "join": False})
+    ]
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_spawn_forwards_a_schedulers_signals_to_the_live_workers(fake_spawn):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+
+    def signalled():
+        for s in (signal.SIGUSR2, signal.SIGTERM):
+            handler = signal.getsignal(s)
+            assert handler not in (before[s], signal.SIG_DFL, signal.SIG_IGN)
+            handler(s, None)
+        return True
+
+    fake_spawn.steps = [signalled]
+    distributed.spawn(print, 3, ())
+    assert fake_spawn.kills == [(101, signal.SIGUSR2), (103, signal.SIGUSR2), (101, signal.SIGTERM),
+                                (103, signal.SIGTERM)]  # fmt: skip
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _raise(error):
+    def step():
+        raise error
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "exit_code, signal_name, how",
+    [(1, None, "exited with code 1"), (-9, "SIGKILL", "was killed by SIGKILL"), (-15, "", "exited with code -15")],
+)
+def test_spawn_names_the_worker_that_died(fake_spawn, exit_code, signal_name, how):
+    import torch.multiprocessing as mp
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    fake_spawn.steps = [False, _raise(mp.ProcessExitedException("died", 1, 4242, exit_code, signal_name))]
+    with pytest.raises(GptlabError) as e:
+        distributed.spawn(print, 2, ())
+    assert str(e.value) == f"worker rank 1 (pid 4242) {how}; all workers were stopped"
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_spawn_passes_on_a_workers_user_error_exit(fake_spawn):
+    import torch.multiprocessing as mp
+
+    fake_spawn.steps = [_raise(mp.ProcessExitedException("user error", 0, 4242, 2))]
+    with pytest.raises(SystemExit) as e:
+        distributed.spawn(print, 2, ())
+    assert e.value.code == 2 and e.value.__suppress_context__
+
+
+def test_spawn_logs_a_workers_traceback_and_names_its_rank(fake_spawn, caplog):
+    import torch.multiprocessing as mp
+
+    fake_spawn.steps = [_raise(mp.ProcessRaisedException("Traceback ...\nValueError: bug\n\n", 1, 4242))]
+    with caplog.at_level(logging.ERROR, logger="gptlab.distributed"), pytest.raises(GptlabError) as e:
+        distributed.spawn(print, 2, ())
+    assert str(e.value) == "worker rank 1 failed (traceback above); all workers were stopped"
+    assert e.value.__suppress_context__
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("gptlab.distributed", logging.ERROR, "Traceback ...\nValueError: bug")
+    ]

@@ -63,10 +63,12 @@ def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare
     from gptlab import distributed
 
     calls, real = [], distributed.no_sync
-    monkeypatch.setattr(distributed, "no_sync", lambda model, sync: calls.append(sync) or real(model, sync))
+    monkeypatch.setattr(distributed, "no_sync", lambda model, sync: calls.append((model, sync)) or real(model, sync))
     overrides = nano_overrides(shakespeare, "train.max_steps=2", "train.sample_tokens=0", "train.micro_batch_size=2")
-    train(build_run(tmp_path, overrides))
-    assert calls == [False, False, False, True] * 2  # batch 8 = 2 x 4 micro-steps, 2 steps
+    run = build_run(tmp_path, overrides)
+    train(run)
+    # batch 8 = 2 x 4 micro-steps, 2 steps; the model told is the wrapped one (DDP / FSDP's no_sync)
+    assert calls == [(run.model, False), (run.model, False), (run.model, False), (run.model, True)] * 2
 
 
 def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
@@ -197,3 +199,189 @@ def test_results_count_this_sessions_tokens_and_time_only():
     assert (none["tokens_per_s"], none["mfu"], none["best_val_loss"]) == (None, None, None)
     half = results(run(start_tokens=1000, train_time=0.5), p, wall_s=1.0)
     assert half["tokens_per_s"] == 4000.0
+
+
+def record_calls(monkeypatch, obj, names):
+    """Wrap obj's methods so each call's arguments are recorded (the real method still runs)."""
+    calls = {name: [] for name in names}
+    for name in names:
+        real = getattr(obj, name)
+
+        def wrapper(*args, _real=real, _name=name):
+            calls[_name].append(args)
+            return _real(*args)
+
+        monkeypatch.setattr(obj, name, wrapper)
+    return calls
+
+
+def train_step_losses(run):
+    """The training forwards' losses, in order (eval forwards run with the model in eval mode)."""
+    losses = []
+    run.raw_model.register_forward_hook(lambda m, args, out: losses.append(out[1].item()) if m.training else None)
+    return losses
+
+
+def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(tmp_path, shakespeare, monkeypatch):
+    """Log, evaluate and save on cadences that do not line up (log 5, eval 4, save 3), so each kind of
+    step is seen alone: what reaches the reporter, metrics.jsonl and each checkpoint, exactly."""
+    import signal
+    import time
+
+    from gptlab import checkpoint
+
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=12", "train.eval_every=4", "train.checkpoint_every=3", "train.sample_tokens=0"
+    )
+    run = build_run(tmp_path, overrides)
+    monkeypatch.setattr(type(run.tracker), "run_id", property(lambda self: "run-under-test"))
+    said = record_calls(monkeypatch, run.reporter, ["begin", "tick", "close_window", "progress", "stopped"])
+    saved, real_save = [], checkpoint.save_state
+
+    def save_state(folder, state, val_loss, keep, is_main=True):
+        saved.append((state, val_loss, keep, is_main))
+        return real_save(folder, state, val_loss, keep, is_main)
+
+    monkeypatch.setattr(checkpoint, "save_state", save_state)
+    losses = train_step_losses(run)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    t0 = time.perf_counter()
+    results = train(run)
+    elapsed = time.perf_counter() - t0
+
+    assert said["begin"] == [(0, run.summary)]
+    assert said["tick"] == [(2,), (7,), (11,)]  # the steps that neither log, evaluate nor save
+    assert said["close_window"] == [(s,) for s in (1, 3, 4, 5, 6, 8, 9, 10, 12)]
+    assert said["stopped"] == []
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 4, 5, 8, 10, 12]  # a save alone logs nothing
+    logged = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+    for r in rows:
+        expect = {4: {"step", "tokens", "val_loss"}, 8: {"step", "tokens", "val_loss"}, 12: logged | {"val_loss"}}
+        assert set(r) == expect.get(r["step"], logged), r
+        assert r["tokens"] == r["step"] * 8 * 32
+    assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)
+    vals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    # progress: the figures of the step (train_loss is the latest average) and the best val so far
+    progress = [(step, figures["train_loss"], figures["lr"], best) for step, figures, best in said["progress"]]
+    train_losses = {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
+    assert [(s, lr) for s, _, lr, _ in progress] == [(s, run.lr_at(s - 1)) for s in (1, 4, 5, 8, 10, 12)]
+    assert [loss for _, loss, _, _ in progress] == [train_losses[s] for s in (1, 1, 5, 5, 10, 12)]
+    assert [best for *_, best in progress] == [
+        math.inf, vals[4], vals[4], min(vals[4], vals[8]), min(vals[4], vals[8]), min(vals.values())
+    ]  # fmt: skip
+
+    # a checkpoint at every third step and the last; only the last step has a fresh val loss to offer
+    assert [(s.step, val, keep, is_main) for s, val, keep, is_main in saved] == [
+        (3, None, 2, True), (6, None, 2, True), (9, None, 2, True), (12, vals[12], 2, True)
+    ]  # fmt: skip
+    third = saved[0][0]
+    assert third.tokens == 3 * 8 * 32 and third.best_val_loss == math.inf
+    # step 1 logged, so steps 2 and 3 are the train-loss average in progress
+    assert third.loss_window[1] == 2 and third.loss_window[0] == pytest.approx(losses[1] + losses[2], rel=1e-6)
+    assert third.config == run.resolved_config and third.model_config == run.model_config
+    assert third.tokenizer == run.tokenizer.to_meta() and third.mlflow_run_id == "run-under-test"
+    assert json.loads((run.checkpoint_dir / "best.json").read_text())["checkpoint"] == "ckpt_00000012.pt"
+    assert sorted(p.name for p in run.checkpoint_dir.glob("ckpt_*")) == ["ckpt_00000009.pt", "ckpt_00000012.pt"]
+
+    assert results["steps"] == 12 and results["stopped_by"] is None and results["mlflow_run_id"] == "run-under-test"
+    assert 0 < results["wall_s"] <= elapsed
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # the loop's handler is gone again
+    assert all(p.grad is None for p in run.raw_model.parameters())  # set_to_none: no gradient memory kept
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2"])
+def test_a_signal_stops_at_the_next_step_with_a_checkpoint(tmp_path, shakespeare, monkeypatch, name):
+    """The signal arrives inside step 3; the loop finishes that step, saves it, says so, and returns."""
+    import os
+    import signal
+
+    run = build_run(tmp_path, nano_overrides(shakespeare, "train.sample_tokens=0"))
+    said = record_calls(monkeypatch, run.reporter, ["stopped"])
+    forwards = []
+
+    def signal_in_third_forward(module, args):
+        forwards.append(1)
+        if len(forwards) == 3:
+            os.kill(os.getpid(), getattr(signal, name))
+
+    run.raw_model.register_forward_pre_hook(signal_in_third_forward)
+    # a handler of our own stands before the loop's (whatever pytest or a test runner installed is
+    # put back after): the loop must take the signal itself, then hand this one back
+    reached_previous = []
+    sig = getattr(signal, name)
+    outer = signal.signal(sig, lambda signum, frame: reached_previous.append(signum))
+    try:
+        results = train(run)
+        assert signal.getsignal(sig).__name__ == "<lambda>"  # ours, back in place
+    finally:
+        signal.signal(sig, outer)
+    assert reached_previous == []
+    assert results["stopped_by"] == name and results["steps"] == 3
+    assert said["stopped"] == [(name, 3, run.checkpoint_dir, run.train.resume)]
+    assert [p.name for p in run.checkpoint_dir.glob("ckpt_*")] == ["ckpt_00000003.pt"]
+
+
+def test_stop_on_signal_outside_the_main_thread_installs_nothing():
+    import threading
+
+    from gptlab.loop import StopOnSignal
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(StopOnSignal()))
+    worker.start()
+    worker.join()
+    assert got[0].received is None and got[0]._previous == {}  # signal.signal would raise in a thread
+    got[0].restore()
+
+
+def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespeare):
+    run = build_run(tmp_path, nano_overrides(shakespeare, "train.max_steps=2", "train.sample_tokens=0",
+                                             "optimizer.grad_clip=0"))  # fmt: skip
+    before = run.raw_model.lm_head.weight.detach().clone()
+    train(run)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] for r in rows] == [0.0, 0.0]  # steps 1 and 2 (the last)
+    # a clip at 0 would zero every gradient; the weights must move by lr-sized steps
+    assert (run.raw_model.lm_head.weight - before).abs().max() > 1e-4
+
+
+def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
+    """The GradScaler multiplies the loss by 2**16: the norm clipped and logged must be the true one."""
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        run = build_run(tmp_path / precision, nano_overrides(
+            shakespeare, "train.max_steps=1", "train.sample_tokens=0", f"hardware.precision={precision}",
+            "model.dropout=0.0",
+        ))  # fmt: skip
+        train(run)
+        norms[precision] = json.loads((tmp_path / precision / "metrics.jsonl").read_text())["grad_norm"]
+    # measured: fp16 1.84161 vs fp32 1.84155 at step 1 (3.6e-5 apart); a scaled norm would be 65536x
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-3)
+
+
+def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
+    """A crash after step 7 was logged, with the newest checkpoint at step 5: the resumed run trains
+    steps 6 and 7 again but does not log them twice."""
+    overrides = nano_overrides(shakespeare, "train.max_steps=10", "train.log_every=1", "train.checkpoint_every=5",
+                               "train.sample_tokens=0")  # fmt: skip
+    run = build_run(tmp_path, overrides)
+    forwards = []
+
+    def crash_in_step_8(module, args):
+        if module.training:
+            forwards.append(1)
+            if len(forwards) == 8:
+                raise RuntimeError("simulated crash")
+
+    hook = run.raw_model.register_forward_pre_hook(crash_in_step_8)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(run)
+    hook.remove()
+    _BUILT.remove(run)
+    run.close("FAILED")
+    resumed = build_run(tmp_path, overrides)
+    assert (resumed.start_step, resumed.logged_until_step) == (5, 7)
+    train(resumed)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))

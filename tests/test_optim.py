@@ -127,9 +127,15 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert not unfused.defaults["fused"]
 
 
-def test_fast_bf16_is_cuda_and_cpus_with_native_bf16():
+@pytest.mark.parametrize("avx512_bf16, amx, native", [(False, False, False), (True, False, True), (False, True, True)])
+def test_fast_bf16_is_cuda_and_cpus_with_native_bf16(monkeypatch, avx512_bf16, amx, native):
+    """A CPU has native bf16 with AVX-512-BF16 or AMX; oneDNN's emulation on other AVX-512 CPUs is
+    slower than fp32, so it does not count."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    assert fast_bf16(torch.device("cpu")) is native
     assert fast_bf16(torch.device("cuda")) is True
-    assert fast_bf16(torch.device("cpu")) is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert fast_bf16(torch.device("meta")) is False
 
 

@@ -11,6 +11,7 @@ from conftest import compose_config, nano_overrides
 from gptlab.build import build
 from gptlab.config import to_config
 from gptlab.loop import train
+from gptlab.tracking import read_metrics
 from gptlab.train import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "nano_loss_curve.json"
@@ -53,7 +54,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
     for name in grads[0]:
         assert torch.allclose(grads[0][name], grads[1][name], atol=1e-7, rtol=1e-4), name
     # the loss reported is the mean over the whole batch in both cases
-    rows = [json.loads((tmp_path / str(mb) / "metrics.jsonl").read_text().splitlines()[0]) for mb in (16, 4)]
+    rows = [read_metrics(tmp_path / str(mb))[0] for mb in (16, 4)]
     assert rows[0]["train_loss"] == pytest.approx(rows[1]["train_loss"], rel=1e-5)
 
 
@@ -95,7 +96,7 @@ def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
 def test_loss_goes_down_and_run_folder_is_complete(tmp_path, shakespeare):
     run_dir = tmp_path / "run"
     results = run_training(compose_config(nano_overrides(shakespeare, "train.max_steps=60")), run_dir)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     assert losses[0] > 4.0 and losses[-1] < 3.3
     assert {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(rows[0])
@@ -119,7 +120,7 @@ def test_golden_loss_curve(tmp_path, shakespeare):
 
     run_dir = tmp_path / "run"
     run_training(compose_config(nano_overrides(shakespeare, "train.log_every=1", "train.sample_tokens=0")), run_dir)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(run_dir)
     curve = [round(r["train_loss"], 6) for r in rows if "train_loss" in r]
     assert len(curve) == 20
     if os.environ.get("GPTLAB_UPDATE_GOLDEN") == "1":
@@ -215,6 +216,19 @@ def record_calls(monkeypatch, obj, names):
     return calls
 
 
+def at_training_forward(run, n, action):
+    """Call action() in the n-th training forward (1-based; evaluation forwards are not counted)."""
+    count = []
+
+    def hook(module, args):
+        if module.training:
+            count.append(1)
+            if len(count) == n:
+                action()
+
+    return run.raw_model.register_forward_pre_hook(hook)
+
+
 def train_step_losses(run):
     """The training forwards' losses, in order (eval forwards run with the model in eval mode)."""
     losses = []
@@ -253,7 +267,7 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(tmp_p
     assert said["tick"] == [(2,), (7,), (11,)]  # the steps that neither log, evaluate nor save
     assert said["close_window"] == [(s,) for s in (1, 3, 4, 5, 6, 8, 9, 10, 12)]
     assert said["stopped"] == []
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 4, 5, 8, 10, 12]  # a save alone logs nothing
     logged = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
     for r in rows:
@@ -298,18 +312,11 @@ def test_a_signal_stops_at_the_next_step_with_a_checkpoint(tmp_path, shakespeare
 
     run = build_run(tmp_path, nano_overrides(shakespeare, "train.sample_tokens=0"))
     said = record_calls(monkeypatch, run.reporter, ["stopped"])
-    forwards = []
-
-    def signal_in_third_forward(module, args):
-        forwards.append(1)
-        if len(forwards) == 3:
-            os.kill(os.getpid(), getattr(signal, name))
-
-    run.raw_model.register_forward_pre_hook(signal_in_third_forward)
+    sig = getattr(signal, name)
+    at_training_forward(run, 3, lambda: os.kill(os.getpid(), sig))
     # a handler of our own stands before the loop's (whatever pytest or a test runner installed is
     # put back after): the loop must take the signal itself, then hand this one back
     reached_previous = []
-    sig = getattr(signal, name)
     outer = signal.signal(sig, lambda signum, frame: reached_previous.append(signum))
     try:
         results = train(run)
@@ -340,7 +347,7 @@ def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespear
                                              "optimizer.grad_clip=0"))  # fmt: skip
     before = run.raw_model.lm_head.weight.detach().clone()
     train(run)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["grad_norm"] for r in rows] == [0.0, 0.0]  # steps 1 and 2 (the last)
     # a clip at 0 would zero every gradient; the weights must move by lr-sized steps
     assert (run.raw_model.lm_head.weight - before).abs().max() > 1e-4
@@ -355,7 +362,7 @@ def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
             "model.dropout=0.0",
         ))  # fmt: skip
         train(run)
-        norms[precision] = json.loads((tmp_path / precision / "metrics.jsonl").read_text())["grad_norm"]
+        norms[precision] = read_metrics(tmp_path / precision)[0]["grad_norm"]
     # measured: fp16 1.84161 vs fp32 1.84155 at step 1 (3.6e-5 apart); a scaled norm would be 65536x
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-3)
 
@@ -366,15 +373,11 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     overrides = nano_overrides(shakespeare, "train.max_steps=10", "train.log_every=1", "train.checkpoint_every=5",
                                "train.sample_tokens=0")  # fmt: skip
     run = build_run(tmp_path, overrides)
-    forwards = []
 
-    def crash_in_step_8(module, args):
-        if module.training:
-            forwards.append(1)
-            if len(forwards) == 8:
-                raise RuntimeError("simulated crash")
+    def crash():
+        raise RuntimeError("simulated crash")
 
-    hook = run.raw_model.register_forward_pre_hook(crash_in_step_8)
+    hook = at_training_forward(run, 8, crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(run)
     hook.remove()
@@ -383,5 +386,5 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     resumed = build_run(tmp_path, overrides)
     assert (resumed.start_step, resumed.logged_until_step) == (5, 7)
     train(resumed)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))

@@ -25,7 +25,7 @@ from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
-from gptlab.optim import build_optimizer, lr_at, scaled_lr
+from gptlab.optim import averaged_weights, build_optimizer, lr_at, scaled_lr
 from gptlab.plan import device_peak, flops_for, loss_chunk, resolve_micro_batch
 from gptlab.tracking import NullTracker, RunIdentity, Tracker, experiment_name, flatten, last_logged_step
 from gptlab.tracking import run_name as default_run_name
@@ -84,6 +84,11 @@ class Run:
             "scaler": self.scaler,
             "loader": self.train_loader,
         }
+
+    def evaluated_weights(self) -> contextlib.AbstractContextManager:
+        """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
+        with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
+        return averaged_weights(self.optimizer)
 
     def close(self, status: str) -> None:
         """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""
@@ -298,7 +303,7 @@ def write_sample(run: Run) -> Optional[str]:
     prompt = run.tokenizer.encode(run.train.sample_prompt) or [0]
     idx = torch.tensor([prompt], dtype=torch.long, device=run.dist.device)
     gen = torch.Generator(device=run.dist.device).manual_seed(run.train.seed)
-    with run.autocast():
+    with run.autocast(), run.evaluated_weights():
         out = run.raw_model.generate(idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen)
     if not run.dist.is_main:
         return None

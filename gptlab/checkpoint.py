@@ -26,7 +26,7 @@ import re
 import shutil
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -357,13 +357,17 @@ class TrainingState:
         return cls(**{n: state[n] for n in names if n in state})
 
 
-def read_model(path: Path) -> TrainingState:
+def read_model(path: Path, optimizer_entries: Sequence[str] = ()) -> TrainingState:
     """A checkpoint to read the model from (sample, export): its model_config, whole model weights
     (a sharded checkpoint's are consolidated here, in this process), tokenizer and step; loaded
-    without code execution, restored into nothing."""
+    without code execution, restored into nothing. optimizer_entries: per-parameter optimizer state
+    to read too, whole, by entry name (a single-file checkpoint holds all of it anyway)."""
     state = TrainingState.load(path)
     if state.shards is not None:
         state.model = load_whole(state.shards, ["model"])["model"]
+        if optimizer_entries:
+            keys = [f"optimizer.state.{name}.{entry}" for name in state.model for entry in optimizer_entries]
+            state.optimizer = load_whole(state.shards, keys).get("optimizer")
     return state
 
 

@@ -54,7 +54,8 @@ class StopOnSignal:
 
 @torch.no_grad()
 def evaluate(run: "Run") -> float:
-    """Mean validation loss over the fixed validation batches, averaged over all ranks.
+    """Mean validation loss over the fixed validation batches, averaged over all ranks, of the
+    evaluated weights (the weight average with optimizer.ema_decay > 0).
 
     A sharded model's every forward is a collective, so each rank runs as many forwards as the rank
     with the most batches (ceil(eval_steps / world)), padding with uncounted ones.
@@ -65,16 +66,17 @@ def evaluate(run: "Run") -> float:
     rounds = len(run.val_batches)
     if distributed.is_sharded(run.raw_model):
         rounds = -(-run.train.eval_steps // run.dist.world_size)
-    for i in range(rounds):
-        if i < len(run.val_batches):
-            x, y = run.val_batches[i]
-        else:  # padding: the collectives need this rank, the mean does not
-            x = y = torch.zeros((1, run.block_size), dtype=torch.long)
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-        with run.autocast():
-            _, loss = model(x, y)
-        if i < len(run.val_batches):
-            total += loss.float()
+    with run.evaluated_weights():
+        for i in range(rounds):
+            if i < len(run.val_batches):
+                x, y = run.val_batches[i]
+            else:  # padding: the collectives need this rank, the mean does not
+                x = y = torch.zeros((1, run.block_size), dtype=torch.long)
+            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+            with run.autocast():
+                _, loss = model(x, y)
+            if i < len(run.val_batches):
+                total += loss.float()
     model.train()
     count = torch.tensor(float(len(run.val_batches)), device=dev)
     # sum of losses and of batch counts over ranks, so uneven splits still give the exact mean

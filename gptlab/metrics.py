@@ -128,6 +128,7 @@ class Shape:
     params: int  # every parameter, counted once
     matmul_params: int  # see matmul_params()
     swiglu: bool = False
+    rotary: bool = False  # rotary positions: q and k are rotated into new tensors
     dropout: float = 0.0
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast: weights stay fp32)
     flash: bool = True  # attention keeps no T x T matrix (SDPA flash / memory-efficient kernels)
@@ -138,6 +139,7 @@ class Shape:
     reshard: bool = True  # sharded: blocks free their gathered weights after forward (ZeRO-3)
     layer_params: int = 0  # parameters of one transformer block (what a sharded run gathers at a time)
     loss_chunk: int = 0  # tokens per chunk of LM head + loss (model.ChunkedHeadLoss); 0: the whole logits
+    optimizer_floats: float = 2.0  # fp32 numbers of optimizer state per parameter (AdamW: its two moments)
 
 
 def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
@@ -148,7 +150,8 @@ def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
     LayerNorm inputs stay fp32 under autocast:
       ln_1 input 4d + c_attn input c*d + q,k,v 3c*d + attention output c*d (c_proj's input) +
       ln_2 input 4d + c_fc input c*d + the MLP hidden before and after the activation 2c*h (3c*h
-      for SwiGLU's gate, up and product) + two residual dropout masks when dropout > 0 + the
+      for SwiGLU's gate, up and product) + rotary's rotated q and k 2c*d (v stays a view of c_attn's
+      output, which SDPA keeps) + two residual dropout masks when dropout > 0 + the
       T x T attention probabilities (and dropout mask and dropped copy) when attention is not fused.
     With checkpointing a block keeps only its fp32 input (4d); one block is recomputed at a time
     during backward, which memory_estimate adds once.
@@ -157,7 +160,7 @@ def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
     if checkpointing:
         return 4.0 * d
     mask = 1 if s.device == "cuda" else c
-    per = 8 * d + 6 * c * d + (3 if s.swiglu else 2) * c * h
+    per = 8 * d + 6 * c * d + (3 if s.swiglu else 2) * c * h + (2 * c * d if s.rotary else 0)
     if s.dropout > 0:
         per += 2 * mask * d
     if not s.flash:
@@ -168,7 +171,8 @@ def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
 def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str, float]:
     """Peak memory per device in bytes, by part, for one training step at this micro-batch.
 
-    Static: weights (fp32 master weights), optimizer (AdamW's two fp32 moments), ddp (DDP's
+    Static: weights (fp32 master weights), optimizer (optimizer_floats fp32 numbers per parameter:
+    AdamW's two moments, fewer with Muon, one more for a weight average), ddp (DDP's
     gradient buckets, a second gradient copy, when world_size > 1). Then two moments of a step can
     be the peak: the start of backward, holding every saved activation, autocast's half-precision
     weight copies and the LM head's logits, log-softmax and their gradient (transient); and the end
@@ -201,7 +205,7 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     sharded = _sharded_parts(s, c)
     parts = {
         "weights": 4.0 * s.params / shards,
-        "optimizer": 8.0 * s.params / shards,
+        "optimizer": 4.0 * s.optimizer_floats * s.params / shards,
         "ddp": 4.0 * s.params if s.world_size > 1 and not s.sharded else 0.0,
         "grads": 4.0 * s.params / shards + sharded["grads_in_flight"],
         "autocast": float(c * s.matmul_params) if c < 4 and not s.sharded else 0.0,

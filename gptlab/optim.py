@@ -1,10 +1,11 @@
-"""Optimizer: parameter groups, AdamW, and the learning-rate schedule lr_at(step)."""
+"""Optimizer: parameter groups, AdamW, Muon, the weight average, and the learning-rate schedule lr_at(step)."""
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,6 +29,7 @@ class OptimizerConfig:
     fused: Optional[bool]  # null: fused kernels where the device supports them
     muon_momentum: float  # name=muon: Nesterov momentum of the orthogonalised matrix updates
     muon_ns_steps: int  # name=muon: Newton-Schulz iterations per update
+    ema_decay: float  # > 0: evaluate, sample and export an exponential moving average of the weights
 
 
 def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:
@@ -72,12 +74,74 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
             {"params": [p for p in decay if id(p) not in taken], "weight_decay": cfg.weight_decay, "muon": False},
             {"params": no_decay, "weight_decay": 0.0, "muon": False},
         ]
-        return Muon(groups, lr, tuple(cfg.betas), cfg.eps, cfg.muon_momentum, cfg.muon_ns_steps, fused)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+        optimizer: torch.optim.Optimizer = Muon(
+            groups, lr, tuple(cfg.betas), cfg.eps, cfg.muon_momentum, cfg.muon_ns_steps, fused
+        )
+    else:
+        groups = [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    if cfg.ema_decay > 0:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: update_average(opt, cfg.ema_decay))
+    return optimizer
+
+
+# ------------------------------------------------------------------------------ the weight average
+
+# The exponential moving average of the weights is per-parameter optimizer state under this key, so
+# it is saved, resharded and restored with the moments (a sharded run keeps the average of its own
+# shard), and a resumed run goes on averaging exactly where it stopped.
+AVERAGE = "ema"
+
+
+def update_average(optimizer: torch.optim.Optimizer, decay: float) -> None:
+    """average = decay * average + (1 - decay) * weights, after each optimizer step; the first step
+    starts the average at the weights it produced."""
+    with torch.no_grad():
+        started, weights = [], []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state[p]
+                if AVERAGE in state:
+                    started.append(state[AVERAGE])
+                    weights.append(p.detach())
+                else:
+                    state[AVERAGE] = p.detach().clone()
+        if started:
+            torch._foreach_lerp_(started, weights, 1.0 - decay)
+
+
+@contextmanager
+def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside, every parameter that has an average holds it (evaluation, sampling); the training
+    weights are back afterwards, bit for bit. Without an average (ema_decay=0) it changes nothing."""
+    pairs = [(p.detach(), s[AVERAGE]) for p, s in optimizer.state.items() if AVERAGE in s]
+    saved = [p.clone() for p, _ in pairs]
+    with torch.no_grad():
+        for p, avg in pairs:
+            p.copy_(avg)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (p, _), kept in zip(pairs, saved):
+                p.copy_(kept)
+
+
+def load_average(model: nn.Module, optimizer_state: Optional[Dict[str, Any]]) -> bool:
+    """Copy a saved optimizer state's weight average (keyed by parameter name, as checkpoints hold it)
+    into model's parameters; True if there was one. Tied parameters take it under any of their names."""
+    saved = (optimizer_state or {}).get("state", {})
+    found = False
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            avg = saved.get(name, {}).get(AVERAGE)
+            if avg is not None:
+                p.copy_(avg)
+                found = True
+    return found
 
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic Newton-Schulz iteration tuned to converge in ~5 steps

@@ -96,6 +96,24 @@ def block_params(m: GPTConfig) -> int:
     return layer_norms + attention + mlp
 
 
+def optimizer_floats(cfg: Config, params: int, matmuls: int, head: int) -> float:
+    """fp32 numbers of optimizer state per parameter: AdamW's two moments for every parameter; with
+    Muon, one momentum for each matrix it orthogonalises (every matmul weight but a tied head, which is
+    the embedding) and AdamW's two for the rest; one more for the weight average (optimizer.ema_decay > 0).
+    matmuls: metrics.matmul_params; head: the LM head's weights (padded vocabulary x n_embd)."""
+    o = cfg.optimizer
+    floats = 2.0 * params
+    if o.name == "muon":
+        floats -= matmuls - (head if cfg.model.tie_weights else 0)
+    return floats / params + (1.0 if o.ema_decay > 0 else 0.0)
+
+
+def optimizer_label(cfg: Config) -> str:
+    """What the optimizer's memory holds, in the report's words."""
+    kind = "Muon/AdamW" if cfg.optimizer.name == "muon" else "AdamW"
+    return kind + (" + average" if cfg.optimizer.ema_decay > 0 else " state")
+
+
 def param_count(cfg: Config, vocab: int) -> int:
     """Parameters of gptlab.model.GPT for this config, without building it."""
     m = cfg.model
@@ -154,6 +172,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
     hidden = m.hidden_dim
     swiglu = m.mlp == "swiglu"
     params = param_count(cfg, vocab)
+    matmuls = matmul_params(m.n_layer, m.n_embd, hidden, V, swiglu)
     # SDPA's fused kernels keep no T x T matrix; on the CPU they take no dropout, so the math path does
     fused = hw.attention_backend != "math" and (hw.device == "cuda" or m.dropout == 0)
     shape = Shape(
@@ -164,8 +183,9 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         vocab=V,
         block_size=m.block_size,
         params=params,
-        matmul_params=matmul_params(m.n_layer, m.n_embd, hidden, V, swiglu),
+        matmul_params=matmuls,
         swiglu=swiglu,
+        rotary=m.pos_emb == "rotary",
         dropout=m.dropout,
         precision=hw.precision,
         flash=fused,
@@ -176,6 +196,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         reshard=cfg.parallelism.reshard_after_forward,
         layer_params=block_params(m),
         loss_chunk=loss_chunk(cfg.parallelism, m, vocab),
+        optimizer_floats=optimizer_floats(cfg, params, matmuls, V * m.n_embd),
     )
     return shape, params, assumed
 
@@ -357,7 +378,7 @@ def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
     for key, label in (
         ("weights", f"weights (fp32{split})"),
         ("grads", f"gradients (fp32{split}{', + in flight' if s.sharded else ''})"),
-        ("optimizer", f"AdamW state (fp32 x2{split})"),
+        ("optimizer", f"{optimizer_label(cfg)} (fp32 x{s.optimizer_floats:.3g}{split})"),
         ("ddp", "DDP gradient buckets"),
         ("autocast", "autocast weight copies"),
         ("gathered", "gathered weights in flight (sharded)"),

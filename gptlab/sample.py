@@ -19,6 +19,7 @@ from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
 from gptlab.data import Tokenizer, load_tokenizer
 from gptlab.model import GPT, GPTConfig
+from gptlab.optim import AVERAGE, load_average
 
 
 @dataclass
@@ -41,10 +42,12 @@ TEXT_KEYS = text_keys(SampleConfig)  # prompt=ROMEO: / prompt=true / prompt=a,b 
 
 
 def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.TrainingState]:
-    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model."""
-    saved = checkpoint.read_model(checkpoint.find(run, which))
+    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model (its
+    weight average where the run kept one)."""
+    saved = checkpoint.read_model(checkpoint.find(run, which), optimizer_entries=(AVERAGE,))
     model = GPT(GPTConfig(**saved.model_config))
     model.load_state_dict(saved.model)
+    load_average(model, saved.optimizer)  # the weights the run evaluated (optimizer.ema_decay > 0)
     return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
 
 

@@ -142,6 +142,11 @@ def logged_losses(run_dir: Path):
     return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
 
 
+def logged_val_losses(run_dir: Path):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
 @pytest.mark.parametrize(
     "extra",
     [
@@ -149,8 +154,9 @@ def logged_losses(run_dir: Path):
         ["data.sampling=sequential"],  # the sequential loader's (epoch, position) and shuffled order
         ["hardware.precision=fp16"],  # the GradScaler's scale and growth tracker
         ["optimizer=muon"],  # Muon's momentum buffers beside AdamW's moments and step counts
+        ["optimizer.ema_decay=0.9"],  # the weight average, kept in the optimizer state, and evaluated
     ],
-    ids=["random", "sequential", "fp16", "muon"],
+    ids=["random", "sequential", "fp16", "muon", "ema"],
 )
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -170,6 +176,9 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
         assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
     if "data.sampling=sequential" in extra:
         assert saved["loader"]["kind"] == "sequential" and saved["loader"]["position"] > 0
+    if "optimizer.ema_decay=0.9" in extra:
+        assert all("ema" in v for v in saved["optimizer"]["state"].values())
+        assert logged_val_losses(straight) == logged_val_losses(split) and logged_val_losses(split)
 
 
 def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(tmp_path, shakespeare):

@@ -21,6 +21,7 @@ import torch
 from conftest import REPO, cli_env, nano_overrides, run_cli
 
 from gptlab import checkpoint
+from gptlab.sample import load_model
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -110,8 +111,9 @@ def test_fsdp_and_hsdp_on_two_processes_match_one_process(tmp_path, shakespeare)
 def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shakespeare):
     """Muon with each rank holding a shard of rows: every update is gathered whole, orthogonalised and
     cut back to this rank's rows, so the losses are one process's; its sharded momentum buffers resume
-    bitwise."""
-    args = base(shakespeare, "optimizer=muon", "train.micro_batch_size=2")
+    bitwise. With a weight average: each rank averages its shards, evaluation swaps them in (the val
+    losses are one process's), they resume bitwise, and a sharded checkpoint's reader rebuilds it."""
+    args = base(shakespeare, "optimizer=muon", "train.micro_batch_size=2", "optimizer.ema_decay=0.8")
     fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
     single, straight, resumed = tmp_path / "single", tmp_path / "straight", tmp_path / "resumed"
     train([*args, "hardware=cpu", "train.max_steps=10"], single, tmp_path)
@@ -132,6 +134,12 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shake
     assert curves(resumed) == curves(straight)
     got, ref = final_params(resumed), final_params(straight)
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in got)
+    averaged, _, saved = load_model(str(resumed))  # consolidated from the shards, with the average
+    one, _, _ = load_model(str(single))
+    assert saved.shards is not None and saved.step == 10
+    for name, p in averaged.named_parameters():
+        assert not torch.equal(p, got[name]), name  # the average, not the training weights
+        torch.testing.assert_close(p, dict(one.named_parameters())[name], rtol=0, atol=2e-5)
 
 
 @pytest.fixture(scope="module")

@@ -388,3 +388,34 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     train(resumed)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 11))
+
+
+def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages(tmp_path, shakespeare):
+    """optimizer.ema_decay > 0: evaluation sees the average (not the training weights, which come back
+    unchanged), and a checkpoint's reader (sample, export) rebuilds the model with the average."""
+    from gptlab.model import GPT
+    from gptlab.sample import load_model
+
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=6", "train.eval_every=6", "train.sample_tokens=0", "optimizer.ema_decay=0.8"
+    )
+    run = build_run(tmp_path, overrides)
+    results = train(run)
+    weights = {n: p.detach().clone() for n, p in run.raw_model.named_parameters()}
+    averages = {n: run.optimizer.state[p]["ema"] for n, p in run.raw_model.named_parameters()}
+    assert all(not torch.equal(weights[n], averages[n]) for n in weights)
+
+    def val_loss(named):
+        model = GPT(run.raw_model.config)
+        model.load_state_dict(named, strict=False)
+        model.eval()
+        with torch.no_grad():
+            return sum(model(x, y)[1].item() for x, y in run.val_batches) / len(run.val_batches)
+
+    assert results["val_loss"] == pytest.approx(val_loss(averages), rel=1e-5)
+    assert abs(results["val_loss"] - val_loss(weights)) > 1e-4  # so the line above tells them apart
+    assert all(torch.equal(p, weights[n]) for n, p in run.raw_model.named_parameters())  # put back
+    model, _, saved = load_model(str(run.run_dir))
+    assert saved.step == 6
+    for n, p in model.named_parameters():
+        assert torch.equal(p, averages[n]), n

@@ -5,7 +5,16 @@ import torch
 from conftest import compose_config, model_config, typed
 
 from gptlab.model import GPT
-from gptlab.optim import Muon, build_optimizer, fast_bf16, lr_at, orthogonalize, scaled_lr
+from gptlab.optim import (
+    Muon,
+    averaged_weights,
+    build_optimizer,
+    fast_bf16,
+    load_average,
+    lr_at,
+    orthogonalize,
+    scaled_lr,
+)
 
 
 def OptimizerConfig(**changes):  # noqa: N802 - conf/optimizer/adamw.yaml with fields changed
@@ -257,3 +266,69 @@ def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
             assert torch.equal(got[n], p), (n, (got[n] - p).abs().max())
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ the weight average
+
+
+def step_with_random_grads(model, opt, gen):
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_the_weight_average_follows_its_recurrence_after_every_step(name):
+    model = muon_model()
+    opt = build_optimizer(model, OptimizerConfig(name=name, ema_decay=0.9), 1e-2, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    params = list(model.parameters())
+    expected = None
+    for _ in range(4):
+        step_with_random_grads(model, opt, gen)
+        now = [p.detach().clone() for p in params]
+        # the first step starts the average at the weights it produced
+        expected = now if expected is None else [0.9 * e + 0.1 * w for e, w in zip(expected, now)]
+        for p, e in zip(params, expected):
+            torch.testing.assert_close(opt.state[p]["ema"], e, rtol=1e-6, atol=1e-7)
+    # the weights themselves moved away from the average (it lags them)
+    assert any(not torch.equal(p, opt.state[p]["ema"]) for p in params)
+
+
+def test_no_average_is_kept_without_ema_decay():
+    model = muon_model()
+    opt = build_optimizer(model, OptimizerConfig(ema_decay=0.0), 1e-2, "cpu")
+    step_with_random_grads(model, opt, torch.Generator().manual_seed(0))
+    assert all("ema" not in s for s in opt.state.values())
+    before = [p.detach().clone() for p in model.parameters()]
+    with averaged_weights(opt):  # nothing to swap in
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_averaged_weights_swap_in_the_average_and_bring_the_weights_back_bitwise():
+    model = muon_model()
+    opt = build_optimizer(model, OptimizerConfig(ema_decay=0.5), 1e-2, "cpu")
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        step_with_random_grads(model, opt, gen)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with averaged_weights(opt):
+        for n, p in model.named_parameters():
+            assert torch.equal(p, opt.state[p]["ema"]), n
+        assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(RuntimeError, match="inside"), averaged_weights(opt):
+        raise RuntimeError("inside")  # an error inside still brings the training weights back
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_load_average_takes_the_saved_average_under_any_name_of_a_tied_weight():
+    model = muon_model()
+    assert model.lm_head.weight is model.wte.weight
+    state = {n: torch.full_like(p, float(i)) for i, (n, p) in enumerate(model.named_parameters())}
+    # a checkpoint names a tied weight once, by either of its names
+    saved = {"state": {("lm_head.weight" if n == "wte.weight" else n): {"ema": v} for n, v in state.items()}}
+    assert load_average(model, saved)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, state[n]), n
+    assert not load_average(model, None) and not load_average(model, {"state": {"h.0.ln_1.weight": {}}})

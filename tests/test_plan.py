@@ -11,6 +11,7 @@ from gptlab import metrics
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
+from gptlab.optim import build_optimizer
 from gptlab.plan import make_plan, param_count, resolve_micro_batch, shape_for
 
 
@@ -41,7 +42,8 @@ def test_param_count_matches_the_model(overrides):
 
 
 def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0, wrap=None) -> float:
-    """Weights + AdamW state + the allocator's peak during one training step (after a first step).
+    """Weights + the optimizer's state + the allocator's peak during one training step (after a first
+    step), with the optimizer the config chooses (the default's Muon and weight average included).
 
     wrap: what to do to the model before training it (tests/fsdp_memory_probe.py shards it); the
     static bytes are then this rank's shards."""
@@ -50,7 +52,7 @@ def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: i
     model.activation_checkpointing = checkpointing
     model.loss_chunk = loss_chunk
     model = wrap(model) if wrap else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = build_optimizer(model, cfg.optimizer, 1e-3, "cpu")
     x = torch.randint(0, vocab, (cfg.micro_batch_size, cfg.model.block_size))
 
     def step():
@@ -109,10 +111,14 @@ def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
     )
 
 
-def test_activations_per_layer_match_autograds_saved_tensors():
-    """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast."""
+@pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+def test_activations_per_layer_match_autograds_saved_tensors(pos_emb):
+    """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast; rotary
+    positions keep their rotated q and k besides."""
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
-        cfg = cfg_for("model=gpt_char", "model.n_layer=1", f"hardware.precision={precision}")
+        cfg = cfg_for(
+            "model=gpt_char", "model.n_layer=1", f"hardware.precision={precision}", f"model.pos_emb={pos_emb}"
+        )
         model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
         B, T = 4, cfg.model.block_size
         x = torch.randint(0, 65, (B, T))
@@ -583,3 +589,29 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     assert counted_flops_per_token(model, B=2, T=cfg.model.block_size) == hfpt > fpt
     wide = 4 * cfg.model.n_embd
     assert [loss_chunk(cfg.parallelism, cfg.model, v) for v in (wide, wide + 1)] == [0, 1024]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["optimizer.ema_decay=0.99"],
+        ["optimizer=muon"],
+        ["optimizer=muon", "optimizer.ema_decay=0.99"],
+        ["optimizer=muon", "model.tie_weights=false", "model.mlp=swiglu"],
+    ],
+    ids=["adamw", "adamw-ema", "muon", "muon-ema", "muon-untied-swiglu"],
+)
+def test_the_optimizer_state_is_what_the_optimizer_keeps(overrides):
+    """The planner's optimizer bytes against the fp32 numbers a real optimizer holds after one step."""
+    cfg = cfg_for("model=gpt_nano", *overrides)
+    model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
+    opt = build_optimizer(model, cfg.optimizer, 1e-3, "cpu")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k != "step")
+    shape, params, _ = shape_for(cfg)
+    assert params == model.num_params()
+    assert shape.optimizer_floats * params == pytest.approx(held, rel=1e-12)
+    assert metrics.memory_estimate(shape, 1, False)["optimizer"] == pytest.approx(4.0 * held)

@@ -8,6 +8,8 @@ alike), and prints one line per
 pair plus a JSON summary: tokens/s of each (the mean over the timed steps, as gptlab.bench reports),
 and gptlab's ratio to the plain loop. Shapes: baby = 6 x 384, 6 heads, 256 context, batch 8 (the
 shakespeare_char_baby recipe's width, dropout 0); default = gpt_char (4 x 128, 64 context, batch 16).
+Both sides run AdamW with learned positions (the default job's Muon, rotary and weight average are
+not the plain loop's, so gptlab.bench is pinned to what plain_loop.py does).
 Not a test: speed is measured, never asserted.
 """
 
@@ -44,6 +46,7 @@ def gptlab(shape: dict, precision: str, warmup: int, steps: int, data: Path) -> 
     args = [
         f"model.n_layer={s['n_layer']}", f"model.n_embd={s['n_embd']}", f"model.n_head={s['n_head']}",
         f"model.block_size={s['block_size']}", "model.dropout=0.0", f"train.batch_size={s['batch']}",
+        "optimizer=adamw", "optimizer.ema_decay=0", "model.pos_emb=learned",  # what plain_loop.py runs
         f"train.micro_batch_size={s['batch']}", f"hardware.precision={precision}", "hardware.compile=false",
         f"bench.warmup={warmup}", f"bench.steps={steps}", f"data.path={data}",
     ]  # fmt: skip

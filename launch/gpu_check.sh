@@ -6,7 +6,7 @@
 #   gpt1b      - the 1.01B reference model, 2048 context, micro-batch 8, activation checkpointing
 #   gpt2_124m_fsdp - gpt2_124m again under parallelism=fsdp in a world of one (FSDP2's gathers, bf16
 #                parameters for compute with fp32 master weights and reductions, per-block compile)
-#   gpt2_124m_muon - gpt2_124m with optimizer=muon (bf16 Newton-Schulz on the blocks' matrices): its step
+#   gpt2_124m_muon - gpt2_124m with optimizer=muon (bf16 Newton-Schulz on the blocks' matrices, and its weight average): its step
 #                time beside gpt2_124m's AdamW step
 # then the chunked loss (benchmarks/chunked_loss.py: one step's peak memory and time with the whole
 # logits and in 1024-token chunks, gpt2_124m, vocabulary 50,304, micro-batch 16 x 1024, bf16),
@@ -82,13 +82,15 @@ run_one() {
 }
 
 T0=$(date +%s)
+# AdamW unless named (the root default, muon with a weight average, is the CPU char job's)
 run_one gpt2_124m model=gpt2_124m train.batch_size=16 train.micro_batch_size=16 \
-  hardware.precision=bf16 hardware.compile=true optimizer.fused=true
+  hardware.precision=bf16 hardware.compile=true optimizer=adamw optimizer.fused=true
 run_one gpt1b model=gpt1b model.block_size=2048 parallelism=ddp parallelism.activation_checkpointing=true \
   train.batch_size=8 train.micro_batch_size=8 hardware.precision=bf16 hardware.compile=$GPT1B_COMPILE \
-  optimizer.fused=true
+  optimizer=adamw optimizer.fused=true
 run_one gpt2_124m_fsdp model=gpt2_124m parallelism=fsdp parallelism.activation_checkpointing=false \
-  train.batch_size=16 train.micro_batch_size=16 hardware.precision=bf16 hardware.compile=true optimizer.fused=true
+  train.batch_size=16 train.micro_batch_size=16 hardware.precision=bf16 hardware.compile=true optimizer=adamw \
+  optimizer.fused=true
 run_one gpt2_124m_muon model=gpt2_124m train.batch_size=16 train.micro_batch_size=16 \
   hardware.precision=bf16 hardware.compile=true optimizer=muon
 echo "== chunked loss: $CHUNKED" >&2

@@ -29,7 +29,13 @@ KEYS = {
 
 
 def tiny(shakespeare):
-    return ["model=gpt_nano", f"data.path={shakespeare}", "train.batch_size=4", "tracking.mlflow=false"]
+    return [
+        "model=gpt_nano",
+        "optimizer=adamw",
+        f"data.path={shakespeare}",
+        "train.batch_size=4",
+        "tracking.mlflow=false",
+    ]
 
 
 def test_flags():

@@ -35,7 +35,7 @@ def test_defaults_compose_to_the_cpu_char_model():
     assert (c.model.name, c.data.name, c.optimizer.name, c.parallelism.name, c.hardware.name) == (
         "gpt_char",
         "shakespeare_char",
-        "adamw",
+        "muon",
         "single",
         "cpu",
     )

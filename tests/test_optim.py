@@ -18,7 +18,7 @@ from gptlab.optim import (
 
 
 def OptimizerConfig(**changes):  # noqa: N802 - conf/optimizer/adamw.yaml with fields changed
-    return typed("optimizer", **changes)
+    return typed("optimizer", "optimizer=adamw", **changes)
 
 
 def test_warmup_then_cosine_to_floor():

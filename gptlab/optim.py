@@ -85,6 +85,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     if cfg.ema_decay > 0:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: update_average(opt, cfg.ema_decay))
+    else:  # resumed from a run that averaged: its average would stand still, and be evaluated and saved
+        optimizer.register_load_state_dict_post_hook(drop_average)
     return optimizer
 
 
@@ -111,6 +113,12 @@ def update_average(optimizer: torch.optim.Optimizer, decay: float) -> None:
                     state[AVERAGE] = p.detach().clone()
         if started:
             torch._foreach_lerp_(started, weights, 1.0 - decay)
+
+
+def drop_average(optimizer: torch.optim.Optimizer) -> None:
+    """Forget every parameter's average (an optimizer without ema_decay that loaded one)."""
+    for state in optimizer.state.values():
+        state.pop(AVERAGE, None)
 
 
 @contextmanager

@@ -182,6 +182,23 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
         assert logged_val_losses(straight) == logged_val_losses(split) and logged_val_losses(split)
 
 
+def test_resuming_an_averaging_run_without_the_average_evaluates_and_saves_the_weights(tmp_path, shakespeare):
+    """ema_decay=0 warm-started from an averaging run's checkpoint: its average is dropped, so evaluation
+    sees the weights and the next checkpoint (what sample and export read) holds no stale average."""
+    run = tmp_path / "run"
+    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", "optimizer.ema_decay=0.9")), run)
+    first = checkpoint.load(checkpoint.latest(run / "checkpoints"))
+    assert all("ema" in v for v in first["optimizer"]["state"].values())
+    path = checkpoint.latest(run / "checkpoints")
+    warm = tmp_path / "warm"  # another config: a new folder, warm-started from that checkpoint
+    overrides = resume_overrides(shakespeare, "train.max_steps=20", "optimizer.ema_decay=0", f"train.resume={path}")
+    results = run_training(compose_config(overrides), warm)
+    second = checkpoint.load(checkpoint.latest(warm / "checkpoints"))
+    assert second["step"] == 20 and all("ema" not in v for v in second["optimizer"]["state"].values())
+    assert second["optimizer"]["state"]  # the moments came along
+    assert results["val_loss"] == logged_val_losses(warm)[20]
+
+
 def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), run_dir)

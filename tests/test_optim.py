@@ -332,3 +332,19 @@ def test_load_average_takes_the_saved_average_under_any_name_of_a_tied_weight():
     for n, p in model.named_parameters():
         assert torch.equal(p, state[n]), n
     assert not load_average(model, None) and not load_average(model, {"state": {"h.0.ln_1.weight": {}}})
+
+
+def test_a_run_without_the_average_drops_a_resumed_one_instead_of_evaluating_it_stale():
+    """Resuming an averaging run's state with ema_decay=0: the old average would never move again, yet
+    be swapped in for evaluation and saved for sample and export. It is dropped on load."""
+    model = muon_model()
+    averaging = build_optimizer(model, OptimizerConfig(ema_decay=0.5), 1e-2, "cpu")
+    step_with_random_grads(model, averaging, torch.Generator().manual_seed(2))
+    saved = averaging.state_dict()
+    assert all("ema" in s for s in saved["state"].values())
+    plain = build_optimizer(model, OptimizerConfig(ema_decay=0.0), 1e-2, "cpu")
+    plain.load_state_dict(saved)
+    assert plain.state and all("ema" not in s and "exp_avg" in s for s in plain.state.values())
+    again = build_optimizer(model, OptimizerConfig(ema_decay=0.5), 1e-2, "cpu")
+    again.load_state_dict(saved)  # an averaging run keeps it
+    assert all("ema" in s for s in again.state.values())

@@ -11,7 +11,7 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -85,10 +85,15 @@ class Run:
             "loader": self.train_loader,
         }
 
-    def evaluated_weights(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def evaluated_weights(self) -> Iterator[None]:
         """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
         with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
-        return averaged_weights(self.optimizer)
+        with averaged_weights(self.optimizer):
+            try:
+                yield
+            finally:  # a sharded model's gathered copies of the average must not reach the next step
+                distributed.reshard(self.raw_model)
 
     def close(self, status: str) -> None:
         """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""

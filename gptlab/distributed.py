@@ -461,6 +461,18 @@ def _shard(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered (unsharded) weights a fully_shard model still holds, so that its next forward
+    gathers the shards again: needed after the shards' values were replaced in place (the root keeps
+    its gathered weights after forward, as do blocks with reshard_after_forward=false). A no-op for
+    any other model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def is_sharded(model: nn.Module) -> bool:
     """True for a model sharded by fully_shard (its parameters are DTensors)."""
     from torch.distributed.tensor import DTensor

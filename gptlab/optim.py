@@ -85,6 +85,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     if cfg.ema_decay > 0:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: update_average(opt, cfg.ema_decay))
+        optimizer.register_load_state_dict_post_hook(forget_count)
     else:  # resumed from a run that averaged: its average would stand still, and be evaluated and saved
         optimizer.register_load_state_dict_post_hook(drop_average)
     return optimizer
@@ -96,29 +97,51 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
 # it is saved, resharded and restored with the moments (a sharded run keeps the average of its own
 # shard), and a resumed run goes on averaging exactly where it stopped.
 AVERAGE = "ema"
+UPDATES = "ema_updates"  # per parameter, beside its average: how many updates it has had (the first included)
 
 
 def update_average(optimizer: torch.optim.Optimizer, decay: float) -> None:
-    """average = decay * average + (1 - decay) * weights, after each optimizer step; the first step
-    starts the average at the weights it produced."""
+    """average = d * average + (1 - d) * weights after each optimizer step, the first step starting the
+    average at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short run
+    (or the start of a long one) averages over its last few steps instead of lagging behind at its
+    initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at 0.998).
+
+    n is saved as per-parameter state (UPDATES) with the average, and counted here in Python too, so
+    the step reads no device value; loading a state forgets the Python count (see build_optimizer)."""
     with torch.no_grad():
-        started, weights = [], []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                state = optimizer.state[p]
-                if AVERAGE in state:
-                    started.append(state[AVERAGE])
-                    weights.append(p.detach())
-                else:
-                    state[AVERAGE] = p.detach().clone()
+        states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        updates = getattr(optimizer, "_average_updates", None)
+        if updates is None:  # first step of this process, or just loaded: read it once
+            counted = next((s[UPDATES] for s in states if UPDATES in s), None)
+            updates = int(counted.item()) if counted is not None else 0
+        d = min(decay, (1 + updates) / (10 + updates))
+        started, weights, counts = [], [], []
+        for p, state in zip(params, states):
+            if AVERAGE in state and UPDATES in state:
+                started.append(state[AVERAGE])
+                weights.append(p.detach())
+                counts.append(state[UPDATES])
+            else:  # a new average (or one without its count): it starts at these weights, update 1
+                state[AVERAGE] = p.detach().clone()
+                # shape (1,), not a 0-d tensor: torch's state-dict helpers reshard it like the average
+                state[UPDATES] = torch.ones(1, dtype=torch.float32, device=p.device)
         if started:
-            torch._foreach_lerp_(started, weights, 1.0 - decay)
+            torch._foreach_lerp_(started, weights, 1.0 - d)
+            torch._foreach_add_(counts, 1.0)
+        optimizer._average_updates = updates + 1
 
 
 def drop_average(optimizer: torch.optim.Optimizer) -> None:
     """Forget every parameter's average (an optimizer without ema_decay that loaded one)."""
     for state in optimizer.state.values():
         state.pop(AVERAGE, None)
+        state.pop(UPDATES, None)
+
+
+def forget_count(optimizer: torch.optim.Optimizer) -> None:
+    """After a load, the next update reads the loaded count of updates (once) instead of its own."""
+    optimizer._average_updates = None
 
 
 @contextmanager

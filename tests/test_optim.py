@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -284,13 +285,24 @@ def test_the_weight_average_follows_its_recurrence_after_every_step(name):
     gen = torch.Generator().manual_seed(0)
     params = list(model.parameters())
     expected = None
-    for _ in range(4):
+    for n in range(120):  # past n = 81, where (1 + n) / (10 + n) reaches the configured 0.9
         step_with_random_grads(model, opt, gen)
         now = [p.detach().clone() for p in params]
-        # the first step starts the average at the weights it produced
-        expected = now if expected is None else [0.9 * e + 0.1 * w for e, w in zip(expected, now)]
+        # the first step starts the average at the weights it produced; then the decay warms up
+        d = min(0.9, (1 + n) / (10 + n))
+        expected = now if expected is None else [d * e + (1 - d) * w for e, w in zip(expected, now)]
         for p, e in zip(params, expected):
-            torch.testing.assert_close(opt.state[p]["ema"], e, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(opt.state[p]["ema"], e, rtol=1e-5, atol=1e-6)
+    assert all(opt.state[p]["ema_updates"] == 120 for p in params)  # saved with the average
+    # a loaded state's count is read once on the next step: a copy goes on exactly as the original does
+    twin = copy.deepcopy(model)
+    again = build_optimizer(twin, OptimizerConfig(name=name, ema_decay=0.9), 1e-2, "cpu")
+    again._average_updates = 3  # what a stale count would be; loading forgets it
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: no tensor shared
+    for m, o in ((model, opt), (twin, again)):
+        step_with_random_grads(m, o, torch.Generator().manual_seed(7))
+    for p, q in zip(params, twin.parameters()):
+        assert torch.equal(again.state[q]["ema"], opt.state[p]["ema"]) and again.state[q]["ema_updates"] == 121
     # the weights themselves moved away from the average (it lags them)
     assert any(not torch.equal(p, opt.state[p]["ema"]) for p in params)
 

@@ -17,6 +17,7 @@ from conftest import REPO, compose_config, nano_overrides, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
+from gptlab.tracking import read_metrics
 from gptlab.train import run_training
 
 
@@ -137,14 +138,16 @@ def final_params(run_dir: Path):
     return checkpoint.read_model(checkpoint.latest(run_dir / "checkpoints")).model
 
 
+def logged(run_dir: Path, key: str):
+    return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+
+
 def logged_losses(run_dir: Path):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
+    return logged(run_dir, "train_loss")
 
 
 def logged_val_losses(run_dir: Path):
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    return logged(run_dir, "val_loss")
 
 
 @pytest.mark.parametrize(

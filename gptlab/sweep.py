@@ -12,6 +12,8 @@ A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
   failed job is re-raised once all jobs ended) the parent is marked FAILED at exit. A SLURM job one
   of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and node
   that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error` tag.
+  While a SLURM sweep runs, the launcher waits for its jobs through ControllerCheckedWatcher: a job
+  that accounting (sacct) reads as ended is only done once SLURM's controller agrees (a requeued job).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import json
 import logging
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
 from gptlab import console
 from gptlab.tracking import (
@@ -62,7 +66,7 @@ _SRUN_BAD_EXIT = re.compile(
 
 
 # slurmstepd's line when a requeue (submitit's, after SIGUSR2) stops the running job: srun then
-# reports the tasks it stopped, ending with rank 0's own exit (255, submitit's) after requeueing
+# reports the tasks it stopped, ending with rank 0 (which requeued the job)
 _REQUEUE = "DUE TO JOB REQUEUE"
 
 
@@ -81,8 +85,10 @@ def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
         if not m:
             continue
         if requeued:
-            if re.split(r"[-,]", m["tasks"])[0] == "0" and m["what"].strip().endswith("exit code 255"):
-                requeued = False  # the requeue is over; what comes next is the job's next start
+            if re.split(r"[-,]", m["tasks"])[0] == "0":
+                # rank 0 asked for the requeue and is the last to go (it exits 255, submitit's code,
+                # or slurmstepd terminates it first): what comes next is the job's next start
+                requeued = False
             continue
         ranks = "ranks" if m["kind"] == "tasks" else "rank"
         found.append(f"{ranks} {m['tasks']} on {m['node']}: {m['what'].strip()}")
@@ -254,6 +260,48 @@ def _slurm_error(run_dir: Optional[str]) -> Optional[str]:
     return f"SLURM job {job.get('job_id')}: {'; '.join(failures)}" if failures else None
 
 
+# What SLURM's controller calls a job that is running, or will run again (a requeued job is PENDING)
+LIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
+     "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT"}
+)  # fmt: skip
+
+
+def controller_state(job_id: str) -> Optional[str]:
+    """A job's state in SLURM's controller (`scontrol show job`), or None where the controller cannot
+    say: it has forgotten the job (MinJobAge after the end), does not answer, or there is no scontrol."""
+    try:
+        r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"\bJobState=(\S+)", r.stdout) if r.returncode == 0 else None
+    return match.group(1) if match else None
+
+
+class ControllerCheckedWatcher(SlurmInfoWatcher):
+    """submitit's job watcher, which believes accounting (sacct) that a job ended only when SLURM's
+    controller agrees.
+
+    submitit reads job states from sacct and takes the first ended state it reads as final: the
+    launcher then waits 15 s for the job's result file, and fails the sweep without it. Accounting is
+    fed by the controller after the fact, and a job that was requeued (SIGUSR2, preemption) can read
+    there as ended while the controller has it pending or running again: seen once in CI, a 2-node
+    job requeued by SIGUSR2 read FAILED and its sweep failed before the job's next start could end.
+    While the controller says the job lives, it is not done, and sacct is asked again.
+    """
+
+    def is_done(self, job_id: str, mode: str = "standard") -> bool:
+        if not super().is_done(job_id, mode=mode):
+            return False
+        state = controller_state(job_id)
+        if state not in LIVE_STATES:
+            return True  # the controller agrees, or no longer knows the job: accounting's word stands
+        if job_id in self._finished:
+            self._finished.discard(job_id)
+        self._info_dict.pop(job_id, None)  # ask sacct again at the next update
+        return False
+
+
 class SubmissionReporter(Callback):
     """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear, and
     which rank on which node ended a job that lost a task.
@@ -268,10 +316,11 @@ class SubmissionReporter(Callback):
         self.poll_s = poll_s
         self._stop: Optional[Any] = None
         self._thread: Optional[Any] = None
+        self._stock_watcher: Optional[SlurmInfoWatcher] = None
 
     def __getstate__(self) -> Dict[str, Any]:
-        # the launcher pickles callbacks into every job: the watcher stays in the launching process
-        return {"poll_s": self.poll_s, "_stop": None, "_thread": None}
+        # the launcher pickles callbacks into every job: the watchers stay in the launching process
+        return {"poll_s": self.poll_s, "_stop": None, "_thread": None, "_stock_watcher": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         import threading
@@ -284,6 +333,10 @@ class SubmissionReporter(Callback):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True)
         self._thread.start()
+        if not isinstance(SlurmJob.watcher, ControllerCheckedWatcher):
+            # the launcher's jobs wait through this class attribute: put submitit's back at the end
+            self._stock_watcher = SlurmJob.watcher
+            SlurmJob.watcher = ControllerCheckedWatcher(delay_s=SlurmJob.watcher._delay_s)
         # a failed job makes the launcher raise, and on_multirun_end never comes: the last look at exit
         atexit.register(self._finish)
 
@@ -334,3 +387,5 @@ class SubmissionReporter(Callback):
         if self._stop is not None and self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=10)
+        if self._stock_watcher is not None:
+            SlurmJob.watcher, self._stock_watcher = self._stock_watcher, None

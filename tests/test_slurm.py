@@ -132,6 +132,45 @@ def test_cluster_runs_srun_and_sbatch_with_fake_gpus(tmp_path):
     assert re.match(r"batch job \d+ on \S+", out.read_text()), out.read_text()
 
 
+def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_controller_runs_it(tmp_path):
+    """submitit takes sacct's first ended state as final; a requeued job can read so while SLURM's
+    controller has it pending again. The watcher that SubmissionReporter installs for SLURM sweeps
+    (ControllerCheckedWatcher) asks the controller first."""
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    from gptlab.sweep import ControllerCheckedWatcher, controller_state
+
+    r = _run(
+        ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=2", f"--output={tmp_path}/%j.out",
+         "--wrap", "exit 3"],
+        tmp_path,
+    )  # fmt: skip
+    job = r.stdout.strip().split(";")[0]
+    stock, ours = SlurmInfoWatcher(delay_s=600), ControllerCheckedWatcher(delay_s=600)
+    try:
+        deadline = time.monotonic() + 60
+        for watcher in (stock, ours):
+            watcher.register_job(job)
+            while watcher.get_state(job, mode="force") != "FAILED":
+                assert time.monotonic() < deadline, f"job {job}: {watcher.get_state(job, mode='cache')}"
+                time.sleep(0.5)
+        assert stock.is_done(job, mode="cache") and ours.is_done(job, mode="cache")  # both agree: it ended
+        # the job comes back (held, so that it stays pending): what both last read from sacct is stale
+        _run(["scontrol", "requeuehold", job], tmp_path)
+        assert controller_state(job) == "PENDING"
+        assert stock.get_state(job, mode="cache") == ours.get_state(job, mode="cache") == "FAILED"
+        assert stock.is_done(job, mode="cache")  # submitit's own: ended (the launcher would give up)
+        assert not ours.is_done(job, mode="cache")  # gptlab's: the controller has it pending
+        assert not ours.is_done(job, mode="force")  # and sacct, asked again, says so too (or not yet)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while not ours.is_done(job, mode="force"):  # cancelled: the controller and accounting agree again
+        assert time.monotonic() < deadline, (controller_state(job), ours.get_state(job, mode="cache"))
+        time.sleep(0.5)
+    assert controller_state(job) == "CANCELLED"
+
+
 def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path, tracking_server):
     experiment = new_experiment("slurm-sweep")
     r = run_cli(

@@ -84,8 +84,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
         ]
         optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
     if cfg.ema_decay > 0:
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: update_average(opt, cfg.ema_decay))
-        optimizer.register_load_state_dict_post_hook(forget_count)
+        WeightAverage(cfg.ema_decay).attach(optimizer)
     else:  # resumed from a run that averaged: its average would stand still, and be evaluated and saved
         optimizer.register_load_state_dict_post_hook(drop_average)
     return optimizer
@@ -100,22 +99,35 @@ AVERAGE = "ema"
 UPDATES = "ema_updates"  # per parameter, beside its average: how many updates it has had (the first included)
 
 
-def update_average(optimizer: torch.optim.Optimizer, decay: float) -> None:
-    """average = d * average + (1 - d) * weights after each optimizer step, the first step starting the
-    average at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short run
-    (or the start of a long one) averages over its last few steps instead of lagging behind at its
-    initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at 0.998).
+class WeightAverage:
+    """Keeps an exponential moving average of an optimizer's parameters, through the optimizer's hooks:
+    after each step, average = d * average + (1 - d) * weights, the first step starting the average at
+    the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short run (or the
+    start of a long one) averages over its last few steps instead of lagging behind at its initial
+    weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at 0.998).
 
     n is saved as per-parameter state (UPDATES) with the average, and counted here in Python too, so
-    the step reads no device value; loading a state forgets the Python count (see build_optimizer)."""
-    with torch.no_grad():
+    a step reads no device value; loading a state has the next step read the loaded count, once."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.updates: Optional[int] = None  # None: read the saved count at the next update
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.update(opt))
+        optimizer.register_load_state_dict_post_hook(lambda opt: self.forget_count())
+
+    def forget_count(self) -> None:
+        self.updates = None
+
+    @torch.no_grad()
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
         states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        updates = getattr(optimizer, "_average_updates", None)
-        if updates is None:  # first step of this process, or just loaded: read it once
+        if self.updates is None:  # first step of this process, or just loaded: read it once
             counted = next((s[UPDATES] for s in states if UPDATES in s), None)
-            updates = int(counted.item()) if counted is not None else 0
-        d = min(decay, (1 + updates) / (10 + updates))
+            self.updates = int(counted.item()) if counted is not None else 0
+        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
         started, weights, counts = [], [], []
         for p, state in zip(params, states):
             if AVERAGE in state and UPDATES in state:
@@ -129,7 +141,7 @@ def update_average(optimizer: torch.optim.Optimizer, decay: float) -> None:
         if started:
             torch._foreach_lerp_(started, weights, 1.0 - d)
             torch._foreach_add_(counts, 1.0)
-        optimizer._average_updates = updates + 1
+        self.updates += 1
 
 
 def drop_average(optimizer: torch.optim.Optimizer) -> None:
@@ -137,11 +149,6 @@ def drop_average(optimizer: torch.optim.Optimizer) -> None:
     for state in optimizer.state.values():
         state.pop(AVERAGE, None)
         state.pop(UPDATES, None)
-
-
-def forget_count(optimizer: torch.optim.Optimizer) -> None:
-    """After a load, the next update reads the loaded count of updates (once) instead of its own."""
-    optimizer._average_updates = None
 
 
 @contextmanager

@@ -297,7 +297,9 @@ def test_the_weight_average_follows_its_recurrence_after_every_step(name):
     # a loaded state's count is read once on the next step: a copy goes on exactly as the original does
     twin = copy.deepcopy(model)
     again = build_optimizer(twin, OptimizerConfig(name=name, ema_decay=0.9), 1e-2, "cpu")
-    again._average_updates = 3  # what a stale count would be; loading forgets it
+    for _ in range(3):  # its own count (3) goes stale: loading forgets it
+        step_with_random_grads(twin, again, gen)
+    twin.load_state_dict(model.state_dict())
     again.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: no tensor shared
     for m, o in ((model, opt), (twin, again)):
         step_with_random_grads(m, o, torch.Generator().manual_seed(7))

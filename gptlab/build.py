@@ -89,11 +89,12 @@ class Run:
     def evaluated_weights(self) -> Iterator[None]:
         """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
         with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
-        with averaged_weights(self.optimizer):
+        with averaged_weights(self.optimizer) as swapped:
             try:
                 yield
             finally:  # a sharded model's gathered copies of the average must not reach the next step
-                distributed.reshard(self.raw_model)
+                if swapped:
+                    distributed.reshard(self.raw_model)
 
     def close(self, status: str) -> None:
         """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""

@@ -122,8 +122,8 @@ class WeightAverage:
 
     @torch.no_grad()
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        states = [optimizer.state[p] for group in optimizer.param_groups for p in group["params"]]
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        states = [optimizer.state[p] for p in params]
         if self.updates is None:  # first step of this process, or just loaded: read it once
             counted = next((s[UPDATES] for s in states if UPDATES in s), None)
             self.updates = int(counted.item()) if counted is not None else 0
@@ -152,16 +152,17 @@ def drop_average(optimizer: torch.optim.Optimizer) -> None:
 
 
 @contextmanager
-def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
     """Inside, every parameter that has an average holds it (evaluation, sampling); the training
-    weights are back afterwards, bit for bit. Without an average (ema_decay=0) it changes nothing."""
+    weights are back afterwards, bit for bit. Without an average (ema_decay=0) it changes nothing.
+    Yields whether it swapped any weights in."""
     pairs = [(p.detach(), s[AVERAGE]) for p, s in optimizer.state.items() if AVERAGE in s]
     saved = [p.clone() for p, _ in pairs]
     with torch.no_grad():
         for p, avg in pairs:
             p.copy_(avg)
     try:
-        yield
+        yield bool(pairs)
     finally:
         with torch.no_grad():
             for (p, _), kept in zip(pairs, saved):

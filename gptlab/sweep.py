@@ -296,8 +296,7 @@ class ControllerCheckedWatcher(SlurmInfoWatcher):
         state = controller_state(job_id)
         if state not in LIVE_STATES:
             return True  # the controller agrees, or no longer knows the job: accounting's word stands
-        if job_id in self._finished:
-            self._finished.discard(job_id)
+        self._finished.discard(job_id)
         self._info_dict.pop(job_id, None)  # ask sacct again at the next update
         return False
 

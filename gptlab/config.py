@@ -194,6 +194,7 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     _choice("optimizer.name", o.name, ["adamw", "muon"])
     _check(0.0 <= o.muon_momentum < 1.0, "optimizer.muon_momentum", "must be in [0, 1)")
     _check(o.muon_ns_steps >= 1, "optimizer.muon_ns_steps", "must be >= 1")
+    _choice("optimizer.muon_ns_dtype", o.muon_ns_dtype, ["auto", "bf16", "fp32"])
     _check(0.0 <= o.ema_decay < 1.0, "optimizer.ema_decay", "must be in [0, 1) (0: no weight average)")
     _choice("optimizer.schedule", o.schedule, ["cosine", "linear", "constant"])
     _choice("optimizer.lr_scaling", o.lr_scaling, ["none", "sqrt", "linear"])

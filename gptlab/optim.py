@@ -29,6 +29,7 @@ class OptimizerConfig:
     fused: Optional[bool]  # null: fused kernels where the device supports them
     muon_momentum: float  # name=muon: Nesterov momentum of the orthogonalised matrix updates
     muon_ns_steps: int  # name=muon: Newton-Schulz iterations per update
+    muon_ns_dtype: str  # name=muon: auto (bf16 where bf16 matmuls are native, else fp32) | bf16 | fp32
     ema_decay: float  # > 0: evaluate, sample and export an exponential moving average of the weights
 
 
@@ -75,7 +76,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
             {"params": no_decay, "weight_decay": 0.0, "muon": False},
         ]
         optimizer: torch.optim.Optimizer = Muon(
-            groups, lr, tuple(cfg.betas), cfg.eps, cfg.muon_momentum, cfg.muon_ns_steps, fused
+            groups, lr, tuple(cfg.betas), cfg.eps, cfg.muon_momentum, cfg.muon_ns_steps, fused, cfg.muon_ns_dtype
         )
     else:
         groups = [
@@ -216,6 +217,13 @@ def fast_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """The dtype of Muon's Newton-Schulz iteration: auto is bf16 where bf16 matmuls are native."""
+    if choice == "auto":
+        return torch.bfloat16 if fast_bf16(device) else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised by
     Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere), scaled
@@ -223,9 +231,12 @@ class Muon(torch.optim.Optimizer):
     one weight decay and one schedule. Groups with muon=False take torch's AdamW step (fused: its fused
     kernel, as build_optimizer chooses for AdamW)."""
 
-    def __init__(self, groups, lr: float, betas, eps: float, momentum: float, ns_steps: int, fused: bool):
+    def __init__(
+        self, groups, lr: float, betas, eps: float, momentum: float, ns_steps: int, fused: bool, ns_dtype: str = "auto"
+    ):
         defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps, fused=fused)
         super().__init__(groups, defaults)
+        self.ns_dtype = ns_dtype  # not a group default: a choice of arithmetic, not state to save
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -254,7 +265,7 @@ class Muon(torch.optim.Optimizer):
             wide = whole.mT if tall else whole
             by_shape.setdefault(tuple(wide.shape), []).append((wide, p, tall))
         device = updates[0].device
-        dtype = torch.bfloat16 if fast_bf16(device) else torch.float32
+        dtype = ns_dtype(self.ns_dtype, device)
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
         for shape, members in by_shape.items():
             stack = torch.empty((len(members), *shape), dtype=dtype, device=device)

@@ -5,6 +5,8 @@ import pytest
 import torch
 from conftest import compose_config, model_config, typed
 
+from gptlab.config import to_config
+from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.optim import (
     Muon,
@@ -13,6 +15,7 @@ from gptlab.optim import (
     fast_bf16,
     load_average,
     lr_at,
+    ns_dtype,
     orthogonalize,
     scaled_lr,
 )
@@ -147,6 +150,19 @@ def test_fast_bf16_is_cuda_and_cpus_with_native_bf16(monkeypatch, avx512_bf16, a
     assert fast_bf16(torch.device("cpu")) is native
     assert fast_bf16(torch.device("cuda")) is True
     assert fast_bf16(torch.device("meta")) is False
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_muon_ns_dtype_auto_follows_native_bf16_and_an_explicit_choice_wins(monkeypatch, native):
+    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: native)
+    cpu = torch.device("cpu")
+    assert ns_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert ns_dtype("fp32", cpu) == torch.float32 and ns_dtype("bf16", cpu) == torch.bfloat16
+    model = GPT(model_config(vocab_size=65))
+    opt = build_optimizer(model, OptimizerConfig(name="muon", muon_ns_dtype="fp32"), 1e-3, "cpu")
+    assert opt.ns_dtype == "fp32"
+    with pytest.raises(GptlabError, match="optimizer.muon_ns_dtype"):
+        to_config(compose_config(["optimizer=muon", "optimizer.muon_ns_dtype=fp16"]))
 
 
 def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():

@@ -42,7 +42,9 @@ $(VENV)/.installed: pyproject.toml
 train: setup
 	$(BIN)/python -m gptlab.train $(ARGS)
 
+# Tiny Shakespeare is looked for first: without it the suite stops here with one line
 test: setup lint
+	@$(BIN)/python tests/conftest.py >/dev/null
 	bash .ci/with_services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup

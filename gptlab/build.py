@@ -69,6 +69,7 @@ class Run:
     # are not logged again: an exact resume recomputes the same values
     logged_until_step: int = 0
     start_loss_window: Tuple[float, int] = (0.0, 0)  # the train-loss average in progress (TrainingState)
+    start_losses: Tuple[float, Optional[float]] = (math.nan, None)  # the checkpoint's last train and val loss
     derived: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -269,11 +270,12 @@ def resume(run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingS
     loaded: the state rank 0 read while claiming the folder (the other ranks read it here)."""
     if path is None:
         return None
-    state = loaded or checkpoint.TrainingState.load(path)
+    path, state = runfolder.shared_restore(run.run_dir, run.train.resume, run.resolved_config, run.dist.is_main,
+                                           log.info, run.stateful(), (path, loaded))  # fmt: skip
     log.info(f"resuming from {path} (step {state.step})")
-    state.restore(run.stateful())
     run.start_step, run.start_tokens, run.start_best_val = state.step, state.tokens, state.best_val_loss
     run.start_loss_window = tuple(state.loss_window)
+    run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
     # steps logged after the checkpoint (a crash) are not logged again: an exact resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.safe_dcp import METADATA, load_into, load_whole, missing_data, read_metadata
+from gptlab.safe_dcp import METADATA, UnreadableEntry, load_into, load_whole, missing_data, read_metadata, would_run
 
 # v2: model and optimizer keyed by parameter name (v1 keyed the optimizer's state by position)
 FORMAT_VERSION = 2
@@ -127,14 +127,14 @@ def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or unsafe files all land here
         # torch's own message is a page long (its weights_only upgrade notice) or says nothing
         # ("101", "pop from empty list"): say what the file is instead.
-        blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
+        blocked = would_run(e)
         try:
             with open(path, "rb") as f:
                 head = f.read(4)
         except OSError:
             head = b"?"
         if blocked:
-            why = f"unreadable or unsafe: loading it would run {blocked.group(1)}"
+            why = f"unreadable or unsafe: loading it would run {blocked}"
         elif not head:
             why = "an empty file"
         elif head.startswith(b"PK"):  # torch.save writes a zip archive
@@ -166,14 +166,16 @@ def latest(folder: Path) -> Optional[Path]:
 
 
 def load_latest_good(
-    folder: Path, warn: Optional[Callable[[str], None]] = None
+    folder: Path, warn: Optional[Callable[[str], None]] = None, unreadable: Optional[Dict[Path, str]] = None
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable
-    ones and sharded saves that never finished."""
+    ones, sharded saves that never finished, and those in `unreadable` (path: why; a restore found it)."""
     warn = warn or logging.getLogger(__name__).warning
-    found = None
+    found, unreadable = None, unreadable or {}
     for path in reversed(list_checkpoints(folder)):
         try:
+            if path in unreadable:
+                raise UnreadableCheckpoint(unreadable[path])
             found = path, load(path)
             break
         except GptlabError as e:
@@ -233,6 +235,11 @@ def _remove(path: Path) -> None:
 
 # ------------------------------------------------------------------------------ the training state
 
+
+class UnreadableCheckpoint(GptlabError):
+    """A checkpoint an entry of which does not read back (damaged, or crafted): resume=auto skips it."""
+
+
 # the live objects whose state a checkpoint holds, by name (build.Run.stateful() gives them)
 STATEFUL = ("model", "optimizer", "scaler", "loader")
 
@@ -259,6 +266,10 @@ class TrainingState:
     # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps), so
     # that a resumed run logs the same averages as one that was never stopped (older checkpoints: empty)
     loss_window: Tuple[float, int] = (0.0, 0)
+    # the last logged train loss and evaluated val loss, for results.json of a resumption that has no
+    # step left to train (older checkpoints: None)
+    train_loss: Optional[float] = None
+    val_loss: Optional[float] = None
     shards: Optional[Path] = field(default=None, metadata={"saved": False})  # a sharded checkpoint's folder
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})
 
@@ -288,6 +299,8 @@ class TrainingState:
             msd, osd = get_state_dict(model, optimizer)
             try:
                 load_into({"model": msd, "optimizer": osd}, self.shards)
+            except UnreadableEntry as e:  # damage, not a mismatch: every rank got it (resume falls back)
+                raise UnreadableCheckpoint(_damaged(self.shards, e)) from None
             except RuntimeError as e:
                 raise GptlabError(f"checkpoint {self.shards} does not fit this model and optimizer: {e}") from None
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
@@ -364,11 +377,18 @@ def read_model(path: Path, optimizer_entries: Sequence[str] = ()) -> TrainingSta
     to read too, whole, by entry name (a single-file checkpoint holds all of it anyway)."""
     state = TrainingState.load(path)
     if state.shards is not None:
-        state.model = load_whole(state.shards, ["model"])["model"]
-        if optimizer_entries:
-            keys = [f"optimizer.state.{name}.{entry}" for name in state.model for entry in optimizer_entries]
-            state.optimizer = load_whole(state.shards, keys).get("optimizer")
+        try:
+            state.model = load_whole(state.shards, ["model"])["model"]
+            if optimizer_entries:
+                keys = [f"optimizer.state.{name}.{entry}" for name in state.model for entry in optimizer_entries]
+                state.optimizer = load_whole(state.shards, keys).get("optimizer")
+        except UnreadableEntry as e:
+            raise UnreadableCheckpoint(_damaged(state.shards, e)) from None
     return state
+
+
+def _damaged(path: Path, e: UnreadableEntry) -> str:
+    return f"checkpoint {path} has an {e}"
 
 
 def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int, is_main: bool = True) -> Path:
@@ -398,7 +418,11 @@ def find(run: str, which: str = "latest") -> Path:
         return found
     found = latest(folder)
     if found is None:
-        raise GptlabError(f"run={run}: no checkpoint found (expected {folder}/ckpt_*.pt or a sharded ckpt_*/)")
+        where = folder if folder.name == "checkpoints" else path / "checkpoints"  # a run keeps them there
+        raise GptlabError(
+            f"run={run}: no checkpoint found (expected {where}/ckpt_<step>.pt such as "
+            f"{checkpoint_path(Path(), 30).name}, or a sharded {where}/ckpt_<step>/)"
+        )
     return found
 
 

@@ -15,11 +15,13 @@ user who sets HYDRA_FULL_ERROR=1 still gets the full traceback.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import errno
 import functools
 import importlib
 import os
 import re
+import shutil
 import sys
 import typing
 from pathlib import Path
@@ -33,16 +35,21 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 _TRACEBACK = {"wanted": False}  # the user's HYDRA_FULL_ERROR=1, seen by run_entry before it sets it
 _SKIP = ("object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
+_SEARCH_PATH = "Config search path"  # Hydra's list of where it looked: no help to a user who mistyped a name
 
 
 def condense(message: str) -> str:
     """Fold a multi-line Hydra / OmegaConf message into one readable line."""
     parts, options = [], []
-    in_options = False
+    in_options = in_search_path = False
     for raw in str(message).splitlines():
         line = raw.strip()
         if not line or line.startswith(_SKIP):
             continue
+        if line.startswith(_SEARCH_PATH) or (in_search_path and raw.startswith(("\t", "  "))):
+            in_search_path = True
+            continue
+        in_search_path = False
         if line.startswith("Available options"):
             in_options = True
             continue
@@ -59,6 +66,10 @@ def condense(message: str) -> str:
 
 def describe(error: BaseException) -> str:
     """One line for a Hydra / OmegaConf error and the errors that caused it (the cause names the key)."""
+    options, missing = getattr(error, "options", None), getattr(error, "missing_cfg_file", None)
+    if options and missing and "/" in missing:  # a group's choice that does not exist: the choices, nothing else
+        group, _, choice = missing.rpartition("/")
+        return f"{group}={choice}: no such choice; choose one of {', '.join(options)}"
     messages, seen = [], set()
     while error is not None and id(error) not in seen and len(messages) < 4:
         seen.add(id(error))
@@ -154,8 +165,8 @@ def run_entry(main: Callable[[], Any], prog: str) -> None:
         if user_wants_traceback or line is None:
             raise
         fail(prog, line)
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # the task may say where the next start resumes (gptlab.train)
+        print(f"{prog}: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         sys.exit(130)
 
 
@@ -206,6 +217,163 @@ def require(cfg: Any, key: str, what: str) -> None:
         raise GptlabError(f"{key} is missing: give {what}")
 
 
+# ---- mistyped words: the key that was meant ----------------------------------------------------
+
+# Hydra's own options (hydra._internal.utils.get_args_parser; tests/test_cli.py checks the list), and
+# those of them that take a value, which argparse also reads attached (-cjob)
+HYDRA_OPTIONS = (
+    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
+    "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i",
+)  # fmt: skip
+_VALUE_SHORT = ("-c", "-p", "-i")
+_HYDRA_USAGE = ("Only one of --run, --multirun", "Expecting one subcommand")  # Hydra's ValueErrors for its options
+_CLOSE_KEY, _CLOSE_NAME = 0.75, 0.7  # difflib ratios: a whole dotted key, one part of one
+
+
+def _leaves(node: Mapping[str, Any], prefix: str = "") -> List[str]:
+    keys = []
+    for name, value in node.items():
+        if isinstance(value, Mapping) and value:
+            keys += _leaves(value, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def config_keys(config_name: str, overrides: Sequence[str] = ()) -> "tuple[List[str], Dict[str, List[str]]]":
+    """Every key of the config `python -m gptlab.<config_name> OVERRIDES` composes (hydra.* included), and
+    its config groups with their options. The overrides are dropped when they do not compose."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    import gptlab.config  # noqa: F401 - registers the training schema
+
+    if config_name != "config":  # the command's module registers its own schema
+        importlib.import_module(f"gptlab.{config_name}")
+    for attempt in (list(overrides), []) if overrides else ([],):
+        GlobalHydra.instance().clear()  # a failed Hydra app leaves its own set
+        try:
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name=config_name):
+                cfg = hydra_compose(config_name=config_name, overrides=attempt, return_hydra_config=True)
+                loader = GlobalHydra.instance().config_loader()
+                groups = [g for g in cfg.hydra.runtime.choices if not str(g).startswith("hydra/")]
+                options = {str(g): loader.get_group_options(str(g)) for g in groups}
+                return _leaves(OmegaConf.to_container(cfg, resolve=False)), options
+        except Exception:  # noqa: BLE001 - another mistake among the overrides: the keys of the defaults
+            if not attempt:
+                raise
+    return [], {}
+
+
+def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[str]]) -> List[str]:
+    """The keys or config groups that `word` most likely means (none, one, or the few equally likely):
+    itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`), the closest whole key by
+    difflib (`train.max_step`), else a key whose last part holds it as a word (`steps` ->
+    `train.max_steps`) or is close to it. hydra.* keys are candidates only for a word that starts with
+    hydra; a section is never offered for a key below it."""
+    word = word.replace("-", "_")
+    keys = [
+        k for k in keys if (word.startswith("hydra.") or not k.startswith("hydra.")) and not word.startswith(f"{k}.")
+    ]
+    if word in groups or word in keys:
+        return [word]
+    ending = sorted((k for k in keys if k.endswith(f".{word}")), key=len)
+    if ending:
+        return ending[:3]
+    close = difflib.get_close_matches(word, [*groups, *keys], n=1, cutoff=_CLOSE_KEY)
+    if close:
+        return close
+    parent, _, name = word.rpartition(".")
+    scope = [k for k in keys if parent and k.startswith(f"{parent}.")] or keys
+
+    def likeness(key: str) -> "tuple[float, int]":
+        return difflib.SequenceMatcher(None, name, key.rpartition(".")[2]).ratio(), -len(key)
+
+    holding = [k for k in scope if {name, name.rstrip("s")} & set(k.rpartition(".")[2].split("_"))]  # heads: n_head
+    best = max(holding or scope, key=likeness, default=None)
+    return [best] if best is not None and (holding or likeness(best)[0] >= _CLOSE_NAME) else []
+
+
+def _is_hydra_option(word: str) -> bool:
+    name = word.split("=", 1)[0]
+    if name in HYDRA_OPTIONS or (not name.startswith("--") and name[:2] in _VALUE_SHORT):
+        return True
+    # argparse takes a unique prefix of a long option (--multi for --multirun)
+    return name.startswith("--") and len([o for o in HYDRA_OPTIONS if o.startswith(name)]) == 1
+
+
+def _flags(args: Sequence[str]) -> List["tuple[str, str, str]"]:
+    """The words of args that look like options but are not Hydra's: (as typed, name, value)."""
+    found = []
+    for i, word in enumerate(args):
+        if word == "--":
+            break
+        if not word.startswith("-") or re.match(r"-\d", word) or _is_hydra_option(word):
+            continue
+        name, eq, value = word.partition("=")
+        after = args[i + 1] if i + 1 < len(args) else ""
+        if not eq and after and not after.startswith("-") and "=" not in after:
+            value, word = after, f"{word} {after}"
+        found.append((word, name.lstrip("-"), value))
+    return found
+
+
+def flag_error(config_name: str, command_name: str, args: Sequence[str]) -> Optional[str]:
+    """One line for options that are not Hydra's (`--steps 3`), naming the key=value meant (`bench.steps=3`):
+    Hydra's argparse would print its usage instead. None when every option is Hydra's."""
+    flags = _flags(args)
+    if not flags:
+        return None
+    keys, groups = config_keys(config_name, [a for a in args if "=" in a and not a.startswith("-")])
+    long_options = [o for o in HYDRA_OPTIONS if o.startswith("--")]
+    fixes = []
+    for typed, name, value in flags:
+        hydra_option = difflib.get_close_matches(f"--{name}", long_options, n=1, cutoff=0.8)
+        near = [] if hydra_option else nearest_keys(name, keys, groups)
+        if hydra_option:
+            fixes.append(f"{hydra_option[0]}, not {typed}")
+        elif near and near[0] in groups and not value:
+            fixes.append(f"{near[0]}=NAME (one of {', '.join(groups[near[0]])}), not {typed}")
+        elif near:
+            fixes.append(f"{' or '.join(f'{k}={value or chr(46) * 3}' for k in near)}, not {typed}")
+        else:
+            fixes.append(f"no key is like {typed}")
+    return f"settings are key=value, not options: {'; '.join(fixes)} ({_help_line(command_name)})"
+
+
+def typo_error(error: BaseException, config_name: str, overrides: Sequence[str]) -> Optional[str]:
+    """One line for an override of a key the config lacks, naming the nearest key (`did you mean
+    train.max_steps=10?`), in place of Hydra's advice to add it with `+`, which only a free-form
+    section (`expected`) takes. None for other errors."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    found = re.match(r"Could not override '([^']+)'", str(error))
+    if not found or not isinstance(error.__cause__, (ConfigAttributeError, ConfigKeyError)):
+        return None
+    key = found.group(1)
+    typed = next((w for w in overrides if w.partition("=")[0].lstrip("+~") == key), key)
+    value = typed.partition("=")[2]
+    others = [w for w in overrides if w != typed and "=" in w and not w.startswith("-")]
+    near = nearest_keys(key, *config_keys(config_name, others))
+    if near:
+        return f"{key}: no such key; did you mean {' or '.join(k + ('=' if value else '') + value for k in near)}?"
+    if getattr(error.__cause__, "object_type", None) is dict:  # a section without a schema: any key goes
+        return f"{key}: no such key; to add it to the free-form section, give +{key}={value}"
+    command_name = _command_name(config_name)
+    return f"{key}: no such key in gptlab.{command_name}'s config ({_help_line(command_name)})"
+
+
+def _command_name(config_name: str) -> str:
+    return "train" if config_name == "config" else config_name  # train's root is conf/config.yaml
+
+
+def _help_line(command_name: str) -> str:
+    return f"python -m gptlab.{command_name} --help lists the keys"
+
+
 # ---- commands -------------------------------------------------------------------------------------
 
 
@@ -238,11 +406,15 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
 
     # the command's module registers its schema and says how it reads its arguments
     module = importlib.import_module(f"gptlab.{config_name}") if config_name != "config" else None
+    words = hydra_words(module, overrides)
+    flags = flag_error(config_name, _command_name(config_name), words)
+    if flags:
+        raise GptlabError(flags)
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name=config_name):
-            return hydra_compose(config_name=config_name, overrides=hydra_words(module, overrides))
+            return hydra_compose(config_name=config_name, overrides=words)
     except (HydraException, OmegaConfBaseException) as e:
-        raise GptlabError(describe(e)) from None
+        raise GptlabError(typo_error(e, config_name, words) or describe(e)) from None
 
 
 def command(
@@ -270,17 +442,104 @@ def command(
 
     @functools.wraps(task)  # Hydra names the job after the task's module (hydra.job.name: bench, ...)
     def job(cfg: Any) -> Any:
+        fresh = made_for_this_start()
         try:
             return task(cfg)
+        except SystemExit as e:  # exit code 2: a worker reported the user's error itself (distributed.spawn)
+            if e.code == 2 and fresh is not None:
+                remove_failed_start(fresh)
+            raise
         except (GptlabError, OSError) as e:
             # One line, before Hydra writes "Error executing job with overrides: ..." (a sweep's
             # failed job is reported when the sweep ends, after the other jobs ran). An OSError
             # that is not about a path or the machine is a bug and keeps its traceback.
             message = e if isinstance(e, GptlabError) else os_error_message(e)
+            if message is not None and fresh is not None:
+                remove_failed_start(fresh)
             if message is not None and HydraConfig.get().mode == RunMode.RUN and not _TRACEBACK["wanted"]:
                 fail(prog, message)
             raise
 
     sys.argv[1:] = hydra_words(sys.modules[task.__module__], sys.argv[1:])
-    run_entry(hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)(job), prog)
+    app = hydra.main(version_base="1.3", config_path=str(CONF), config_name=config_name)(job)
+    run_entry(functools.partial(_start, app, config_name, name), prog)
     return None
+
+
+def _start(app: Callable[[], Any], config_name: str, name: str) -> None:
+    """Run a command's Hydra app; options that are not Hydra's, mistyped keys and misused Hydra options
+    raise GptlabError, which run_entry prints as one line."""
+    from hydra.errors import ConfigCompositionException
+
+    flags = flag_error(config_name, name, sys.argv[1:])  # before Hydra's argparse prints its usage
+    if flags:
+        raise GptlabError(flags)
+    try:
+        app()
+    except ConfigCompositionException as e:
+        typo = None if _TRACEBACK["wanted"] else typo_error(e, config_name, sys.argv[1:])
+        if typo is None:
+            raise
+        raise GptlabError(typo) from None
+    except ValueError as e:  # Hydra's own options combined as it does not take them (-m --cfg job)
+        if _TRACEBACK["wanted"] or not str(e).startswith(_HYDRA_USAGE):
+            raise
+        raise GptlabError(f"{e} (python -m gptlab.{name} --hydra-help)") from None
+
+
+# ---- the run folder of a start that failed --------------------------------------------------------
+
+
+def _log_files() -> List[Path]:
+    """The files Hydra's job logging writes (the command's .log in the run folder)."""
+    import logging
+
+    handlers = [*logging.getLogger().handlers, *logging.getLogger("gptlab").handlers]
+    return [Path(h.baseFilename) for h in handlers if isinstance(h, logging.FileHandler)]
+
+
+def made_for_this_start() -> Optional[Path]:
+    """This job's output folder when it holds only what Hydra wrote for this start (.hydra/ and an
+    empty log file): the folder a start that fails may remove. None for a folder that held anything
+    before (a run, whose files are kept), in a process that is not the job's rank 0 (which decides),
+    and for commands that write no folder (`common/read_only`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    other_rank = os.environ.get("RANK", "0") != "0" or os.environ.get("SLURM_PROCID", "0") != "0"
+    if hydra_cfg.output_subdir is None or other_rank:
+        return None
+    folder = Path(hydra_cfg.runtime.output_dir).resolve()
+    subdir = folder / Path(hydra_cfg.output_subdir).parts[0]
+    logs = [f for f in _log_files() if f.parent == folder]
+    for entry in folder.iterdir():
+        if entry != subdir and not (entry in logs and entry.stat().st_size == 0):
+            return None
+    return folder
+
+
+def remove_failed_start(folder: Path) -> None:
+    """Remove what a start that failed left in `folder` (made_for_this_start): .hydra/, its log and the
+    run folder's lock, then the folder and the empty folders above it up to the working directory.
+    A folder that now holds anything else (records this start wrote) is kept whole."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from gptlab.runfolder import LOCK_FILE
+
+    ours = {Path(HydraConfig.get().output_subdir).parts[0], LOCK_FILE, *(f.name for f in _log_files())}
+    entries = list(folder.iterdir()) if folder.is_dir() else []
+    if any(entry.name not in ours for entry in entries):
+        return
+    for entry in entries:
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    cwd = Path.cwd().resolve()
+    for above in [folder, *folder.parents]:
+        if above == cwd or above in cwd.parents or (above != folder and cwd not in above.parents):
+            return  # the working directory and what lies outside it are the user's
+        try:
+            above.rmdir()
+        except OSError:  # not empty (another run's folder), or gone already
+            return

@@ -29,15 +29,17 @@ from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.tracking import (
+    Unreachable,
+    check_reachable,
     children,
     default_uri,
-    error_text,
     mlflow_client,
     read_metrics,
     read_overrides,
     read_results,
     read_sweep,
     sqlite_path,
+    store_failure,
 )
 
 VAL_PNG = "compare_val_loss.png"
@@ -149,10 +151,11 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
     if db is not None and not db.is_file():
         return
     try:
+        check_reachable(uri)  # a server that is down: one look, not MLflow's retries
         client = mlflow_client(uri)
         runs = children(client, sweep["experiment_id"], sweep["parent_run_id"])
     except Exception as e:  # noqa: BLE001 - the folders alone still make the table
-        log.warning(f"statuses from the run folders only: MLflow at {uri} did not answer ({error_text(e)})")
+        log.warning(f"statuses from the run folders only: MLflow {store_failure(uri, e)}")
         return
     by_dir = {r.data.tags.get("run_dir"): r for r in runs}
     for rec in records:
@@ -161,6 +164,9 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
             rec.status, rec.error, rec.run_id = run.info.status, run.data.tags.get("error"), run.info.run_id
             if rec.wall_s is None:
                 rec.wall_s = _run_wall_s(run)
+    # a job whose start failed leaves no folder behind: the sweep's record of it is all there is
+    known = {rec.run_dir for rec in records}
+    records += [_record_from_run(client, r, job_names=True) for d, r in by_dir.items() if d and d not in known]
 
 
 def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
@@ -196,6 +202,10 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
             f"{target}: not a folder, and there is no MLflow store at {db} "
             "(pass tracking.uri=... or run from the folder holding outputs/)"
         )
+    try:
+        check_reachable(uri)
+    except Unreachable as e:
+        raise GptlabError(f"{target}: not a folder, and MLflow {e}") from None
     client = mlflow_client(uri)
     runs, title, job_names = None, target, False
     if re.fullmatch(r"[0-9a-f]{32}", target):

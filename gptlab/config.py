@@ -25,7 +25,7 @@ from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
-from gptlab.tracking import TrackingConfig
+from gptlab.tracking import TrackingConfig, check_uri
 
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # parallelism.strategy (distributed.wrap_model reads it)
 SHARDED = ("fsdp", "hsdp")  # strategies whose weights, gradients and optimizer state are split over ranks
@@ -164,6 +164,7 @@ def validate(c: Config) -> None:
     _check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {c.data.val_fraction}")
     _validate_train(c)
     _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")
+    check_uri(c.tracking.uri)  # a mistyped store is one line now, not a run that goes unrecorded
 
 
 def _validate_model(m: GPTConfig) -> None:

@@ -80,6 +80,40 @@ class quiet:
         self.log.setLevel(self.level)
 
 
+def next_start(folder: Path, resume: str) -> str:
+    """Where the next start of a stopped run continues, and the command that continues it.
+
+    folder: the run's checkpoints folder. A run folder is named by the time it was made, so the
+    command names it (hydra.run.dir, or hydra.sweep.dir for a job of a sweep: Hydra's multirun.yaml
+    is in the sweep's folder, and the sweep run again continues each job in its own folder).
+    """
+    from gptlab.checkpoint import latest, step_of
+
+    found = latest(Path(folder))
+    where = f"resumes from {found} (step {step_of(found)})" if found else "begins at step 0 (no checkpoint yet)"
+    run_dir = Path(folder).parent
+    if (run_dir.parent / "multirun.yaml").is_file():
+        how = f"run the sweep again with hydra.sweep.dir={run_dir.parent}"
+    else:
+        how = f"run the same command with hydra.run.dir={run_dir}"
+    return f"the next start {where}: {how}{'' if resume == 'auto' else ' train.resume=auto'}"
+
+
+def local_bars() -> None:
+    """Progress bars in this process take a thread lock, not tqdm's default multiprocessing one.
+
+    In a spawned worker (whose multiprocessing start method is spawn) tqdm's default lock is a named
+    semaphore registered with the launcher's resource tracker; the worker leaves with os._exit
+    (distributed._exit_now), which never unregisters it, and the tracker then warns of a "leaked
+    semaphore" when the launcher exits. gptlab's bars are drawn by one process.
+    """
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 class Reporter:
     """The training loop's voice and stopwatch: progress lines (or a live bar on a terminal), the
     ETA, the stop message, and the timing windows between logging steps (gptlab.bench reads them).
@@ -147,9 +181,8 @@ class Reporter:
         )
 
     def stopped(self, signal_name: str, step: int, folder: Path, resume: str) -> None:
-        """resume: the run's train.resume (only auto continues when the command is run again)."""
-        again = "run the same command again" if resume == "auto" else "run it again with train.resume=auto"
-        self.say(f"{signal_name} received: stopped at step {step} with a checkpoint in {folder}; {again} to continue")
+        """folder: the run's checkpoints; resume: its train.resume (only auto continues a run)."""
+        self.say(f"{signal_name} received: stopped at step {step}; {next_start(folder, resume)}")
 
     def say(self, line: str) -> None:
         if not self.enabled:

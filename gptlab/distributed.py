@@ -14,7 +14,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -281,9 +283,12 @@ def keep_freed_memory() -> bool:
     for the plain loop in benchmarks/, by luck of its heap layout), 5-9% of its step time. With
     these two settings the faults drop to under 1k per step; resident memory stays at its peak,
     as it would anyway over the next step. Returns False where the C library has no mallopt (not
-    glibc): nothing changes there.
+    glibc), or with GPTLAB_KEEP_FREED_MEMORY=0 (glibc's own settings, to compare): nothing changes there.
     """
     import ctypes
+
+    if os.environ.get("GPTLAB_KEEP_FREED_MEMORY", "1") == "0":
+        return False
 
     try:
         mallopt = ctypes.CDLL(None).mallopt
@@ -310,7 +315,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(local_rank: int, nprocs: int, port: int, fn, args) -> None:
+# A spawned worker's exit codes besides its run's own (0, or 2 after a user error it printed):
+INTERRUPTED = 130  # KeyboardInterrupt: the launcher's Ctrl-C reached it before training (the shell's code)
+CRASHED = 70  # it raised: its traceback is on the console (sysexits' EX_SOFTWARE, not any SystemExit's code)
+
+
+def _worker(local_rank: int, launch: tuple, fn, args) -> None:
+    """One spawned rank. launch: (nprocs, rendezvous port, the launcher's pid)."""
+    nprocs, port, launcher = launch
+    follow_launcher(launcher)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -324,7 +337,57 @@ def _worker(local_rank: int, nprocs: int, port: int, fn, args) -> None:
         code = 0
     except SystemExit as e:  # a user error the worker has already printed (exit 2)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:  # the launcher says where the run stands
+        code = INTERRUPTED
+    except Exception:  # noqa: BLE001 - a bug: its traceback here, and the launcher's line names the rank
+        traceback.print_exc()
+        code = CRASHED
     _exit_now(code)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def follow_launcher(launcher: int) -> None:
+    """Bind a spawned worker to the launcher (pid `launcher`) that started it.
+
+    It ends when the launcher ends, however that ends (kill -9, the OOM killer, a closed terminal):
+    the kernel sends it SIGKILL (prctl's parent-death signal; where there is no prctl, a thread
+    watching the parent pid does it). SIGKILL, not a signal the loop stops on: an orphan must not
+    save (its peers may be gone, and nobody waits for the run), and a kill cannot leave a
+    half-written checkpoint (every save is written aside and renamed: checkpoint.save and
+    save_sharded). A launcher that died before the kernel was told is no longer the parent: then the
+    worker ends here. The run folder's lock (an flock of rank 0's) goes with the process.
+
+    It gets a session of its own, as torchrun's workers do, so that a terminal's Ctrl-C reaches the
+    launcher alone, which forwards one stop to every worker (spawn); and SIGINT, ignored while the
+    launcher started it, gets Python's handler back.
+    """
+    if not _killed_with_parent():
+        threading.Thread(target=_watch_parent, args=(launcher,), name="gptlab-launcher-watch", daemon=True).start()
+    if os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with suppress(OSError):  # already a session leader: nothing to leave
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _killed_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this process when its parent ends; False where there is no prctl."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+
+
+def _watch_parent(launcher: int, every_s: float = 0.5) -> None:
+    while os.getppid() == launcher:
+        time.sleep(every_s)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _exit_now(code: int) -> None:
@@ -348,38 +411,115 @@ def _exit_now(code: int) -> None:
 def spawn(fn, nprocs: int, args: tuple) -> None:
     """Start nprocs local workers running fn(*args) as ranks 0..nprocs-1, and wait for all of them.
 
-    When one worker fails, the others are stopped at once (torch.multiprocessing does this), and the
-    failure is raised here as one GptlabError naming the rank; the worker's own traceback has
-    already been printed on this console. A worker that exits with code 2 reported a user error itself.
+    The first stop signal this launcher gets (SIGTERM, SIGUSR2, and Ctrl-C's SIGINT unless it was
+    started with SIGINT ignored, as a shell's background job is) goes on to every worker, which stop
+    at the next step with a checkpoint; a second SIGINT or SIGTERM (stop_again) kills them and raises
+    KeyboardInterrupt here. When one worker fails, the others are killed at once and the failure is
+    raised: SystemExit(2) for a user error the worker printed itself, KeyboardInterrupt for a worker
+    interrupted before training, else one GptlabError naming the rank.
     """
-    import torch.multiprocessing as mp
-
-    from gptlab.errors import GptlabError
-
-    ctx = mp.start_processes(
-        _worker, args=(nprocs, _free_port(), fn, args), nprocs=nprocs, start_method="spawn", join=False
-    )
-
-    def forward(signum, frame):  # a scheduler's SIGTERM / SIGUSR2 to this parent reaches every worker
-        for p in ctx.processes:
-            if p.is_alive():
-                os.kill(p.pid, signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    stops = _Forward()
+    handled = [signal.SIGTERM, signal.SIGUSR2]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        handled.append(signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in handled}
     try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as e:
-        if e.exit_code == 2:
-            raise SystemExit(2) from None
-        how = f"was killed by {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}"
-        raise GptlabError(f"worker rank {e.error_index} (pid {e.error_pid}) {how}; all workers were stopped") from None
-    except mp.ProcessRaisedException as e:
-        log.error(str(e).rstrip())
-        raise GptlabError(f"worker rank {e.error_index} failed (traceback above); all workers were stopped") from None
+        stops.workers = _start(nprocs, fn, args)
+        for sig in handled:
+            signal.signal(sig, stops)
+        failed = _wait(stops.workers)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if failed is not None:
+        raise _failure(stops.workers[failed], failed, stops.first) from None
+
+
+def _start(nprocs: int, fn, args: tuple) -> list:
+    """The started workers (multiprocessing's spawn: fresh interpreters, safe with threads and CUDA).
+
+    SIGINT is ignored while they start, so that they inherit it ignored until follow_launcher has
+    taken them out of the terminal's reach: a Ctrl-C then reaches this launcher alone.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    launch = (nprocs, _free_port(), os.getpid())
+    workers = [ctx.Process(target=_worker, args=(i, launch, fn, args), name=f"rank {i}") for i in range(nprocs)]
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for w in workers:
+            w.start()
+    except BaseException:
+        _kill([w for w in workers if w.pid is not None])
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return workers
+
+
+class _Forward:
+    """The launcher's stop-signal handler: the first signal is sent on to every live worker; a second
+    SIGINT or SIGTERM (stop_again) kills them and raises KeyboardInterrupt; other repeats ask nothing more."""
+
+    def __init__(self) -> None:
+        self.workers: list = []
+        self.first: Optional[str] = None
+        self._at = 0.0
+
+    def __call__(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.first is None:
+            self.first, self._at = name, time.monotonic()
+            for w in self.workers:
+                if w.is_alive():
+                    os.kill(w.pid, signum)
+        elif stop_again(self.first, time.monotonic() - self._at, name):
+            _kill(self.workers)
+            raise KeyboardInterrupt
+
+
+def _wait(workers: list) -> Optional[int]:
+    """Wait until every worker has ended; when one fails, kill the others at once: its index (None: all ended well)."""
+    from multiprocessing.connection import wait
+
+    live = {w.sentinel: i for i, w in enumerate(workers)}
+    while live:
+        for sentinel in wait(list(live)):
+            i = live.pop(sentinel)
+            workers[i].join()
+            if workers[i].exitcode != 0:
+                _kill(workers)
+                return i
+    return None
+
+
+def _kill(workers: list) -> None:
+    """SIGKILL the workers still running, and reap them. Not SIGTERM: a worker would take it for a stop
+    and try to save, with a peer gone, and say so in a traceback."""
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+    for w in workers:
+        w.join()
+
+
+def _failure(worker, rank: int, asked: Optional[str]) -> BaseException:
+    """What a worker's failed exit means here (asked: the stop signal the launcher forwarded, if any)."""
+    from gptlab.errors import GptlabError
+
+    code = worker.exitcode
+    if code == 2:
+        return SystemExit(2)
+    if code == INTERRUPTED or (asked is not None and code == -signal.Signals[asked]):
+        return KeyboardInterrupt()  # stopped before it could save: the caller says where the run stands
+    if code == CRASHED:
+        return GptlabError(f"worker rank {rank} failed (traceback above); all workers were stopped")
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    except ValueError:
+        how = f"was killed by signal {-code}"
+    return GptlabError(f"worker rank {rank} (pid {worker.pid}) {how}; all workers were stopped")
 
 
 # seconds teardown leaves the GIL free for gloo's worker threads (see _exit_now)
@@ -505,14 +645,30 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def agree_on_signal(received: Optional[str]) -> Optional[str]:
-    """The stop signal if any rank received one (every rank gets the same answer)."""
+    """The stop signal if any rank received one (every rank gets the same answer; SIGUSR2, which a
+    scheduler follows with a requeue, wins)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return received
-    codes = {None: 0, "SIGTERM": 1, "SIGUSR2": 2}
+    codes = {None: 0, "SIGINT": 1, "SIGTERM": 2, "SIGUSR2": 3}
     # a CPU tensor over the gloo control group: no host-device synchronisation on GPUs
-    flag = torch.tensor([codes.get(received, 1)])
+    flag = torch.tensor([codes.get(received, 2)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return {v: k for k, v in codes.items()}[int(flag.item())]
+
+
+# A stop asked for again within this many seconds is the same stop delivered twice: to every process
+# of a SLURM step or a process group, and once more by gptlab's launcher.
+SAME_STOP_S = 1.0
+USER_STOPS = ("SIGINT", "SIGTERM")
+
+
+def stop_again(first: str, since_s: float, name: str) -> bool:
+    """Whether stop signal `name`, `since_s` seconds after the first one (`first`), ends the run at once.
+
+    A second SIGINT or SIGTERM does. SIGUSR2 neither does nor makes a later one do: it is a
+    scheduler's warning, and the scheduler's SIGTERM that may follow must not cut the save short.
+    """
+    return first in USER_STOPS and name in USER_STOPS and since_s > SAME_STOP_S
 
 
 def attention_context(backend: str):

@@ -25,26 +25,36 @@ if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
 
 
 class StopOnSignal:
-    """SIGTERM / SIGUSR2 (preemption, scancel, SLURM's time-limit warning) ask the loop to stop.
+    """SIGTERM / SIGUSR2 (preemption, scancel, SLURM's time-limit warning) and SIGINT (Ctrl-C) ask the
+    loop to stop.
 
     The handler only sets a flag; the loop checks it at the next step boundary, where every rank
-    agrees to stop, rank 0 saves a checkpoint, and the run ends cleanly. The previous handlers come
-    back afterwards (submitit's SIGUSR2 handler then requeues the job).
+    agrees to stop, rank 0 saves a checkpoint, and the run ends cleanly. A second SIGINT or SIGTERM
+    (distributed.stop_again) raises KeyboardInterrupt at once, wherever the loop is. SIGINT is left
+    alone where it is ignored (a shell's background job: Ctrl-C is not for it). The previous handlers
+    come back afterwards (submitit's SIGUSR2 handler then requeues the job).
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR2")
+    SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
 
     def __init__(self):
         self.received: Optional[str] = None
+        self._at = 0.0
         self._previous: Dict[int, Any] = {}
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be installed from the main thread
         for name in self.SIGNALS:
             sig = getattr(signal, name)
+            if name == "SIGINT" and signal.getsignal(sig) is signal.SIG_IGN:
+                continue
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received, self._at = name, time.monotonic()
+        elif distributed.stop_again(self.received, time.monotonic() - self._at, name):
+            raise KeyboardInterrupt(f"{name} again")
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -105,6 +115,8 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         tokens=p.tokens,
         best_val_loss=p.best_val,
         loss_window=(window, p.loss_count),
+        train_loss=p.train_loss,
+        val_loss=p.last_val,
         config=run.resolved_config,
         model_config=run.model_config,
         tokenizer=run.tokenizer.to_meta(),
@@ -180,6 +192,7 @@ def train(run: "Run") -> Dict[str, Any]:
     window_sum, window_count = run.start_loss_window
     p = Progress(run.start_step, run.start_tokens, run.start_best_val, torch.tensor(float(window_sum), device=dev))
     p.loss_count = int(window_count)
+    p.train_loss, p.last_val = run.start_losses  # the checkpoint's: a resumption at the last step logs none
     wall0 = time.perf_counter()
     run.model.train()
     report.begin(p.step, run.summary)
@@ -244,6 +257,7 @@ def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
         "params": run.num_params,
         "steps": p.step,
         "tokens": p.tokens,
+        "tokens_this_session": session_tokens,  # 0: resumed at the final step (the losses are the checkpoint's)
         "train_loss": p.train_loss,
         "val_loss": p.last_val,
         "best_val_loss": p.best_val if math.isfinite(p.best_val) else None,

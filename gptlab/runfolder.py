@@ -4,10 +4,12 @@ Before anything is written, rank 0 decides (``claim``):
 
 - ``train.resume=auto``: the newest checkpoint that loads is the run's own line of history. Newer
   ones that do not load are moved to ``checkpoints/broken/`` (named), so that neither pruning nor a
-  later resume ever picks them. The checkpoint must come from the same run: its config and this
-  one may differ only in topology (hardware, parallelism, processes, the micro-batch split of the
-  same global batch), pace (max_steps, eval / log / checkpoint cadence) and records (tracking); any
-  other difference is one line naming the keys. A folder with records but no loadable checkpoint is
+  later resume ever picks them. A sharded checkpoint is read whole only when restored: one an entry
+  of which does not read back is passed over then, the same way, on every rank (``shared_restore``).
+  The checkpoint must come from the same run: its config and this one may differ only in topology
+  (hardware, parallelism, processes, the micro-batch split of the same global batch), pace
+  (max_steps, eval / log / checkpoint cadence) and records (tracking); any other difference is one
+  line naming the keys. A folder with records but no loadable checkpoint is
   refused the same way (a rerun would mix two runs' records).
 - ``train.resume=never``: an earlier run's files are moved aside into ``previous/<time>/``, never
   deleted or mixed, and the run starts fresh.
@@ -24,6 +26,7 @@ others are told which checkpoint to load.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import shutil
 import socket
@@ -43,6 +46,7 @@ PREVIOUS = "previous"
 LOCK_FILE = ".gptlab.lock"
 _HELD: Dict[str, Any] = {}  # run folder -> its open lock file, while this process runs it
 BROKEN = "broken"
+WARNING = "warning: "  # how checkpoint.load_latest_good marks a note that is a warning
 
 # Keys a run may change and still continue its own checkpoint: where and how fast it runs, how often
 # it reports, how long it goes on, and where it records. Everything else (model, data stream,
@@ -53,7 +57,7 @@ FREE = (
     "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.sample_tokens",
     "train.sample_prompt", "train.save_checkpoints",
     "data.path", "data.cache_dir", "data.workers", "data.progress",  # where the text is, not what it is
-    "optimizer.fused", "bench.",
+    "optimizer.fused", "optimizer.muon_ns_dtype", "bench.",  # arithmetic: auto differs by machine anyway
 )  # fmt: skip
 
 
@@ -151,17 +155,21 @@ def unlock(run_dir: Path) -> None:
         f.close()
 
 
-def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None]) -> Claim:
-    """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another run."""
+def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None],
+          unreadable: Optional[Dict[Path, str]] = None) -> Claim:  # fmt: skip
+    """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another run.
+
+    unreadable: checkpoints a restore found damaged (path: why), passed over like those that do not load."""
     lock(run_dir)
     try:
-        return _decide(run_dir, resume, resolved, log)
+        return _decide(run_dir, resume, resolved, log, unreadable or {})
     except GptlabError:
         unlock(run_dir)  # refused: the folder stays as it was, free for the next start
         raise
 
 
-def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None]) -> Claim:
+def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None],
+            unreadable: Dict[Path, str]) -> Claim:  # fmt: skip
     notes: List[str] = []
     say = notes.append
     if resume == "never":
@@ -171,11 +179,11 @@ def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[
         path, state = _warm_start(run_dir, Path(resume).expanduser(), say)
         return _told(Claim(path, notes, state), log)
     folder = run_dir / "checkpoints"
-    found = checkpoint.load_latest_good(folder, warn=say)
+    found = checkpoint.load_latest_good(folder, warn=say, unreadable=unreadable)
     if found is None:
         if checkpoint.list_checkpoints(folder):
-            first = next((n for n in notes if n.startswith("warning: ")), "")
-            why = first[len("warning: ") :].split("; trying the previous")[0]
+            first = next((n for n in notes if n.startswith(WARNING)), "")
+            why = first[len(WARNING) :].split("; trying the previous")[0]
             raise GptlabError(_another_run(run_dir, f"none of its checkpoints loads: {why}" if why else
                                            "none of its checkpoints loads"))  # fmt: skip
         if has_records(run_dir):  # an attempt that ended before its first checkpoint: the same run?
@@ -214,7 +222,10 @@ def _move_broken(folder: Path, good: Path, say: Callable[[str], None]) -> None:
         return
     (folder / BROKEN).mkdir(exist_ok=True)
     for path in broken:
-        shutil.move(str(path), str(folder / BROKEN / path.name))
+        dest = folder / BROKEN / path.name
+        while dest.exists():  # the same step broken before: both are kept (a move onto a folder nests in it)
+            dest = dest.with_name(dest.name + "_")
+        shutil.move(str(path), str(dest))
     say(f"moved {len(broken)} unreadable checkpoint(s) to {folder / BROKEN}")
 
 
@@ -227,13 +238,18 @@ def _another_run(run_dir: Path, why: str) -> str:
 
 
 def _told(c: Claim, log: Callable[[str], None]) -> Claim:
+    """The claim's notes, told: a skipped checkpoint is a warning (`gptlab: ...` on stderr), the rest news."""
     for note in c.notes:
-        log(note)
+        if note.startswith(WARNING):
+            logging.getLogger(__name__).warning(note[len(WARNING) :])
+        else:
+            log(note)
     return c
 
 
-def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool,
-                 log: Callable[[str], None]) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:  # fmt: skip
+def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool, log: Callable[[str], None],
+                 unreadable: Optional[Dict[Path, str]] = None,
+                 ) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:  # fmt: skip
     """claim() on rank 0, its answer on every rank: (the checkpoint to load, the state rank 0 loaded
     already (None on the other ranks)). Rank 0's refusal is raised on every rank. Called before the
     data is prepared, so another run's checkpoint or a bad path stops at once."""
@@ -243,7 +259,7 @@ def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: 
     c = None
     if is_main:
         try:
-            c = claim(run_dir, resume, resolved, log)
+            c = claim(run_dir, resume, resolved, log, unreadable)
             answer = (str(c.resume_from) if c.resume_from else None, None)
         except GptlabError as e:
             answer = (None, str(e))
@@ -251,3 +267,29 @@ def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: 
     if error is not None:
         raise GptlabError(error)
     return (Path(path) if path else None), (c.state if c is not None else None)
+
+
+def shared_restore(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool, log: Callable[[str], None],
+                   objects: Dict[str, Any], claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
+                   ) -> Tuple[Path, checkpoint.TrainingState]:  # fmt: skip
+    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its state).
+
+    A sharded checkpoint an entry of which does not read back (damaged, or crafted) is claimed past:
+    named with its cause, moved to checkpoints/broken/, and the previous one restored. train.resume=PATH
+    asked for that one: its damage is the error."""
+    path, loaded = claimed
+    unreadable: Dict[Path, str] = {}
+    while True:
+        state = loaded or checkpoint.TrainingState.load(path)
+        try:
+            # restoring is the check, so each rank reads its entries once; DCP gives every rank every rank's failure
+            state.restore(objects)
+            return path, state
+        except checkpoint.UnreadableCheckpoint as e:
+            if resume != "auto":
+                raise
+            unreadable[path] = str(e)
+        found, loaded = shared_claim(run_dir, resume, resolved, is_main, log, unreadable)
+        if found is None:  # not reached: a folder whose checkpoints all fail is refused by claim
+            raise GptlabError(unreadable[path])
+        path = found

@@ -33,11 +33,15 @@ from omegaconf import DictConfig
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
 from gptlab import console
+from gptlab.cli import fail
+from gptlab.errors import GptlabError
 from gptlab.tracking import (
     PARENT_TAG,
     SWEEP_FILE,
     SWEEP_KIND,
     artifact_root,
+    check_reachable,
+    check_uri,
     children,
     default_uri,
     error_text,
@@ -47,7 +51,9 @@ from gptlab.tracking import (
     mlflow_client,
     read_sweep,
     run_name,
+    store_failure,
     sweep_run_name,
+    sync_command,
 )
 
 log = logging.getLogger(__name__)
@@ -131,14 +137,19 @@ class SweepCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         console.setup_logging()  # the launching process: Hydra configures job logging per job only
         t = config.tracking
+        try:
+            check_uri(t.uri)  # each job would refuse it: one line before the first
+        except GptlabError as e:
+            fail(f"gptlab.{config.hydra.job.name}", e)
         if not t.mlflow:
             return
+        # Resolving ${now:...} here caches it: Hydra's launcher reuses the same folder for the jobs.
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        uri = t.uri or default_uri(Path("outputs"))
         try:
-            # Resolving ${now:...} here caches it: Hydra's launcher reuses the same folder for the jobs.
-            sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+            check_reachable(uri)  # a server that is down: one look, not MLflow's retries of each call
             overrides = [str(o) for o in config.hydra.overrides.task]
             launcher = str(config.hydra.runtime.choices.get("hydra/launcher") or "basic")
-            uri = t.uri or default_uri(Path("outputs"))
             experiment = t.experiment or experiment_name(config.model.name, config.data.name)
             client = mlflow_client(uri)  # for SQLite: creates and migrates the store, once, before any job
             exp_id = get_or_create_experiment(client, experiment, artifact_root(uri))
@@ -177,7 +188,10 @@ class SweepCallback(Callback):
             atexit.register(self._end, stopped=True)
             log.info(f"MLflow sweep run {run.info.run_id} ({name}) in {uri}")
         except Exception as e:  # noqa: BLE001 - the jobs still run and record their own runs
-            log.warning(f"no MLflow parent run for this sweep: {error_text(e)}")
+            log.warning(
+                f"no MLflow parent run for this sweep: {store_failure(uri, e)}; the sweep goes on unrecorded in "
+                f"MLflow (each run folder keeps everything); record it later with: {sync_command(sweep_dir)}"
+            )
             self.parent = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -27,7 +27,10 @@ new record): sync again once it has ended. Folders of runs with tracking.mlflow=
 Timestamps are approximate: spread by step between the folder's first and last writes.
 
 Prints one line per folder, `<folder>: up to date` or `<folder>: recorded as run <id> (N metric points,
-M params, K artifacts)`. An unreachable store is one line `gptlab.sync: error: ...` and exit code 2.
+M params, K artifacts)`. A folder that cannot be recorded (its store does not answer, or fails midway)
+is one line on stderr, `gptlab.sync: error: <folder>: not recorded: <store and why>; <what to do>`; the
+folders after it are still tried (a store that could not be opened is not asked again), and the exit
+code is 2 once all were tried (0 when every folder was recorded or up to date).
 
 The root config is conf/sync.yaml: the training config (its `tracking.uri` names the store) and the
 command's own key `sync.folders`; the words without `=` are the folders (`sync.folders=[a,b]`).
@@ -59,7 +62,6 @@ from gptlab.tracking import (
     artifact_root,
     check_reachable,
     default_uri,
-    error_text,
     experiment_name,
     flatten,
     get_or_create_experiment,
@@ -71,6 +73,7 @@ from gptlab.tracking import (
     read_results,
     read_sweep,
     run_name,
+    store_failure,
     sweep_run_name,
 )
 
@@ -78,6 +81,7 @@ ARTIFACTS = ("config_resolved.yaml", "results.json", "samples.txt", LOSS_PLOT, "
 RUN_MARKERS = ("metrics.jsonl", "config_resolved.yaml")  # what makes a folder a run folder
 DEFAULT_ROOTS = (Path("outputs") / "runs", Path("outputs") / "sweeps")
 SYNC_TAG = "recorded_by"  # on the runs (and sweep parents) that sync created
+AGAIN = "then run gptlab.sync again (it sends only what the store lacks)"
 # Hydra's options that take the next word as their value (--info takes one only when it is a topic)
 VALUE_OPTIONS = {
     *("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"),
@@ -338,7 +342,9 @@ class Store:
             client = mlflow_client(uri)  # a SQLite store is created here (under its lock) when it is new
             client.search_experiments(max_results=1)
         except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
-            raise GptlabError(f"MLflow store {uri} cannot be reached: {error_text(e)}") from None
+            raise GptlabError(
+                f"MLflow {store_failure(uri, e)}; start it (or name another store with tracking.uri=...), {AGAIN}"
+            ) from None
         return cls(uri, client)
 
     def get_run(self, run_id: Optional[str]) -> Any:
@@ -508,32 +514,58 @@ def sync_folder(store: Store, folder: RunFolder) -> str:
     return f"{folder.path}: recorded as run {run.info.run_id} ({what}{status}){note}"
 
 
+class NotRecorded(GptlabError):
+    """Folders that sync could not record (each named in its own line as it happened)."""
+
+
 def sync(paths: Sequence[Path], uri: Optional[str] = None) -> List[str]:
-    """Record the run folders (each in its store: uri, else its own); the lines printed, one per folder."""
-    stores: Dict[str, Store] = {}
-    lines = []
+    """Record the run folders (each in its store: uri, else its own); the lines printed, one per folder.
+
+    A folder that cannot be recorded (its store does not answer, or fails midway) is one line on
+    stderr, `gptlab.sync: error: <folder>: not recorded: ...`, and the folders after it are still
+    tried; then NotRecorded is raised, naming how many were not.
+    """
+    stores: Dict[str, Any] = {}  # uri -> its Store, or the error of a store that could not be opened
+    lines, failed = [], 0
     try:
         for path in paths:
-            folder = read_folder(path)
-            if folder is None:
-                line = f"{path}: skipped (no config_resolved.yaml or .hydra/config.yaml to record it by)"
-            elif (folder.config.get("tracking") or {}).get("mlflow") is False:
-                line = f"{path}: skipped (it ran with tracking.mlflow=false)"
-            else:
-                target = target_uri(folder, uri)
-                if target not in stores:
-                    stores[target] = Store.open(target)
-                store = stores[target]
-                try:
-                    line = sync_folder(store, folder)
-                except Exception as e:  # noqa: BLE001 - the store failed midway: one line, and sync again later
-                    raise GptlabError(f"{path}: MLflow at {target} failed: {error_text(e)}") from None
+            try:
+                line = sync_path(stores, path, uri)
+            except GptlabError as e:
+                failed += 1
+                print(f"gptlab.sync: error: {path}: not recorded: {e}", file=sys.stderr, flush=True)
+                continue
             print(line, flush=True)
             lines.append(line)
     finally:
         for store in stores.values():
-            store.close()
+            if isinstance(store, Store):
+                store.close()
+    if failed:
+        raise NotRecorded(f"{failed} of {len(paths)} folders not recorded (each named above)")
     return lines
+
+
+def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
+    """Record one folder in its store (opened once for all the folders: a store that could not be
+    opened is not asked again); the line that says what was done. Raises GptlabError."""
+    folder = read_folder(path)
+    if folder is None:
+        return f"{path}: skipped (no config_resolved.yaml or .hydra/config.yaml to record it by)"
+    if (folder.config.get("tracking") or {}).get("mlflow") is False:
+        return f"{path}: skipped (it ran with tracking.mlflow=false)"
+    target = target_uri(folder, uri)
+    if target not in stores:
+        try:
+            stores[target] = Store.open(target)
+        except GptlabError as e:
+            stores[target] = e
+    if isinstance(stores[target], GptlabError):
+        raise stores[target]
+    try:
+        return sync_folder(stores[target], folder)
+    except Exception as e:  # noqa: BLE001 - the store failed midway: one line, and sync again later
+        raise GptlabError(f"MLflow {store_failure(target, e)} (it failed midway); {AGAIN}") from None
 
 
 def run_sync(cfg: Any) -> List[str]:
@@ -542,11 +574,20 @@ def run_sync(cfg: Any) -> List[str]:
     return sync(find_folders(config.sync.folders), config.tracking.uri)
 
 
+def sync_command_line(cfg: Any) -> List[str]:
+    """run_sync for the command line: folders not recorded end it with exit code 2, their lines
+    already printed (one each, not a summary line after them)."""
+    try:
+        return run_sync(cfg)
+    except NotRecorded:
+        sys.exit(2)
+
+
 def main(argv: Optional[List[str]] = None) -> Any:
     """python -m gptlab.sync [FOLDER ...] [overrides]: a Hydra app on conf/sync.yaml.
 
     The words without `=` are the folders (sync.folders=[...]). argv: the same arguments, to run it in
-    this process (errors raise GptlabError); it returns the lines printed.
+    this process (errors raise GptlabError, folders not recorded NotRecorded); it returns the lines printed.
     """
     if argv is not None:
         return command("sync", run_sync, gather_words(argv))
@@ -554,7 +595,7 @@ def main(argv: Optional[List[str]] = None) -> Any:
         sys.argv[1:] = gather_words(sys.argv[1:])
     except GptlabError as e:
         fail("gptlab.sync", e)
-    return command("sync", run_sync)
+    return command("sync", sync_command_line)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from gptlab.errors import GptlabError
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,36 @@ def experiment_name(model: str, data: str) -> str:
 
 def default_uri(outputs: Path) -> str:
     return f"{SQLITE_PREFIX}{outputs.resolve() / 'mlflow.db'}"
+
+
+# The schemes of the stores MLflow itself has (a plain path is a folder store); packages add theirs
+# through the entry points MLflow reads (STORE_PLUGINS)
+STORE_SCHEMES = (
+    "", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc",
+)  # fmt: skip
+STORE_PLUGINS = "mlflow.tracking_store"
+
+
+def check_uri(uri: Optional[str]) -> None:
+    """Raise GptlabError when uri's scheme is none that MLflow stores runs in (a typo: `htp://...`).
+
+    Read from the uri alone, without opening the store: config validation calls it before anything
+    runs, so a mistyped store is one line at the start rather than a run (or a sweep) that goes
+    unrecorded. MLflow's own message for it speaks of the model registry.
+    """
+    if uri is None:
+        return
+    from importlib.metadata import entry_points
+
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    base = "" if len(scheme) == 1 else scheme.split("+")[0]  # a Windows drive; postgresql+psycopg2 is postgresql
+    if base in STORE_SCHEMES or base in {e.name for e in entry_points(group=STORE_PLUGINS)}:
+        return
+    raise GptlabError(
+        f"tracking.uri={uri}: {scheme!r} is not a scheme MLflow knows; give a folder path, "
+        "sqlite:///path/to/mlflow.db, http(s)://host:port (a server) or postgresql://user@host/db, "
+        "or leave it out for the local store outputs/mlflow.db"
+    )
 
 
 def sqlite_path(uri: str) -> Optional[Path]:
@@ -165,6 +197,11 @@ def mlflow_client(uri: str) -> Any:
     # nor are the "View run ... at: URL" lines it writes to stdout when a server's run ends: gptlab
     # says where a run is itself, and sync's stdout is one line per folder
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    # nor urllib3's line for each of MLflow's HTTP retries: gptlab says once that a server does not
+    # answer. They are warnings, which reach the console through the root logger: Hydra's launcher
+    # gives it a handler at INFO in the process that launches a sweep (where the sweep callback opens
+    # the store), and gptlab's job logging one at WARNING
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from mlflow.tracking import MlflowClient
 
     if sqlite_path(uri) is None:
@@ -176,8 +213,39 @@ def mlflow_client(uri: str) -> Any:
 REACHABLE_TRIES = 3  # /health asked this many times, 10 s each, 2 s apart, before a server counts as down
 
 
+class Unreachable(ConnectionError):
+    """A tracking server that does not answer; the message names it and says why in a few words."""
+
+
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"()<>\[\]]+)")  # the OS's reason inside a library's message
+
+
+def short_reason(e: BaseException) -> str:
+    """Why a call to a store failed, in a few words: the OS's reason for a failed connection
+    (`Connection refused`, `timed out`) where there is one, else `Type: first line`, cut short.
+
+    MLflow's own message for a server that does not answer quotes urllib3's (a few hundred
+    characters: the URL, the retries, the connection object) around that reason.
+    """
+    reason = getattr(e, "reason", None)  # urllib's URLError wraps the OS's error
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    text = str(e)
+    if m := _ERRNO.search(text):
+        return m.group(1).strip()
+    if "timed out" in text or isinstance(reason, TimeoutError):
+        return "timed out"
+    return error_text(e)[:200]
+
+
+def store_failure(uri: str, e: BaseException) -> str:
+    """The store and what went wrong with it, in one short phrase (`server http://h:9 unreachable
+    (Connection refused)`, `store sqlite:///...: OperationalError: database is locked`)."""
+    return str(e) if isinstance(e, Unreachable) else f"{store_name(uri)}: {short_reason(e)}"
+
+
 def check_reachable(uri: str) -> None:
-    """Raise ConnectionError, in seconds, when the tracking server at an http(s) uri does not answer.
+    """Raise Unreachable, in seconds, when the tracking server at an http(s) uri does not answer.
 
     A server busy with many jobs (or restarting) may miss one question: it is asked REACHABLE_TRIES
     times, so a run gives up on it after ~4 s when nothing listens, ~35 s when it hangs.
@@ -190,7 +258,7 @@ def check_reachable(uri: str) -> None:
             return
         except Exception as e:  # noqa: BLE001
             if attempt == REACHABLE_TRIES - 1:
-                raise ConnectionError(f"tracking server {uri} is unreachable ({e})") from None
+                raise Unreachable(f"{store_name(uri)} unreachable ({short_reason(e)})") from None
             time.sleep(2)
 
 
@@ -624,9 +692,6 @@ class MLflowRun:
             self._client = client
             self.experiment_id = exp_id
             self._sender = Sender(store_name(uri))
-            # the sender says once that the server is not answering, and once that it answers again:
-            # not urllib3's line for each of MLflow's own retries of each try
-            logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
             self._fail(e)
 
@@ -643,13 +708,10 @@ class MLflowRun:
     _check_reachable = staticmethod(check_reachable)
 
     def _fail(self, e: Exception) -> None:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         later = sync_command(self.run_dir) if self.run_dir is not None else "python -m gptlab.sync <run folder>"
-        warnings.warn(
-            f"MLflow disabled for this run: {first[:300]}; the run folder still records everything; "
-            f"record it later with: {later}",
-            RuntimeWarning,
-            stacklevel=3,
+        log.warning(
+            f"MLflow disabled for this run: {store_failure(self.uri, e)}; the run folder still records "
+            f"everything; record it later with: {later}"
         )
         self._client = None
 

@@ -48,7 +48,7 @@ def run_training(
         distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir), run_name, tags))
         return json.loads((Path(run_dir) / "results.json").read_text())
     run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
-    status = "FAILED"
+    status, results = "FAILED", {}
     try:
         run.tracker.write_config(resolved, run.derived)
         results = train(run)
@@ -64,9 +64,12 @@ def run_training(
         )
         status = "KILLED" if results["stopped_by"] else "FINISHED"
         return results
+    except KeyboardInterrupt:  # a second stop signal: ended at once
+        status = "KILLED"
+        raise
     finally:
         run.close(status)
-        if status == "KILLED" and results["stopped_by"] == "SIGUSR2" and callable(signal.getsignal(signal.SIGUSR2)):
+        if status == "KILLED" and results.get("stopped_by") == "SIGUSR2" and callable(signal.getsignal(signal.SIGUSR2)):
             # our handler is gone again: re-deliver so the job's own handler (submitit's) requeues it
             os.kill(os.getpid(), signal.SIGUSR2)
 
@@ -74,6 +77,7 @@ def run_training(
 def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: Dict[str, str] | None) -> None:
     """One locally spawned rank: the same run, with RANK / WORLD_SIZE set by distributed.spawn."""
     console.setup_logging(Path(run_dir) / "train.log")  # a fresh process: Hydra configured nothing here
+    console.local_bars()
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
     except (GptlabError, OSError) as e:
@@ -89,14 +93,32 @@ def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: 
         fail("gptlab.train", message if rank == "0" else f"[rank {rank}] {message}")
 
 
+# Hydra's default launcher, which runs a sweep's jobs one after another in this process
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
 def train_job(cfg: DictConfig) -> Dict[str, Any]:
-    """One Hydra job of `python -m gptlab.train`: its run folder is Hydra's output folder."""
+    """One Hydra job of `python -m gptlab.train`: its run folder is Hydra's output folder.
+
+    A job stopped by a signal in a sweep whose jobs run in this process ends the sweep: Hydra's
+    launcher would start the next job (it goes on after any Exception), so this job leaves with
+    SystemExit(0), and no further job starts. An interruption (KeyboardInterrupt: a second signal,
+    or Ctrl-C before training) carries the line saying where the next start resumes.
+    """
     hc = HydraConfig.get()
     run_name = None
     if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
         base = default_run_name(cfg.model.name, cfg.data.name, cfg.hardware.name)
         run_name = f"{base}[{','.join(hc.overrides.task)}]"
-    return run_training(cfg, Path(hc.runtime.output_dir), run_name=run_name)
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        results = run_training(cfg, run_dir, run_name=run_name)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(console.next_start(run_dir / "checkpoints", cfg.train.resume)) from None
+    if results.get("stopped_by") and hc.mode == RunMode.MULTIRUN and hc.launcher._target_ == BASIC_LAUNCHER:
+        log.info(f"{results['stopped_by']}: the sweep stops here; the jobs after this one did not start")
+        raise SystemExit(0)
+    return results
 
 
 def main() -> None:

@@ -4,7 +4,9 @@ Starts `mlflow server` on the store the runs used (the default local store outpu
 artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when free),
 waits until it answers, and prints the URL of the experiment's runs table (MLflow 3 otherwise opens an
 experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the server already
-runs: the URL is printed and nothing is started.
+runs: the URL is printed and nothing is started. The console gets gptlab's lines only: the server's
+own output goes to `mlflow-ui.log` beside a SQLite store's database (else to the system's temporary
+folder), and a server that exits is one line naming its exit code, its last line and that log.
 
 On a cluster node, `ui.host=0.0.0.0` serves on every address. MLflow rejects requests whose Host header
 or page origin it does not know; gptlab.ui tells it this machine's names and addresses (`ui.allowed_hosts`
@@ -22,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -33,7 +36,15 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.tracking import artifact_root, default_uri, mlflow_client, runs_url, sqlite_path
+from gptlab.tracking import (
+    artifact_root,
+    default_uri,
+    mlflow_client,
+    runs_url,
+    short_reason,
+    sqlite_path,
+    store_failure,
+)
 
 
 @dataclass
@@ -187,17 +198,60 @@ def server_env() -> dict:
     }
 
 
-def wait_until_up(proc: subprocess.Popen, url: str, timeout: float) -> None:
+LOG_NAME = "mlflow-ui.log"
+
+
+def server_log(uri: str, port: int) -> Path:
+    """Where the server's own output goes: beside a SQLite store's database (outputs/mlflow-ui.log by
+    default), else in the system's temporary folder. Its notices (security middleware, deprecations)
+    are not gptlab's lines; its errors are read back from here (`last_line`)."""
+    db = sqlite_path(uri)
+    return db.parent / LOG_NAME if db is not None else Path(tempfile.gettempdir()) / f"gptlab-ui-{port}.log"
+
+
+def last_line(log: Path, start: int) -> str:
+    """The last line the server wrote to its log from byte `start` on: the error that ended it (a
+    traceback's last line is its exception)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "(its log cannot be read)"
+    return lines[-1][:300] if lines else "(it wrote nothing)"
+
+
+def server_ended(proc: subprocess.Popen, log: Path, start: int, when: str) -> GptlabError:
+    """The one line for a server that exited: its code, its last line, and where the rest is."""
+    return GptlabError(f"mlflow server exited with code {proc.returncode} {when}: {last_line(log, start)} (log: {log})")
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout: float, log: Path, start: int) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise GptlabError(f"mlflow server exited with code {proc.returncode} before answering (see above)")
+            raise server_ended(proc, log, start, "before answering")
         try:
             urllib.request.urlopen(url + "/health", timeout=2).read()
             return
         except OSError:
             time.sleep(0.5)
-    raise GptlabError(f"mlflow server did not answer at {url} within {timeout:.0f} s")
+    raise GptlabError(f"mlflow server did not answer at {url} within {timeout:.0f} s (log: {log})")
+
+
+def start_server(cmd: List[str], log: Path) -> Tuple[subprocess.Popen, int]:
+    """(the server, where its output starts in log): in a process group of its own, appending to log."""
+    with open(log, "ab") as out:  # the server keeps its own copy of the file open
+        start = out.tell()
+        proc = subprocess.Popen(
+            cmd,
+            env=server_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return proc, start
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -225,8 +279,13 @@ def run_ui(cfg: Any) -> None:
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
         except OSError as e:
-            raise GptlabError(f"tracking.uri={uri}: the tracking server does not answer ({e})") from None
-    exp_id, exp_name = find_experiment(uri, tracking.experiment)
+            raise GptlabError(f"tracking.uri={uri}: the tracking server does not answer ({short_reason(e)})") from None
+    try:
+        exp_id, exp_name = find_experiment(uri, tracking.experiment)
+    except GptlabError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a store that cannot be read (not a database, a server that fails)
+        raise GptlabError(f"MLflow {store_failure(uri, e)}") from None
     if uri.startswith(("http://", "https://")):
         print(
             f"experiment {exp_name!r} on the running server {uri}:\n  {runs_url(uri, exp_id)}\n"
@@ -240,11 +299,9 @@ def run_ui(cfg: Any) -> None:
     shown = socket.gethostname() if ui.host in ("0.0.0.0", "::") else ui.host
     local = f"http://{'127.0.0.1' if ui.host in ('0.0.0.0', '::') else ui.host}:{port}"
     hosts, origins = network_access(ui.host, port, shown)
-    proc = subprocess.Popen(
-        server_command(uri, ui.host, port, ui.workers, ui.allowed_hosts or hosts, ui.cors_allowed_origins or origins),
-        env=server_env(),
-        start_new_session=True,
-    )
+    cmd = server_command(uri, ui.host, port, ui.workers, ui.allowed_hosts or hosts, ui.cors_allowed_origins or origins)
+    log = server_log(uri, port)
+    proc, start = start_server(cmd, log)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -252,17 +309,17 @@ def run_ui(cfg: Any) -> None:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
     try:
-        wait_until_up(proc, local, timeout=120)
+        wait_until_up(proc, local, 120, log, start)
         server = f"http://{shown}:{port}"
         print(
             f"MLflow UI for {uri}\n"
             f"  runs of experiment {exp_name!r}: {runs_url(server, exp_id)}\n"
             f"  best val loss first, sweeps unfolded: {runs_url(server, exp_id, best_first=True)}\n"
-            f"  (server pid {proc.pid}; Ctrl-C stops it)",
+            f"  (server pid {proc.pid}, its log {log}; Ctrl-C stops it)",
             flush=True,
         )
         proc.wait()
-        raise GptlabError(f"mlflow server exited with code {proc.returncode}")
+        raise server_ended(proc, log, start, "while serving")
     except KeyboardInterrupt:
         pass
     finally:

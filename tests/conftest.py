@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -38,6 +38,16 @@ def _isolated_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     return find_shakespeare()
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Without Tiny Shakespeare the suite stops before its first test, with the one line saying what
+    to set (not one error per test that needs it)."""
+    if any("shakespeare" in item.fixturenames for item in items):
+        try:
+            find_shakespeare()
+        except pytest.fail.Exception as e:
+            pytest.exit(str(e), returncode=2)
 
 
 @pytest.fixture
@@ -129,6 +139,23 @@ def nano_overrides(data_path: Path, *extra: str) -> List[str]:
     ]
 
 
+def overwrite_entry(folder: Path, prefix: str, content: Optional[bytes] = None) -> Tuple[str, str]:
+    """In a sharded checkpoint, overwrite the saved entry first by name of those starting with prefix, in
+    place, keeping every file's size (random bytes: a bad disk block; or content, padded with zeros):
+    (the entry's name, the shard file holding it)."""
+    from gptlab.safe_dcp import read_metadata
+
+    # storage_data: where each entry's bytes are (file, offset, length)
+    stored = read_metadata(folder).storage_data.items()
+    index, info = min(((i, s) for i, s in stored if i.fqn.startswith(prefix)), key=lambda item: item[0].fqn)
+    data = os.urandom(info.length) if content is None else content.ljust(info.length, b"\0")
+    assert len(data) == info.length, "the content does not fit in the entry"
+    with open(folder / info.relative_path, "r+b") as f:
+        f.seek(info.offset)
+        f.write(data)
+    return index.fqn, info.relative_path
+
+
 def cli_env(env_extra=None) -> Dict[str, str]:
     """The environment a user's shell gives a command (no HYDRA_FULL_ERROR from the test run)."""
     env = {**os.environ, **(env_extra or {})}
@@ -186,3 +213,11 @@ def start_mlflow_server(store: Path):
                 os.killpg(server.pid, signal.SIGTERM)
                 pytest.fail("mlflow server did not start")
             time.sleep(0.5)
+
+
+if __name__ == "__main__":  # make test asks first, before it starts the services: one line and exit 2
+    try:
+        print(find_shakespeare())
+    except pytest.fail.Exception as e:
+        print(f"tests: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,6 +1,7 @@
 """Checkpoints: atomic, safe to load, and a resumed run continues exactly."""
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, nano_overrides, run_cli, start_cli
+from conftest import REPO, compose_config, nano_overrides, overwrite_entry, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
@@ -224,6 +225,30 @@ def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_tha
     )
     assert other["steps"] == 12 and other["tokens"] == 12 * 8 * 32
     assert sorted(logged_losses(tmp_path / "from_path")) == [11, 12]  # continued from step 10
+
+
+def test_a_run_resumed_at_its_final_step_reports_the_checkpoints_losses_and_no_tokens_trained(tmp_path, shakespeare):
+    """Issue 27 case 7: killed after its final checkpoint, before results.json; the rerun has no step left."""
+    run_dir = tmp_path / "r"
+    overrides = resume_overrides(shakespeare, "train.max_steps=20")
+    first = run_training(compose_config(overrides), run_dir)
+    assert first["tokens_this_session"] == 20 * 8 * 32
+    (run_dir / "results.json").unlink()  # what a kill between the last save and results.json leaves
+    again = run_training(compose_config(overrides), run_dir)
+    saved = json.loads((run_dir / "results.json").read_text())
+    assert saved["train_loss"] == first["train_loss"] == logged_losses(run_dir)[20]
+    assert saved["val_loss"] == first["val_loss"] == logged_val_losses(run_dir)[20]
+    assert saved == again and saved["steps"] == 20 and saved["tokens"] == first["tokens"]
+    assert saved["best_val_loss"] == first["best_val_loss"]
+    assert saved["tokens_this_session"] == 0 and saved["tokens_per_s"] is None  # this resumption trained nothing
+    # a checkpoint from before the losses were saved still resumes (its results then have none to give)
+    path = checkpoint.latest(run_dir / "checkpoints")
+    old = {k: v for k, v in checkpoint.load(path).items() if k not in ("train_loss", "val_loss", "format_version")}
+    checkpoint.save(path, old)
+    (run_dir / "results.json").unlink()
+    run_training(compose_config(overrides), run_dir)
+    older = json.loads((run_dir / "results.json").read_text())
+    assert older["steps"] == 20 and older["train_loss"] is None and older["val_loss"] is None
 
 
 def cli(args, cwd):
@@ -446,6 +471,63 @@ def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_on
     assert not marker.exists()
 
 
+def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mismatch(tmp_path, one_rank_group):
+    """An entry that does not read back as what its own metadata says (random bytes, a pickle that would
+    run code, another object or shape in its place) is UnreadableCheckpoint naming the entry, in restore
+    and in the consolidating reader; torch's advice to load unsafely is never quoted."""
+
+    def restore(path):
+        model, opt = _tiny(2, shard=False)
+        checkpoint.TrainingState.load(path).restore({"model": model, "optimizer": opt, "scaler": _Box(),
+                                                     "loader": _Box()})  # fmt: skip
+
+    def saved(obj):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    Exploit.marker = tmp_path / "pwned"
+    cases = {
+        "optimizer.state.": (None, r"\(.+\)"),  # random bytes over the first moment
+        "optimizer.param_groups.": (pickle.dumps(Exploit(), protocol=2),
+                                    r"\(unsafe: loading it would run posix.system\)"),
+        "model.0.weight": (saved({"not": "a tensor"}), r"\(a dict where a tensor was saved\)"),
+        "model.0.bias": (saved(torch.zeros(3)), r"\(a torch.float32 tensor of shape \(3,\) where a torch.float32 one "
+                                                 r"of shape \(8,\) was saved\)"),
+    }  # fmt: skip
+    for step, (prefix, (content, cause)) in enumerate(cases.items(), start=1):
+        path, _ = _save_sharded(tmp_path / str(step), step)
+        entry, shard = overwrite_entry(path, prefix, content)
+        said = rf"^checkpoint {path} has an unreadable entry {entry} in {shard} {cause}$"
+        with pytest.raises(GptlabError, match=said) as e:
+            restore(path)
+        assert isinstance(e.value, checkpoint.UnreadableCheckpoint)  # what resume falls back past
+        assert "weights_only" not in str(e.value) and "does not fit" not in str(e.value)
+        if prefix.startswith("model."):  # sample and export read the model entries whole
+            with pytest.raises(GptlabError, match=said):
+                checkpoint.read_model(path)
+    assert not Exploit.marker.exists()
+
+
+def test_torchs_refusal_is_told_in_a_few_words_without_its_advice_to_load_unsafely():
+    from gptlab.safe_dcp import load_error
+
+    def refusal(data):
+        with pytest.raises(Exception) as e:
+            torch.load(io.BytesIO(data), weights_only=True)
+        return e.value
+
+    Exploit.marker = "/nonexistent/pwned"
+    garbage = b"\x80\x02\xff" + bytes(64)  # a pickle's header, then no opcode pickle knows
+    assert "weights_only" in str(refusal(garbage))  # what torch itself says: load it unsafely
+    assert load_error(refusal(garbage)) == "corrupt: Unsupported operand 255"
+    assert load_error(refusal(pickle.dumps(Exploit(), protocol=2))) == "unsafe: loading it would run posix.system"
+    assert load_error(refusal(b"")) == "corrupt: cut short"
+    zip_cut = load_error(refusal(b"PK\x03\x04" + bytes(64)))
+    assert zip_cut.startswith("corrupt: PytorchStreamReader failed reading zip archive") and "\n" not in zip_cut
+    assert load_error(OSError(5, "Input/output error")) == "Input/output error"
+
+
 def test_checkpoint_names_and_steps(tmp_path):
     assert checkpoint.step_of(Path("ckpt_00000007.pt")) == 7
     assert checkpoint.step_of(Path("ckpt_00000012")) == 12  # a sharded checkpoint's folder
@@ -592,7 +674,11 @@ def test_find_resolves_a_file_a_run_folder_or_a_checkpoints_folder_latest_or_bes
     empty.mkdir()
     with pytest.raises(GptlabError) as e:
         checkpoint.find(str(empty))
-    assert str(e.value) == f"run={empty}: no checkpoint found (expected {empty}/ckpt_*.pt or a sharded ckpt_*/)"
+    where = empty / "checkpoints"  # where a run keeps them, not the folder given
+    assert str(e.value) == (
+        f"run={empty}: no checkpoint found (expected {where}/ckpt_<step>.pt such as ckpt_00000030.pt, "
+        f"or a sharded {where}/ckpt_<step>/)"
+    )
 
 
 def test_pruning_keeps_all_with_keep_0_one_with_keep_1_and_clears_other_processes_temporaries(tmp_path):

@@ -4,14 +4,16 @@ one-line errors, and commands that only read leave nothing behind."""
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import nano_overrides, run_cli
 from omegaconf import OmegaConf
 
-from gptlab.cli import compose, hydra_quote
+from gptlab.cli import HYDRA_OPTIONS, compose, config_keys, flag_error, hydra_quote, nearest_keys
 from gptlab.errors import GptlabError
 
 # command -> (root config, keys of its own that --help and the composed config show)
@@ -231,3 +233,168 @@ def test_a_bench_sweep_prints_one_json_line_per_job(shakespeare, tmp_path, mlflo
     if not mlflow:
         assert len(lines) == 2, r.stdout  # stdout is the JSON lines and nothing else
     assert sorted(p.name for p in tmp_path.iterdir()) == (["outputs", "sweep"] if mlflow else ["sweep"])
+
+
+# ---- options where a key is expected, mistyped keys and choices ----------------------------------
+
+
+def test_hydras_own_options_are_the_ones_cli_lets_through():
+    from hydra._internal.utils import get_args_parser  # the test may read Hydra's internals; gptlab does not
+
+    ours = set(HYDRA_OPTIONS)
+    assert ours == {o for action in get_args_parser()._actions for o in action.option_strings}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"], ["-h"], ["--hydra-help"], ["--version"], ["--cfg", "job"], ["-c", "job"], ["--cfg=job"],
+        ["-cjob"], ["--resolve", "--cfg", "job"], ["--cfg", "job", "-p", "model"], ["--package=model"], ["--run"],
+        ["-r"], ["-m", "model=gpt_nano,gpt_char"], ["--multirun"], ["--multi"], ["--shell-completion", "install=bash"],
+        ["-sc", "install=bash"], ["--config-path", "/x"], ["-cp", "/x"], ["--config-name", "bench"], ["-cn", "bench"],
+        ["--config-dir", "/x"], ["-cd", "/x"], ["--experimental-rerun", "/x/config.pickle"], ["--info"],
+        ["--info", "searchpath"], ["-i", "defaults"], ["model=gpt_nano", "--", "--not-read"],
+    ],
+)  # fmt: skip
+def test_hydras_options_are_not_taken_for_mistyped_keys(args):
+    assert flag_error("config", "train", args) is None
+
+
+@pytest.mark.parametrize(
+    "config_name,args,fragment",
+    [
+        ("bench", ["--steps", "3"], "bench.steps=3, not --steps 3"),
+        ("bench", ["--steps=3"], "bench.steps=3, not --steps=3"),
+        ("config", ["--lr", "1e-3", "model=gpt_nano"], "optimizer.lr=1e-3, not --lr 1e-3"),
+        ("config", ["--lr"], "optimizer.lr=..., not --lr"),
+        ("config", ["--steps", "10"], "train.max_steps=10, not --steps 10"),
+        ("config", ["--model"], "model=NAME (one of gpt1b, gpt2_124m, gpt2_1558m, gpt2_350m, gpt2_774m, gpt_char, "),
+        ("config", ["--model", "gpt_nano"], "model=gpt_nano, not --model gpt_nano"),
+        ("config", ["--n-head", "4"], "model.n_head=4, not --n-head 4"),
+        ("plan", ["--mfu", "0.3"], "plan.mfu=0.3, not --mfu 0.3"),
+        ("sample", ["--temperature", "0.5"], "temperature=0.5, not --temperature 0.5"),
+        ("config", ["--multirn"], "--multirun, not --multirn"),
+        ("config", ["--zzzz"], "no key is like --zzzz"),
+    ],
+)
+def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, fragment):
+    with pytest.raises(GptlabError) as e:
+        compose(config_name, args)
+    message = str(e.value)
+    assert message.startswith("settings are key=value, not options: ") and fragment in message, message
+    assert "\n" not in message and "usage:" not in message
+
+
+@pytest.mark.parametrize(
+    "config_name,override,message",
+    [
+        ("config", "train.max_step=10", "train.max_step: no such key; did you mean train.max_steps=10?"),
+        ("config", "trian.max_steps=10", "trian.max_steps: no such key; did you mean train.max_steps=10?"),
+        ("config", "model.n_heads=4", "model.n_heads: no such key; did you mean model.n_head=4?"),
+        ("config", "modle=gpt_nano", "modle: no such key; did you mean model=gpt_nano?"),
+        ("config", "train.sed=1", "train.sed: no such key; did you mean train.seed=1?"),
+        ("bench", "bench.stepz=3", "bench.stepz: no such key; did you mean bench.steps=3?"),
+        ("sample", "temprature=0.5", "temprature: no such key; did you mean temperature=0.5?"),
+        ("config", "hydra.run.dirr=x", "hydra.run.dirr: no such key; did you mean hydra.run.dir=x?"),
+        # no key is close: `+` is offered only where it works, in a section without a schema
+        ("config", "expected.val_los=1.5", "expected.val_los: no such key; to add it to the free-form section, "
+                                            "give +expected.val_los=1.5"),
+        ("config", "no_such_key=1", "no_such_key: no such key in gptlab.train's config "
+                                    "(python -m gptlab.train --help lists the keys)"),
+        ("config", "model=gpt_tiny", "model=gpt_tiny: no such choice; choose one of gpt1b, gpt2_124m, gpt2_1558m, "
+                                     "gpt2_350m, gpt2_774m, gpt_char, gpt_nano"),
+        ("config", "optimizer=adam", "optimizer=adam: no such choice; choose one of adamw, muon"),
+    ],
+)  # fmt: skip
+def test_a_mistyped_key_or_choice_gets_the_nearest_key_or_the_choices(config_name, override, message):
+    with pytest.raises(GptlabError) as e:
+        compose(config_name, ["model=gpt_nano", override] if override.startswith("model.") else [override])
+    assert str(e.value) == message
+
+
+def test_keys_are_suggested_from_the_commands_own_schema():
+    keys, groups = config_keys("ui")
+    assert nearest_keys("prot", keys, groups) == ["ui.port"]
+    assert nearest_keys("seed", keys, groups) == ["data.seed", "train.seed"]  # equally likely: both
+    assert nearest_keys("heads", keys, groups) == ["model.n_head"]
+    assert nearest_keys("expected.x", keys, groups) == []  # never the section above the key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["gptlab.bench", "--steps", "3", "model=gpt_nano"], "bench.steps=3, not --steps 3"),
+        (["gptlab.train", "--lr", "1e-3"], "optimizer.lr=1e-3, not --lr 1e-3"),
+        (["gptlab.train", "--steps", "10"], "train.max_steps=10, not --steps 10"),
+        (["gptlab.prepare", "--model=gpt_nano"], "model=gpt_nano, not --model=gpt_nano"),
+        (["gptlab.train", "train.max_step=10"], "did you mean train.max_steps=10?"),
+        (["gptlab.train", "model=gpt_tiny"], "choose one of gpt1b, gpt2_124m"),
+        (["gptlab.plan", "-m", "--cfg", "job"], "Only one of --run, --multirun"),
+    ],
+)
+def test_options_and_typos_are_one_line_from_the_command(args, fragment, tmp_path):
+    r = run_cli(args, cwd=tmp_path, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"{args[0]}: error: ") and fragment in lines[0], lines[0]
+    assert "search path" not in lines[0].lower() and "+train" not in lines[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- a start that fails leaves nothing behind ------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        (["model.n_head=5"], "model.n_head=5"),
+        (["optimizer.lr=-1"], "optimizer.lr"),
+        (["data.path={missing}"], "no such file"),
+        (["train.resume={missing}"], "no such file"),  # after the run folder's lock was taken
+        (["hardware=cpu_x2", "data.path={missing}"], "no such file"),  # a worker said it
+    ],
+)
+def test_a_start_that_fails_before_training_leaves_no_run_folder(extra, fragment, shakespeare, tmp_path):
+    missing = tmp_path / "missing.txt"
+    extra = [e.format(missing=missing) for e in extra]
+    args = ["gptlab.train", *nano_overrides(shakespeare, "train.max_steps=2", *extra)]
+    r = run_cli([*args, f"hydra.run.dir={tmp_path / 'runs' / 'a'}"], cwd=tmp_path, timeout=180)
+    assert r.returncode == 2 and fragment in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []  # no runs/a, no empty runs/ either
+    if extra == ["model.n_head=5"]:  # the default run folder, outputs/runs/<time>/, goes with its parents
+        r = run_cli(args, cwd=tmp_path, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("gptlab.train: error: model.n_embd"), r.stderr
+        assert list(tmp_path.iterdir()) == []
+        r = run_cli(["gptlab.bench", "model=gpt_nano", f"data.path={shakespeare}", "model.n_head=5"], cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.startswith("gptlab.bench: error: model.n_embd"), r.stderr
+        assert list(tmp_path.iterdir()) == []  # nor outputs/bench/<time>/
+
+
+def _files(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_failed_start_in_a_folder_that_holds_a_run_removes_nothing(trained, shakespeare, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    before = _files(run_dir)
+    assert {"results.json", "metrics.jsonl"} <= set(before) and any(k.startswith("checkpoints/") for k in before)
+    args = ["gptlab.train", *nano_overrides(shakespeare, "model.n_head=5", f"hydra.run.dir={run_dir}")]
+    r = run_cli(args, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "model.n_head=5" in r.stderr, r.stderr
+    after = _files(run_dir)
+    assert {k: v for k, v in after.items() if k in before} == before  # every file of the run, as it was
+    # what Hydra writes for any start (.hydra/, the log), and nothing was removed
+    assert set(after) - set(before) <= {".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log"}
+
+
+@pytest.mark.slow
+def test_a_sweeps_job_that_fails_validation_leaves_no_job_folder(shakespeare, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = nano_overrides(shakespeare, "train.max_steps=1", "train.sample_tokens=0", "model.n_head=4,5")
+    r = run_cli(["gptlab.train", "-m", *args, f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert "gptlab.train: error: model.n_embd: 32 is not divisible by model.n_head=5" in r.stderr, r.stderr
+    assert (sweep / "0" / "results.json").is_file() and not (sweep / "1").exists()

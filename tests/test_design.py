@@ -229,3 +229,31 @@ def test_no_function_is_longer_than_sixty_lines():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({n} lines)")
     assert not long, "functions over 60 lines: " + ", ".join(long)
+
+
+# ---- README states what the code writes --------------------------------------------------------
+
+README = PKG.parent / "README.md"
+
+
+def _hydra_dir(config: str, mode: str) -> str:
+    """conf/<config>.yaml's hydra.<mode>.dir with the timestamp as README writes it."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(PKG.parent / "conf" / f"{config}.yaml"))["hydra"][mode]["dir"]
+    return raw.replace("${now:%Y-%m-%d_%H-%M-%S.%f}", "<date>_<time>")
+
+
+def test_readme_names_the_files_and_folders_the_code_writes():
+    from gptlab.checkpoint import checkpoint_path
+    from gptlab.runfolder import RECORDS
+
+    text = README.read_text()
+    whole, sharded = checkpoint_path(Path("c"), 2800).name, checkpoint_path(Path("c"), 2800, sharded=True).name
+    assert f"`checkpoints/{whole}`" in text and f"`checkpoints/{sharded}/`" in text
+    assert "ckpt_<step>" not in text  # no name that a run folder never holds
+    run_dir, bench_dir = _hydra_dir("config", "run"), _hydra_dir("bench", "run")
+    assert f"`{run_dir}/`" in text and f"`{bench_dir}/bench.json`" in text
+    table = text.split(f"`{run_dir}/`", 1)[1].split("\n\n", 2)[1]  # the table under "Each run gets a folder"
+    listed = {row.split("`")[1].split("/")[0] for row in table.splitlines() if row.startswith("| `")}
+    assert listed and listed <= {".hydra", *RECORDS}, listed - {".hydra", *RECORDS}

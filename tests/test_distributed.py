@@ -172,6 +172,122 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
     assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{results['steps']:08d}.pt"
 
 
+def _spawned_workers(launcher: int):
+    """The ranks a launcher spawned, in start order (the resource tracker is not one of them)."""
+    children = psutil.Process(launcher).children()
+    return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.create_time())
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _long_run(shakespeare, run_dir, *extra, steps=100000):
+    return [sys.executable, "-m", "gptlab.train", *COMMON, f"data.path={shakespeare}", "hardware=cpu_x2",
+            f"train.max_steps={steps}", "train.eval_every=0", "parallelism.timeout_s=30", "data.progress=false",
+            f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_path, shakespeare):
+    """A launcher started with SIGINT ignored (a background job of a shell script), killed by SIGKILL
+    (nothing of it runs: kill -9, the OOM killer): its workers end within seconds without saving
+    again, the run folder's lock is free, and the same command resumes from an intact checkpoint."""
+    import fcntl
+
+    from conftest import cli_env
+
+    from gptlab import checkpoint
+
+    run_dir = tmp_path / "run"
+    cmd = _long_run(shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5")
+    ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - as `trap '' INT`
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=ignore_sigint)  # fmt: skip
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "training to start")
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait()
+        for w in workers:
+            _wait_for(lambda w=w: _gone(w), 10, f"worker {w.pid} to end with its launcher")
+    finally:
+        proc.kill()
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    time.sleep(2)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved  # nobody saves any more
+    with open(run_dir / ".gptlab.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError while a rank holds it
+        fcntl.flock(f, fcntl.LOCK_UN)
+    latest = checkpoint.latest(run_dir / "checkpoints")
+    step = checkpoint.step_of(latest)
+    again = _long_run(shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5", steps=step + 2)
+    r = subprocess.run(again, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming from {latest} (step {step})" in r.stdout and "warning" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_a_second_start_in_a_busy_folder_is_one_line_with_two_processes(tmp_path, shakespeare):
+    from conftest import cli_env
+
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(_long_run(shakespeare, run_dir, "hardware=cpu"), cwd=tmp_path, env=cli_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1, 120, "training to start")
+        r = subprocess.run(_long_run(shakespeare, run_dir), cwd=tmp_path, env=cli_env(), capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    finally:
+        first.kill()
+        first.wait()
+    assert r.returncode == 2
+    (line,) = r.stderr.splitlines()  # no line of torch's about the other rank it stopped
+    assert line.startswith(f"gptlab.train: error: run folder {run_dir} is in use by another gptlab run (pid ")
+
+
+@pytest.mark.slow
+def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning(tmp_path, shakespeare):
+    """On a terminal rank 0 draws a progress bar; the run, and every process it started (the resource
+    tracker writes last, once the launcher has gone), print nothing after the results."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    from conftest import cli_env
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's size
+    cmd = _long_run(shakespeare, tmp_path / "run", steps=20)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=secondary, text=True)
+    os.close(secondary)
+    seen = []
+
+    def read():  # until every process holding the terminal has closed it
+        with contextlib.suppress(OSError):
+            while chunk := os.read(primary, 4096):
+                seen.append(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    out, _ = proc.communicate(timeout=300)
+    reader.join(60)
+    os.close(primary)
+    terminal = b"".join(seen).decode(errors="replace")
+    assert proc.returncode == 0 and "results: best val loss" in out, terminal[-3000:]
+    assert "step/s" in terminal or "s/step" in terminal, terminal[-3000:]  # tqdm's bar was drawn
+    assert "resource_tracker" not in terminal and "leaked" not in terminal, terminal[-3000:]
+    assert "Warning" not in terminal and "Traceback" not in terminal, terminal[-3000:]
+
+
 HANG_RANK1 = """
 import os, runpy, sys, time
 import gptlab.loop as loop

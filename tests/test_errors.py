@@ -437,3 +437,20 @@ def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_s
         assert "\n" not in message and reason in message
         assert message.endswith("; set GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt")
         assert not list((tmp_path / "cache").rglob("*.part*"))  # nothing half-downloaded left behind
+
+
+def test_without_shakespeare_the_suite_stops_before_its_first_test_with_one_line(tmp_path):
+    """Each test that needs the data used to error with the same line (122 errors in 13 minutes)."""
+    import subprocess
+
+    env = {**os.environ, "GPTLAB_SHAKESPEARE": str(tmp_path / "nope.txt")}
+    line = f"GPTLAB_SHAKESPEARE={tmp_path / 'nope.txt'}: no such file; set GPTLAB_SHAKESPEARE="
+    tests = Path(__file__).parent
+    ask = subprocess.run([sys.executable, str(tests / "conftest.py")], env=env, capture_output=True, text=True)
+    assert ask.returncode == 2 and ask.stdout == ""
+    assert ask.stderr.splitlines() == [f"tests: {line}/path/to/tinyshakespeare.txt"]
+    suite = [sys.executable, "-m", "pytest", str(tests / "test_data.py"), "-p", "no:cacheprovider", "-q"]
+    run = subprocess.run(suite, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 2
+    assert run.stdout.count(line) == 1 and "no tests ran" in run.stdout
+    assert " passed" not in run.stdout and " error" not in run.stdout

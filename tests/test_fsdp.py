@@ -7,6 +7,8 @@ read it in one process.
 """
 
 import json
+import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -18,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, cli_env, nano_overrides, run_cli
+from conftest import REPO, cli_env, nano_overrides, overwrite_entry, run_cli
 
 from gptlab import checkpoint
 from gptlab.sample import load_model
@@ -257,6 +259,53 @@ def test_a_job_killed_during_a_sharded_save_resumes_from_the_previous_one(tmp_pa
     assert not checkpoint.unfinished(folder)  # cleaned up by the next save
     got, ref = final_params(run_dir), final_params(straight_fsdp)
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert curves(run_dir) == curves(straight_fsdp)
+
+
+class Exploit:
+    """A pickle that would create a file when unpickled (what a crafted checkpoint entry could do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["random_bytes", "crafted_pickle"])
+def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(
+    tmp_path, shakespeare, straight_fsdp, damage
+):
+    """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would run
+    code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names the entry
+    and why in one line, moves the checkpoint to broken/ and resumes the one before, bitwise the run
+    never damaged; the crafted entry runs nothing, and nothing tells the user to load unsafely."""
+    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
+    args = [*base(shakespeare), "hardware=cpu_x2", "parallelism=fsdp"]
+    train([*args, "train.max_steps=15"], run_dir, tmp_path)
+    newest = run_dir / "checkpoints" / "ckpt_00000015"
+    sizes = {f.name: f.stat().st_size for f in newest.iterdir()}
+    if damage == "random_bytes":  # a moment tensor: its zip archive is gone, torch.load fails on it
+        entry, shard = overwrite_entry(newest, "optimizer.state.")
+        cause = "("
+    else:
+        entry, shard = overwrite_entry(newest, "optimizer.param_groups.", pickle.dumps(Exploit(marker), protocol=2))
+        cause = "(unsafe: loading it would run posix.system)"
+    assert {f.name: f.stat().st_size for f in newest.iterdir()} == sizes
+    r = train([*args, "train.max_steps=20"], run_dir, tmp_path)
+    out = r.stdout + r.stderr
+    (line,) = [ln for ln in out.splitlines() if str(newest) in ln]  # the one line naming it, and why
+    assert line in r.stderr.splitlines()  # a warning
+    assert line.startswith(f"gptlab: checkpoint {newest} has an unreadable entry {entry} in {shard} {cause}")
+    assert line.endswith("); trying the previous checkpoint")
+    assert "resuming from" in out and f"{run_dir / 'checkpoints' / 'ckpt_00000010'} (step 10)" in out
+    assert "does not fit" not in out and "weights_only" not in out and "Traceback" not in out
+    assert not marker.exists()
+    assert (run_dir / "checkpoints" / "broken" / "ckpt_00000015" / shard).stat().st_size == sizes[shard]
+    assert json.loads((run_dir / "results.json").read_text())["steps"] == 20
+    got, ref = final_params(run_dir), final_params(straight_fsdp)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)  # the failed restore left nothing behind
     assert curves(run_dir) == curves(straight_fsdp)
 
 

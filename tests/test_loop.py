@@ -192,12 +192,14 @@ def test_results_count_this_sessions_tokens_and_time_only():
     p = Progress(step=30, tokens=3000, best_val=1.25, loss_sum=torch.zeros(()), train_loss=1.5, last_val=1.3)
     got = results(run(start_tokens=1000, train_time=4.0), p, wall_s=9.0)
     assert got == {
-        "params": 10, "steps": 30, "tokens": 3000, "train_loss": 1.5, "val_loss": 1.3, "best_val_loss": 1.25,
+        "params": 10, "steps": 30, "tokens": 3000, "tokens_this_session": 2000, "train_loss": 1.5, "val_loss": 1.3,
+        "best_val_loss": 1.25,
         "tokens_per_s": 500.0, "mfu": 2.5, "wall_s": 9.0, "mlflow_run_id": "abc", "stopped_by": None,
     }  # fmt: skip
     p.best_val = math.inf  # never evaluated
     none = results(run(start_tokens=3000, train_time=0.0), p, wall_s=0.5)  # a resume with nothing to do
     assert (none["tokens_per_s"], none["mfu"], none["best_val_loss"]) == (None, None, None)
+    assert none["tokens_this_session"] == 0
     half = results(run(start_tokens=1000, train_time=0.5), p, wall_s=1.0)
     assert half["tokens_per_s"] == 4000.0
 
@@ -304,7 +306,7 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(tmp_p
     assert all(p.grad is None for p in run.raw_model.parameters())  # set_to_none: no gradient memory kept
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2"])
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2", "SIGINT"])
 def test_a_signal_stops_at_the_next_step_with_a_checkpoint(tmp_path, shakespeare, monkeypatch, name):
     """The signal arrives inside step 3; the loop finishes that step, saves it, says so, and returns."""
     import os
@@ -327,6 +329,79 @@ def test_a_signal_stops_at_the_next_step_with_a_checkpoint(tmp_path, shakespeare
     assert results["stopped_by"] == name and results["steps"] == 3
     assert said["stopped"] == [(name, 3, run.checkpoint_dir, run.train.resume)]
     assert [p.name for p in run.checkpoint_dir.glob("ckpt_*")] == ["ckpt_00000003.pt"]
+
+
+def test_a_second_sigint_or_sigterm_ends_at_once_but_not_the_same_one_delivered_twice(monkeypatch):
+    import os
+    import signal
+
+    from gptlab import distributed
+    from gptlab.loop import StopOnSignal
+
+    stop = StopOnSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.received == "SIGINT"
+        os.kill(os.getpid(), signal.SIGINT)  # within SAME_STOP_S: a terminal's group, then the launcher
+        assert stop.received == "SIGINT"
+        monkeypatch.setattr(distributed, "SAME_STOP_S", -1.0)  # any later one is the user's second
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM again"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.restore()
+
+
+def test_after_a_schedulers_sigusr2_its_sigterm_does_not_cut_the_save_short(monkeypatch):
+    import os
+    import signal
+
+    from gptlab import distributed
+    from gptlab.loop import StopOnSignal
+
+    monkeypatch.setattr(distributed, "SAME_STOP_S", -1.0)
+    stop = StopOnSignal()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == "SIGUSR2"  # submitit requeues the job after the save
+    finally:
+        stop.restore()
+
+
+def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
+    """A shell's background job starts with SIGINT ignored: the Ctrl-C of the terminal is not for it."""
+    import signal
+
+    from gptlab.loop import StopOnSignal
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop = StopOnSignal()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.SIGINT not in stop._previous
+        stop.restore()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_the_stop_line_names_the_checkpoint_the_next_start_resumes_and_the_command(tmp_path):
+    """A run folder is named by its start time: the command names it (a sweep's job: the sweep's)."""
+    from gptlab.checkpoint import checkpoint_path
+    from gptlab.console import next_start
+
+    folder = tmp_path / "run" / "checkpoints"
+    assert next_start(folder, "auto") == (
+        f"the next start begins at step 0 (no checkpoint yet): run the same command with "
+        f"hydra.run.dir={tmp_path / 'run'}"
+    )
+    folder.mkdir(parents=True)
+    for step in (10, 20):
+        checkpoint_path(folder, step, sharded=step == 20).mkdir()
+    assert next_start(folder, "never") == (
+        f"the next start resumes from {folder / 'ckpt_00000020'} (step 20): run the same command with "
+        f"hydra.run.dir={tmp_path / 'run'} train.resume=auto"
+    )
+    (tmp_path / "multirun.yaml").write_text("{}")  # Hydra's record of a sweep, in the sweep's folder
+    assert next_start(folder, "auto").endswith(f"(step 20): run the sweep again with hydra.sweep.dir={tmp_path}")
 
 
 def test_stop_on_signal_outside_the_main_thread_installs_nothing():

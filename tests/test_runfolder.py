@@ -143,7 +143,7 @@ def test_a_stop_checkpoint_is_kept_and_the_resumed_curve_is_the_uninterrupted_on
     assert proc.returncode == 0, err[-2000:]
     stopped = json.loads((run_dir / "results.json").read_text())
     step = stopped["steps"]
-    assert stopped["stopped_by"] == "SIGTERM" and "train.resume=auto to continue" in out
+    assert stopped["stopped_by"] == "SIGTERM" and f"hydra.run.dir={run_dir} train.resume=auto" in out
     assert ckpt_names(run_dir)[-1] == f"ckpt_{step:08d}.pt"  # the stop checkpoint was not pruned
     # the earlier run (its step 60) is aside: the second run continues its own step, not the old one's
     resumed_args = [a for a in second if not a.startswith("train.max_steps")] + [f"train.max_steps={step + 13}"]

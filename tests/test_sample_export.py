@@ -85,3 +85,17 @@ def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path,
     assert (tmp_path / "best" / "model.safetensors").is_file() and not (tmp_path / "best" / "hf_gpt2").exists()
     r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'latest'}"], cwd=tmp_path)
     assert r.returncode == 0 and json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
+
+
+@pytest.mark.slow
+def test_a_run_without_checkpoints_names_where_they_would_be(tmp_path):
+    empty = tmp_path / "run"
+    empty.mkdir()
+    for command in ("gptlab.sample", "gptlab.export"):
+        r = run_cli([command, f"run={empty}"], cwd=tmp_path)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0] == (
+            f"{command}: error: run={empty}: no checkpoint found (expected {empty}/checkpoints/ckpt_<step>.pt "
+            f"such as ckpt_00000030.pt, or a sharded {empty}/checkpoints/ckpt_<step>/)"
+        )

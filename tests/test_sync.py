@@ -2,13 +2,13 @@
 completed without duplicates; and concurrent runs on one fresh SQLite store, all recorded."""
 
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -74,16 +74,30 @@ def assert_complete(uri, run, run_dir):
     assert run.data.tags["run_dir"] == str(run_dir.resolve()) and run.info.status == "FINISHED"
 
 
+class Lines(logging.Handler):
+    """The lines a logger says, as they would reach the console (a module-scoped caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory, shakespeare):
     """A finished run whose store was unreachable: everything in its folder, nothing in MLflow."""
     run_dir = tmp_path_factory.mktemp("offline") / "run"
     overrides = nano_overrides(shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    said, logger = Lines(), logging.getLogger("gptlab.tracking")
+    logger.addHandler(said)
+    try:
         results = run_training(compose_config(overrides), run_dir)
+    finally:
+        logger.removeHandler(said)
     assert results["mlflow_run_id"] is None
-    return run_dir, [str(w.message) for w in caught]
+    return run_dir, said.lines
 
 
 @pytest.fixture
@@ -95,7 +109,10 @@ def folder(offline_run, tmp_path):
 def test_the_warning_says_how_to_record_the_run_later(offline_run):
     run_dir, messages = offline_run
     (message,) = [m for m in messages if "MLflow disabled" in m]
-    assert message.endswith(f"record it later with: python -m gptlab.sync {run_dir.resolve()}")
+    assert message == (
+        f"MLflow disabled for this run: server {DOWN} unreachable (Connection refused); the run folder still "
+        f"records everything; record it later with: python -m gptlab.sync {run_dir.resolve()}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -257,9 +274,44 @@ def test_an_unreachable_store_is_one_line_and_exit_code_2(folder, tmp_path):
     r = run_cli(["gptlab.sync", str(folder), f"tracking.uri={DOWN}"], cwd=tmp_path, timeout=120)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("gptlab.sync: error: MLflow store http://127.0.0.1:9 cannot be reached")
+    assert lines[0] == (
+        f"gptlab.sync: error: {folder.resolve()}: not recorded: MLflow server {DOWN} unreachable (Connection "
+        "refused); start it (or name another store with tracking.uri=...), then run gptlab.sync again (it sends "
+        "only what the store lacks)"
+    )
     r = run_cli(["gptlab.sync", str(folder)], cwd=tmp_path, timeout=120)  # the store the run was configured with
-    assert r.returncode == 2 and "http://127.0.0.1:9 cannot be reached" in r.stderr
+    assert r.returncode == 2 and f"MLflow server {DOWN} unreachable" in r.stderr
+
+
+def configured_store(run_dir, uri):
+    """Make the run folder say it ran with tracking.uri=uri (None: the local store)."""
+    import yaml
+
+    path = run_dir / "config_resolved.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["tracking"]["uri"] = uri
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+@pytest.mark.slow
+def test_every_folder_is_tried_and_each_one_not_recorded_is_one_line(offline_run, tmp_path):
+    """With no folders: every run folder under outputs/, in order; a store that does not answer fails
+    its folders (one line each), the folders after it are still recorded, and the exit code is 2."""
+    runs = tmp_path / "outputs" / "runs"
+    down, local, down_too = (Path(shutil.copytree(offline_run[0], runs / name)) for name in ("a", "b", "c"))
+    configured_store(local, None)  # the local store, outputs/mlflow.db
+    r = run_cli(["gptlab.sync"], cwd=tmp_path, timeout=180)
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert [line.partition(": not recorded: ")[0] for line in lines] == [
+        f"gptlab.sync: error: {down.resolve()}",
+        f"gptlab.sync: error: {down_too.resolve()}",
+    ], r.stderr
+    assert all(f"MLflow server {DOWN} unreachable" in line and "gptlab.sync again" in line for line in lines)
+    (recorded,) = r.stdout.strip().splitlines()
+    assert recorded.startswith(f"{local.resolve()}: recorded as run ")
+    (run,) = all_runs(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    assert_complete(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}", run, local.resolve())
 
 
 # ---- one SQLite store, many processes ------------------------------------------------------------
@@ -387,13 +439,39 @@ def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "server"]  # sync left nothing behind
 
 
-@pytest.mark.slow
-def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(shakespeare, tmp_path):
-    """A sweep whose store was down has no sweep.json: its parent run is made from Hydra's multirun.yaml."""
-    sweep = tmp_path / "sweep"
+@pytest.fixture(scope="module")
+def offline_sweep(shakespeare, tmp_path_factory):
+    """(sweep folder, the finished command) of a 2-job sweep whose store was down throughout."""
+    sweep = tmp_path_factory.mktemp("offline_sweep") / "sweep"
     args = train_args(shakespeare, f"tracking.uri={DOWN}", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
-    r = run_cli([args[0], "-m", *args[1:]], cwd=tmp_path)
+    r = run_cli([args[0], "-m", *args[1:]], cwd=sweep.parent)
     assert r.returncode == 0, r.stderr[-3000:]
+    return sweep, r
+
+
+@pytest.mark.slow
+def test_a_sweep_on_a_store_that_is_down_says_so_once_and_each_job_in_one_line(offline_sweep):
+    """No urllib3 retry lines, no MLflow exception quoted: the parent's one line and each job's."""
+    sweep, r = offline_sweep
+    for text in (r.stdout, r.stderr):
+        assert "Retrying" not in text and "Max retries" not in text and "Traceback" not in text, text[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert all(line.startswith("gptlab: ") for line in lines), r.stderr
+    (parent,) = [line for line in lines if "no MLflow parent run" in line]
+    assert parent == (
+        f"gptlab: no MLflow parent run for this sweep: server {DOWN} unreachable (Connection refused); the sweep "
+        "goes on unrecorded in MLflow (each run folder keeps everything); record it later with: "
+        f"python -m gptlab.sync {sweep.resolve()}"
+    )
+    jobs = [line for line in lines if "MLflow disabled for this run" in line]
+    assert [job.rpartition(" ")[2] for job in jobs] == [str(sweep.resolve() / "0"), str(sweep.resolve() / "1")]
+    assert len(lines) == 3, r.stderr
+
+
+@pytest.mark.slow
+def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(offline_sweep, tmp_path):
+    """A sweep whose store was down has no sweep.json: its parent run is made from Hydra's multirun.yaml."""
+    sweep, _ = offline_sweep
     assert not (sweep / "sweep.json").exists()
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     r = run_cli(["gptlab.sync", str(sweep), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)

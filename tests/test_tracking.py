@@ -6,15 +6,14 @@ import json
 import shlex
 import sys
 import time
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import compose_config, nano_overrides, typed
+from conftest import compose_config, nano_overrides, run_cli, typed
 
 from gptlab.errors import GptlabError
-from gptlab.tracking import RunIdentity, Tracker, default_uri, runs_url, sweep_run_name, ui_command
+from gptlab.tracking import RunIdentity, Tracker, check_uri, default_uri, runs_url, sweep_run_name, ui_command
 from gptlab.train import run_training
 
 
@@ -81,16 +80,57 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
         assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
 
 
-def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespeare):
+def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespeare, capsys):
     run_dir = tmp_path / "run"
     overrides = nano_overrides(shakespeare, "tracking.mlflow=true", "tracking.uri=http://127.0.0.1:9")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        results = run_training(compose_config(overrides), run_dir)
-    assert any("MLflow disabled" in str(w.message) for w in caught)
+    results = run_training(compose_config(overrides), run_dir)
+    err = capsys.readouterr().err  # gptlab's console: one warning line, not Python's warning and its source line
+    (line,) = [line for line in err.splitlines() if "MLflow" in line]
+    assert line.startswith("gptlab: MLflow disabled for this run: server http://127.0.0.1:9 unreachable (Connection ")
+    assert "tracking.py:" not in err and "Warning" not in err
     assert results["steps"] == 20 and results["mlflow_run_id"] is None
     assert (run_dir / "results.json").is_file()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "outputs/mlruns",
+        "/data/mlruns",
+        "file:///data/mlruns",
+        "sqlite:////data/mlflow.db",
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.org",
+        "postgresql://me@db/mlflow",
+        "postgresql+psycopg2://me@db/mlflow",
+        "databricks",
+        None,
+    ],
+)
+def test_the_stores_mlflow_knows_are_accepted_without_being_opened(uri):
+    check_uri(uri)
+
+
+@pytest.mark.parametrize("uri", ["garbage://x", "htp://127.0.0.1:5000", "sqlit:///outputs/mlflow.db"])
+def test_a_scheme_mlflow_does_not_know_is_refused_naming_the_ones_it_does(uri):
+    with pytest.raises(GptlabError) as e:
+        check_uri(uri)
+    assert str(e.value).startswith(f"tracking.uri={uri}: {uri.partition(':')[0]!r} is not a scheme MLflow knows;")
+    assert all(s in str(e.value) for s in ("folder path", "sqlite:///", "http(s)://", "postgresql://"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sweep", [False, True])
+def test_a_store_mlflow_does_not_know_is_one_line_at_the_start(tmp_path, shakespeare, sweep):
+    """Not a run (or a sweep) that trains unrecorded under a warning about MLflow's model registry."""
+    overrides = nano_overrides(shakespeare, "tracking.mlflow=true", "tracking.uri=garbage://x")
+    r = run_cli(["gptlab.train", *(["-m", "optimizer.lr=1e-3,3e-3"] if sweep else []), *overrides], cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("gptlab.train: error: tracking.uri=garbage://x: 'garbage' is not a scheme MLflow knows;")
+    assert "registry" not in r.stderr and "tracking.py:" not in r.stderr
+    assert "step" not in r.stdout and "Launching" not in r.stdout  # nothing ran
 
 
 def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(tmp_path, shakespeare, monkeypatch):

@@ -1,10 +1,17 @@
 """The real command in a subprocess, as a user runs it."""
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import run_cli
+from conftest import cli_env, run_cli, start_cli
+
+from gptlab import checkpoint
 
 
 @pytest.mark.slow
@@ -68,3 +75,129 @@ def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
         lrs[job] = [r["lr"] for r in rows if "lr" in r]
     assert len(lrs["0"]) >= 2 and lrs["1"] == pytest.approx([3 * x for x in lrs["0"]], rel=1e-9)
     assert max(lrs["1"]) <= 3e-3
+
+
+# ------------------------------------------------------------------ stop signals
+
+
+def _start(args, cwd, script=None):
+    """The command in a session of its own, as a terminal's foreground job: killpg is its Ctrl-C."""
+    head = [sys.executable, str(script)] if script else [sys.executable, "-m", "gptlab.train"]
+    return subprocess.Popen([*head, *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def _wait_for_lines(path, n, proc, timeout=180):
+    deadline = time.time() + timeout
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:] if proc.poll() else ""
+        time.sleep(0.2)
+
+
+def _long_run(shakespeare, *extra):
+    return ["model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=100000", "train.log_every=10",
+            "train.eval_every=0", "tracking.mlflow=false", "train.sample_tokens=0", "parallelism.timeout_s=30",
+            "data.progress=false", *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", ["cpu", "cpu_x2"])
+def test_ctrl_c_saves_at_the_stop_step_and_says_where_the_next_start_resumes(tmp_path, shakespeare, hardware):
+    """Ctrl-C (SIGINT to the terminal's whole process group: with two processes the launcher and its
+    workers) stops as SIGTERM does: one checkpoint at the stop step, one line naming it and the
+    command that continues, exit 0; that command then resumes from it."""
+    run_dir = tmp_path / "run"
+    args = _long_run(shakespeare, f"hydra.run.dir={run_dir}", f"hardware={hardware}")
+    proc = _start(args, tmp_path)
+    try:
+        _wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0 and err == "", err[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    step = results["steps"]
+    assert results["stopped_by"] == "SIGINT"
+    ckpt = run_dir / "checkpoints" / f"ckpt_{step:08d}.pt"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt_*")) == [ckpt.name]
+    said = [ln for ln in out.splitlines() if "received" in ln]
+    assert said == [
+        f"SIGINT received: stopped at step {step}; the next start resumes from {ckpt} (step {step}): "
+        f"run the same command with hydra.run.dir={run_dir}"
+    ]
+    r = run_cli(["gptlab.train", *[a for a in args if "max_steps" not in a], f"train.max_steps={step + 2}"], tmp_path)
+    assert r.returncode == 0 and f"resuming from {ckpt} (step {step})" in r.stdout, r.stderr[-2000:]
+
+
+SLOW_STOP = """
+import sys, time
+import gptlab.loop as loop
+real = loop.save_checkpoint
+def save_checkpoint(run, p, val):  # a stop's save takes long, as on a big model: time for a second Ctrl-C
+    if p.stopped_by is not None:
+        (run.run_dir / "saving").touch()
+        time.sleep(300)
+    return real(run, p, val)
+loop.save_checkpoint = save_checkpoint
+if __name__ == "__main__":
+    from gptlab import train
+    train.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hardware", ["cpu", "cpu_x2"])
+def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resumes(tmp_path, shakespeare, hardware):
+    script = tmp_path / "slow_stop.py"
+    script.write_text(SLOW_STOP)
+    run_dir = tmp_path / "run"
+    args = _long_run(shakespeare, f"hydra.run.dir={run_dir}", f"hardware={hardware}", "train.checkpoint_every=10")
+    proc = _start(args, tmp_path, script)
+    try:
+        _wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.time() + 60
+        while not (run_dir / "saving").exists():
+            assert time.time() < deadline and proc.poll() is None, "the first Ctrl-C did not start the stop"
+            time.sleep(0.1)
+        time.sleep(1.5)  # a second press, not the first one delivered twice
+        os.killpg(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        out, err = proc.communicate(timeout=60)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and took < 15, (took, err[-3000:])
+    latest = checkpoint.latest(run_dir / "checkpoints")
+    step = checkpoint.step_of(latest)
+    assert err.splitlines() == [
+        f"gptlab.train: interrupted; the next start resumes from {latest} (step {step}): "
+        f"run the same command with hydra.run.dir={run_dir}"
+    ]
+    checkpoint.TrainingState.load(latest)  # whole: the interrupted save left nothing under a checkpoint's name
+    assert not (run_dir / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_sweep_stops_the_sweep(tmp_path, shakespeare):
+    """Hydra's basic launcher runs the jobs one after another in this process: the job that gets the
+    signal saves and stops, and no later job starts."""
+    sweep = tmp_path / "sweep"
+    args = ["gptlab.train", "-m", *_long_run(shakespeare, f"hydra.sweep.dir={sweep}"), "optimizer.lr=1e-3,2e-3"]
+    proc = start_cli(args, tmp_path)
+    try:
+        _wait_for_lines(sweep / "0" / "metrics.jsonl", 3, proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert not (sweep / "1").exists()  # the second job never started
+    results = json.loads((sweep / "0" / "results.json").read_text())
+    assert results["stopped_by"] == "SIGTERM"
+    assert f"run the sweep again with hydra.sweep.dir={sweep}" in out
+    assert "the sweep stops here; the jobs after this one did not start" in out

@@ -1,6 +1,8 @@
 """python -m gptlab.ui: which store and experiment it opens (the real command over a real sweep, and the
 page it serves, are tested in tests/test_browser.py)."""
 
+import contextlib
+
 import pytest
 
 from gptlab.cli import compose
@@ -52,3 +54,72 @@ def test_serving_on_another_address_accepts_this_machines_names_as_host_and_orig
     assert {"http://node01:5000", f"http://{socket.getfqdn()}:5000"} <= set(origins.split(","))
     hosts, origins = network_access("10.1.2.3", 5001, "10.1.2.3")
     assert "10.1.2.3:*" in hosts.split(",") and "http://10.1.2.3:5001" in origins.split(",")
+
+
+def test_a_server_that_fails_is_one_line_from_its_log(tmp_path):
+    """Its notices stay in the log; the line is its exit code, its last line (the error) and the log."""
+    import sys
+
+    from gptlab.ui import start_server, wait_until_up
+
+    log = tmp_path / "mlflow-ui.log"
+    log.write_text("an earlier server's lines\n")
+    fails = "import sys; print('Registry store URI not provided.'); sys.exit('OSError: [Errno 98] address in use')"
+    proc, start = start_server([sys.executable, "-c", fails], log)
+    with pytest.raises(GptlabError) as e:
+        wait_until_up(proc, "http://127.0.0.1:9", 60, log, start)
+    assert str(e.value) == (
+        f"mlflow server exited with code 1 before answering: OSError: [Errno 98] address in use (log: {log})"
+    )
+
+
+@pytest.mark.slow
+def test_the_ui_says_only_gptlabs_lines_and_the_servers_go_to_its_log(tmp_path):
+    """MLflow's notices (the registry URI, the security middleware, Starlette's DeprecationWarning and
+    its source line) are the server's: in outputs/mlflow-ui.log, not on the console."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    from gptlab.ui import free_port
+
+    store = tmp_path / "outputs" / "mlflow.db"
+    store.parent.mkdir()
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    client.create_run(client.create_experiment("exp"))
+    port = free_port("127.0.0.1", preferred=0)
+    ui = subprocess.Popen(
+        [sys.executable, "-m", "gptlab.ui", f"ui.port={port}"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    server = None
+    try:
+        lines = [ui.stdout.readline() for _ in range(4)]  # what it prints once the server answers
+        server = re.search(r"server pid (\d+)", lines[-1])
+        assert server, lines
+        ui.send_signal(signal.SIGTERM)
+        out, err = ui.communicate(timeout=60)
+        deadline = time.monotonic() + 15  # stopping gptlab.ui ends the server's whole group
+        with pytest.raises(ProcessLookupError):
+            while time.monotonic() < deadline:
+                os.killpg(int(server.group(1)), 0)
+                time.sleep(0.2)
+    finally:
+        for group in [ui.pid, *([int(server.group(1))] if server else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+    log = tmp_path / "outputs" / "mlflow-ui.log"
+    assert [line.split(" ")[0] for line in lines] == ["MLflow", "", "", ""] and out == "", lines + [out]
+    assert lines[0] == f"MLflow UI for sqlite:///{store}\n"
+    assert lines[3] == f"  (server pid {lines[3].split()[2].rstrip(',')}, its log {log}; Ctrl-C stops it)\n"
+    assert err == "" and ui.returncode == 0, err
+    assert "Registry store URI not provided" in log.read_text()  # the server's own lines, kept

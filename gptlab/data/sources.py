@@ -213,15 +213,46 @@ def _saved_docs(path: Path, split: str, column: str) -> Iterator[str]:
         yield from (t for t in batch[column] if t is not None)
 
 
+_LOCAL_COPY = "pass a local copy (parquet files or a save_to_disk folder) with data.path="
+HUB_CHECK_S = 5.0  # one quick request to the Hub before datasets, which retries each call for ~30 s
+
+
+def _quiet_hub() -> None:
+    """Keep Hugging Face's retry warnings and progress bars off the console (gptlab reports the outcome)."""
+    import datasets
+    import huggingface_hub
+
+    huggingface_hub.utils.logging.set_verbosity_error()
+    huggingface_hub.utils.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+
+
+def _check_hub(dataset: str) -> None:
+    """One line at once when the Hub cannot be reached (offline, no DNS, a proxy refusing)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    try:
+        huggingface_hub.get_session().head(constants.ENDPOINT, timeout=HUB_CHECK_S)
+    except Exception as e:  # noqa: BLE001 - requests' or httpx's connection errors, whichever is installed
+        reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise GptlabError(
+            f"data.hf_dataset={dataset}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached "
+            f"({reason}); offline? {_LOCAL_COPY}"
+        ) from None
+
+
 def _hub_docs(cfg) -> Iterator[str]:
     # Checked here, when documents are first needed, so that shards prepared earlier open offline.
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise GptlabError(
-            f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
-            f"pass a local copy (parquet files or a save_to_disk folder) with data.path="
+            f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; {_LOCAL_COPY}"
         )
     import datasets
 
+    _quiet_hub()
+    _check_hub(cfg.hf_dataset)
     try:
         ds = datasets.load_dataset(cfg.hf_dataset, name=cfg.hf_config, split=cfg.hf_split, streaming=True)
         for row in ds:
@@ -235,8 +266,7 @@ def _hub_docs(cfg) -> Iterator[str]:
     except Exception as e:  # noqa: BLE001 - the Hub is unreachable, the name is wrong, or the stream broke
         raise GptlabError(
             f"data.hf_dataset={cfg.hf_dataset}: could not stream it from the Hugging Face Hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? pass a local copy "
-            f"(parquet files or a save_to_disk folder) with data.path="
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? {_LOCAL_COPY}"
         ) from None
 
 

@@ -55,11 +55,11 @@ unit: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # mutmut copies gptlab/, tests/ and conf/ into mutants/ and runs pytest there ([tool.mutmut] in
-# pyproject.toml), where tests/conftest.py cannot see ../shared: Tiny Shakespeare is found here first.
+# pyproject.toml), where tests/helpers.py cannot see ../shared: Tiny Shakespeare is found here first.
 # Results are kept in mutants/ between runs (only changed functions run again); rm -rf mutants to start over.
 mutation: setup
 	GPTLAB_SHAKESPEARE="$$($(BIN)/python -c 'import sys; sys.path.insert(0, "tests"); \
-		from conftest import find_shakespeare; print(find_shakespeare())')" \
+		from helpers import find_shakespeare; print(find_shakespeare())')" \
 		nice -n 19 $(BIN)/mutmut run $(foreach m,$(MUTANTS),'$(m)')
 	$(BIN)/mutmut results
 

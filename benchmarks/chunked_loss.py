@@ -25,9 +25,9 @@ from hydra import compose, initialize_config_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
 from gptlab.config import to_config  # noqa: E402
+from gptlab.costs import make_plan  # noqa: E402
 from gptlab.metrics import cpu_peak_bytes  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
-from gptlab.plan import make_plan  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -83,9 +83,9 @@ def main(argv):
         cfg = {c: to_config(compose("config", [*overrides, f"parallelism.loss_chunk={c}"])) for c in (0, chunk)}
     out = {"model": model, "batch": batch, "block_size": cfg[0].model.block_size, "vocab": vocab, "chunk": chunk,
            "device": str(device), "precision": precision}  # fmt: skip
-    from gptlab import plan as planner
+    from gptlab import costs
 
-    planner.vocab_for = lambda c: (vocab, False)  # the planner sees the same vocabulary
+    costs.vocab_for = lambda c: (vocab, False)  # the planner sees the same vocabulary
     for name, c in (("whole", 0), ("chunked", chunk)):
         out[name] = measure(cfg[c], vocab, c, batch, device, precision, int(o.get("steps", 2)))
         out[name]["plan_total_bytes"] = int(make_plan(cfg[c]).memory["total"])

@@ -52,7 +52,7 @@ def child(timings: Path, overrides: List[str]) -> None:
     """Run gptlab.train with the tracker's calls timed; write the timings (ms) to `timings` at exit."""
     import atexit
 
-    from gptlab import tracking
+    from gptlab.records import tracker as tracking
 
     logged: List[float] = []
     sent: List[float] = []

@@ -6,7 +6,7 @@
 Each run is the real command, `python -m gptlab.train model=<model> hardware=cpu_x2
 parallelism=<strategy> train.max_steps=<steps>` with an evaluation and a checkpoint every 50 steps,
 in a fresh run folder under out (default: a temporary folder; mlflow=true records in out's SQLite
-store). malloc=both alternates runs with gptlab's glibc malloc setting (distributed.keep_freed_memory)
+store). malloc=both alternates runs with gptlab's glibc malloc setting (runtime.keep_freed_memory)
 and without it (GPTLAB_KEEP_FREED_MEMORY=0); malloc=on or malloc=off runs one kind only. Python's faulthandler is
 on in every process, so a rank that dies of a signal prints its threads' Python stacks first.
 ctrl_c=N sends SIGINT to the run's process group, as a terminal's Ctrl-C does, once metrics.jsonl has N

@@ -4,8 +4,9 @@ Builds the run exactly as ``gptlab.train`` does, runs warm-up + timed steps of `
 (logging every step, no checkpoints, no evaluation until the end, no sample), and prints ONE JSON
 line: tokens_per_s, step_ms (median), mfu, hfu, peak_mem_bytes (CUDA max allocated, or the peak
 RSS on the CPU), the planner's memory and speed prediction beside them, and a config summary.
-The root config is conf/bench.yaml: the training config, the benchmark's own keys ``bench.warmup``,
-``bench.steps`` and ``bench.mlflow`` (``BenchConfig``), and what a benchmark changes in the run. E.g.
+The root config is conf/bench.yaml: the training config, the benchmark's own keys
+``bench.warmup``, ``bench.steps`` and ``bench.mlflow`` (``BenchConfig``), and what a benchmark
+changes in the run. E.g.
     python -m gptlab.bench bench.warmup=1 bench.steps=3 model=gpt2_124m train.batch_size=1
 A sweep over settings is Hydra's ``-m``: one JSON line per job, e.g.
     python -m gptlab.bench -m train.micro_batch_size=1,2,4 hardware.compile=false,true
@@ -32,8 +33,17 @@ from gptlab import console, distributed, metrics
 from gptlab.build import build
 from gptlab.cli import command
 from gptlab.config import Config, to_config
+from gptlab.costs import (
+    DEFAULT_MFU,
+    make_plan,
+    peak_tflops_for,
+    plan_json,
+    resolve_micro_batch,
+    step_estimate,
+)
 from gptlab.errors import GptlabError
 from gptlab.loop import train
+from gptlab.records import layout
 
 
 @dataclass
@@ -129,21 +139,19 @@ def summarise(
         "flops_per_token": fpt,
         "hardware_flops_per_token": hfpt,
         "peak_flops": peak,
-        "peak_flops_source": "measured" if run.dist.device.type == "cpu" and not _configured_peak(hw) else "config",
+        "peak_flops_source": _peak_source(run.dist.device.type, hw),
         "torch": torch.__version__,
     }
 
 
-def _configured_peak(hw) -> bool:
-    return bool(
-        metrics.peak_tflops_for(hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32)
-    )
+def _peak_source(device: str, hw) -> str:
+    """Where the peak FLOP/s came from: the preset's figures, else (the CPU) measured."""
+    figures = hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32
+    return "measured" if device == "cpu" and not peak_tflops_for(*figures) else "config"
 
 
 def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
-    """Build, time, and print one JSON line (rank 0). cfg: from conf/bench.yaml (or cli.compose("bench", ...))."""
-    from gptlab.plan import DEFAULT_MFU, make_plan, plan_json, resolve_micro_batch, step_estimate
-
+    """Build, time, and print one JSON line (rank 0). cfg: conf/bench.yaml's (cli.compose)."""
     cfg = bench_config(cfg)
     config = resolve_micro_batch(to_config(cfg, BenchConfig))
     flags = dataclasses.asdict(config.bench)  # warmup, steps, mlflow
@@ -154,15 +162,10 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             f"torchrun --nproc_per_node={n} -m gptlab.bench ..."
         )
     plan = make_plan(config)
-    plan_figures = plan_json(config, plan, step_estimate(plan, config, DEFAULT_MFU[config.hardware.device]))
+    est = step_estimate(plan, config, DEFAULT_MFU[config.hardware.device])
+    predicted = plan_json(config, plan, est)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run = build(
-        config,
-        run_dir,
-        resolved,
-        run_name=f"bench-{config.model.name}-{config.hardware.name}",
-        tags={"kind": "bench"},
-    )
+    run = build(config, run_dir, resolved)  # named and tagged as a benchmark (records.identity)
     status = "FAILED"
     try:
         cuda = run.dist.device.type == "cuda"
@@ -179,9 +182,9 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             peak, source = torch.cuda.max_memory_allocated(run.dist.device), "cuda_max_allocated"
         else:
             peak, source = metrics.peak_rss_bytes(), "peak_rss"
-        result = summarise(run, run.timings, flags["warmup"], peak, source, base, plan_figures, config)
+        result = summarise(run, run.timings, flags["warmup"], peak, source, base, predicted, config)
         if run.dist.is_main:
-            (Path(run.run_dir) / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+            (Path(run.run_dir) / layout.BENCH).write_text(json.dumps(result, indent=1) + "\n")
             mlflow_run = getattr(run.tracker, "mlflow", None)
             if mlflow_run is not None:
                 mlflow_run.log_summary(
@@ -192,7 +195,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
                         if isinstance(v, (int, float)) and not isinstance(v, bool)
                     },
                 )
-                run.tracker.log_artifact(Path(run.run_dir) / "bench.json")
+                run.tracker.log_artifact(Path(run.run_dir) / layout.BENCH)
             print(json.dumps(result), flush=True)
         status = "FINISHED"
         return result

@@ -4,104 +4,36 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import random
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from gptlab import checkpoint, console, distributed, runfolder
+from gptlab import checkpoint, console, distributed, runtime, slurm
 from gptlab.config import SHARDED, Config
 from gptlab.console import Reporter
-from gptlab.data import RandomWindowLoader, Tokenizer, build_train_loader, eval_batches, prepare_data
+from gptlab.costs import device_peak, flops_for, loss_chunk, resolve_micro_batch
+from gptlab.data import build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
-from gptlab.optim import averaged_weights, build_optimizer, lr_at, scaled_lr
-from gptlab.plan import device_peak, flops_for, loss_chunk, resolve_micro_batch
-from gptlab.tracking import NullTracker, RunIdentity, Tracker, experiment_name, flatten, last_logged_step
-from gptlab.tracking import run_name as default_run_name
+from gptlab.optim import build_optimizer, lr_at, scaled_lr
+from gptlab.records import identity, layout, runfolder
+from gptlab.records.layout import last_logged_step
+from gptlab.records.store import flatten, local_uri
+from gptlab.records.tracker import NullTracker, Tracker
+from gptlab.run import Run
 
 log = logging.getLogger(__name__)
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, already built."""
-
-    train: Any  # TrainConfig
-    dist: Dist
-    model: nn.Module  # wrapped (checkpointing -> compile -> DDP)
-    raw_model: GPT
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    lr_at: Callable[[int], float]
-    grad_clip: float
-    train_loader: RandomWindowLoader
-    val_batches: List[Any]
-    tokenizer: Tokenizer
-    tracker: Any  # Tracker on rank 0, NullTracker elsewhere
-    reporter: Reporter  # progress lines and timing windows (speaks on rank 0)
-    autocast: Callable[[], contextlib.AbstractContextManager]
-    block_size: int
-    num_params: int
-    flops_per_token: float
-    peak_flops: float
-    run_dir: Path
-    checkpoint_dir: Path
-    resolved_config: Dict[str, Any]
-    model_config: Dict[str, Any]
-    summary: str = ""
-    start_step: int = 0
-    start_tokens: int = 0
-    start_best_val: float = math.inf
-    # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
-    # are not logged again: an exact resume recomputes the same values
-    logged_until_step: int = 0
-    start_loss_window: Tuple[float, int] = (0.0, 0)  # the train-loss average in progress (TrainingState)
-    start_losses: Tuple[float, Optional[float]] = (math.nan, None)  # the checkpoint's last train and val loss
-    derived: Dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def timings(self) -> List[Tuple[int, float, int]]:
-        """(step, seconds, tokens) per timing window of the loop (gptlab.bench reads them)."""
-        return self.reporter.timings
-
-    def stateful(self) -> Dict[str, Any]:
-        """The live objects a checkpoint saves, by checkpoint.STATEFUL name."""
-        return {
-            "model": self.raw_model,
-            "optimizer": self.optimizer,
-            "scaler": self.scaler,
-            "loader": self.train_loader,
-        }
-
-    @contextlib.contextmanager
-    def evaluated_weights(self) -> Iterator[None]:
-        """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
-        with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
-        with averaged_weights(self.optimizer) as swapped:
-            try:
-                yield
-            finally:  # a sharded model's gathered copies of the average must not reach the next step
-                if swapped:
-                    distributed.reshard(self.raw_model)
-
-    def close(self, status: str) -> None:
-        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""
-        self.tracker.finish(status)
-        runfolder.unlock(self.run_dir)
-        distributed.teardown()
 
 
 def seed_everything(seed: int) -> None:
@@ -120,7 +52,7 @@ def autocast_factory(
         stack = contextlib.ExitStack()
         if dtype is not None:
             stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
-        stack.enter_context(distributed.attention_context(attention_backend))
+        stack.enter_context(runtime.attention_context(attention_backend))
         return stack
 
     return context
@@ -134,14 +66,7 @@ def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, 
         run.tracker.set_tag("expected_met", str(met).lower())
 
 
-def build(
-    cfg: Config,
-    run_dir: Path,
-    resolved: Dict[str, Any],
-    outputs: Path = Path("outputs"),
-    run_name: Optional[str] = None,
-    tags: Optional[Dict[str, str]] = None,
-) -> Run:
+def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
     """Build every object of a training run from a validated Config: this process's place in the
     job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the records."""
     cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
@@ -152,26 +77,55 @@ def build(
     data, train_tokens, val_tokens = build_data(cfg, d)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     raw_model, model = build_model(cfg, mcfg, d)
-    peak_lr = scaled_lr(cfg.optimizer, d.world_size)
     loader, val = build_loaders(cfg, d, train_tokens, val_tokens)
+    run = new_run(cfg, d, mcfg, data, raw_model, model, loader, val, run_dir, resolved)
+    run.derived.update({
+        "data_dir": str(data.root),
+        "train_tokens": len(train_tokens),
+        "val_tokens": len(val_tokens),
+        "tokenizer_sha256": data.tokenizer_sha256,
+        "vocab_size": data.vocab_size,
+    })  # fmt: skip
+    mlflow_run_id = resume(run, resume_from, loaded)
+    if d.is_main:
+        run.tracker = open_tracker(cfg, run, resolved, mlflow_run_id)
+        slurm.write_job_record(run_dir)
+    run.summary = summary_line(cfg, run.derived)
+    return run
+
+
+def new_run(cfg: Config, d: Dist, mcfg: GPTConfig, data: Any, raw_model: GPT, model: nn.Module,
+            loader: Any, val: List[Any], run_dir: Path, resolved: Dict[str, Any]) -> Run:  # fmt: skip
+    """The Run of the built parts, with the optimizer, schedule and figures derived from the config."""
+    peak_lr = scaled_lr(cfg.optimizer, d.world_size)
     fpt, hfpt = flops_for(mcfg, data.vocab_size, cfg.parallelism.activation_checkpointing)
     # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
     peak = device_peak(cfg.hardware)[0] * d.world_size
-    hw = cfg.hardware
-    # fmt: off
+    hw, opt = cfg.hardware, cfg.optimizer
     run = Run(
-        train=cfg.train, dist=d, model=model, raw_model=raw_model,
-        optimizer=build_optimizer(raw_model, cfg.optimizer, peak_lr, d.device.type),
+        train=cfg.train,
+        dist=d,
+        model=model,
+        raw_model=raw_model,
+        optimizer=build_optimizer(raw_model, opt, peak_lr, d.device.type),
         scaler=torch.amp.GradScaler(d.device.type, enabled=hw.precision == "fp16"),
-        lr_at=lambda s: lr_at(s, peak_lr, cfg.optimizer, cfg.train.max_steps), grad_clip=cfg.optimizer.grad_clip,
-        train_loader=loader, val_batches=val, tokenizer=data.tokenizer,
-        tracker=NullTracker(), reporter=Reporter(d.is_main, cfg.train.max_steps),
+        lr_at=lambda s: lr_at(s, peak_lr, opt, cfg.train.max_steps),
+        grad_clip=opt.grad_clip,
+        train_loader=loader,
+        val_batches=val,
+        tokenizer=data.tokenizer,
+        tracker=NullTracker(),
+        reporter=Reporter(d.is_main, cfg.train.max_steps),
         autocast=autocast_factory(d.device.type, hw.precision, hw.attention_backend),
-        block_size=cfg.model.block_size, num_params=raw_model.num_params(), flops_per_token=fpt, peak_flops=peak,
-        run_dir=run_dir, checkpoint_dir=run_dir / "checkpoints", resolved_config=resolved,
+        block_size=cfg.model.block_size,
+        num_params=raw_model.num_params(),
+        flops_per_token=fpt,
+        peak_flops=peak,
+        run_dir=run_dir,
+        checkpoint_dir=run_dir / layout.CHECKPOINTS,
+        resolved_config=resolved,
         model_config=dataclasses.asdict(mcfg),
     )
-    # fmt: on
     run.derived = {
         "params": run.num_params,
         "world_size": d.world_size,
@@ -182,17 +136,7 @@ def build(
         "flops_per_token": fpt,
         "hardware_flops_per_token": hfpt,
         "peak_flops": peak,
-        "data_dir": str(data.root),
-        "train_tokens": len(train_tokens),
-        "val_tokens": len(val_tokens),
-        "tokenizer_sha256": data.tokenizer_sha256,
-        "vocab_size": data.vocab_size,
     }
-    mlflow_run_id = resume(run, resume_from, loaded)
-    if d.is_main:
-        run.tracker = open_tracker(cfg, run, resolved, outputs, run_name, tags, mlflow_run_id)
-        record_slurm_job(run_dir)
-    run.summary = summary_line(cfg, run.derived)
     return run
 
 
@@ -233,7 +177,7 @@ def build_loaders(cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any) -> T
 def shared_run_dir(run_dir: Path) -> Path:
     """Rank 0's run folder, on every rank (under torchrun each rank's Hydra picked its own timestamp)."""
     own_dir, shared = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
-    if own_dir != shared and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {".hydra", "train.log"}:
+    if own_dir != shared and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {layout.HYDRA, layout.LOG}:
         shutil.rmtree(own_dir, ignore_errors=True)  # this rank's unused, empty Hydra folder
     return shared
 
@@ -281,23 +225,13 @@ def resume(run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingS
     return state.mlflow_run_id
 
 
-def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any], outputs: Path, name: Optional[str],
-                 tags: Optional[Dict[str, str]], mlflow_run_id: Optional[str]) -> Tracker:  # fmt: skip
+def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any],
+                 mlflow_run_id: Optional[str]) -> Tracker:  # fmt: skip
     """Rank 0's records: the run folder and MLflow, with the config and derived figures as params."""
     params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
-    m, dt, hw = cfg.model.name, cfg.data.name, cfg.hardware.name
-    all_tags = {"hardware": hw, "model": m, "data": dt, "run_dir": str(run.run_dir.resolve()), **(tags or {})}
-    experiment = cfg.tracking.experiment or experiment_name(m, dt)
-    name = name or cfg.tracking.run_name or default_run_name(m, dt, hw)
-    return Tracker(run.run_dir, cfg.tracking, outputs, RunIdentity(experiment, name, params, all_tags, mlflow_run_id))
-
-
-def record_slurm_job(run_dir: Path) -> None:
-    """A SLURM job's logs live in submitit's folder: say where, in the run folder and the log."""
-    job = distributed.slurm_job_info()
-    if job is not None:
-        (run_dir / "slurm.json").write_text(json.dumps(job, indent=1) + "\n")
-        log.info(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
+    ident = identity.identify(resolved, run.run_dir, identity.this_process())
+    store = local_uri(Path(cfg.paths.mlflow_db))
+    return Tracker(run.run_dir, cfg.tracking, store, ident, params, mlflow_run_id)
 
 
 def write_sample(run: Run) -> Optional[str]:
@@ -316,7 +250,7 @@ def write_sample(run: Run) -> Optional[str]:
     if not run.dist.is_main:
         return None
     text = run.tokenizer.decode(out[0].tolist())
-    path = run.run_dir / "samples.txt"
+    path = run.run_dir / layout.SAMPLES
     path.write_text(text)
     run.tracker.log_artifact(path)
     return text

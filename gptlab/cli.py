@@ -524,9 +524,9 @@ def remove_failed_start(folder: Path) -> None:
     A folder that now holds anything else (records this start wrote) is kept whole."""
     from hydra.core.hydra_config import HydraConfig
 
-    from gptlab.runfolder import LOCK_FILE
+    from gptlab.records.layout import LOCK
 
-    ours = {Path(HydraConfig.get().output_subdir).parts[0], LOCK_FILE, *(f.name for f in _log_files())}
+    ours = {Path(HydraConfig.get().output_subdir).parts[0], LOCK, *(f.name for f in _log_files())}
     entries = list(folder.iterdir()) if folder.is_dir() else []
     if any(entry.name not in ours for entry in entries):
         return

@@ -28,16 +28,14 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.tracking import (
+from gptlab.records import layout
+from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
+from gptlab.records.store import (
     Unreachable,
     check_reachable,
     children,
-    default_uri,
+    local_uri,
     mlflow_client,
-    read_metrics,
-    read_overrides,
-    read_results,
-    read_sweep,
     sqlite_path,
     store_failure,
 )
@@ -112,15 +110,13 @@ def _run_wall_s(run: Any) -> Optional[float]:
 
 def from_folder(folder: Path) -> List[RunRecord]:
     """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs)."""
-    run_dirs = [
-        d for d in folder.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "metrics.jsonl").is_file())
-    ]
+    run_dirs = layout.runs_in(folder)
     if not run_dirs:
-        if (folder / "metrics.jsonl").is_file():
+        if layout.is_run_folder(folder):
             raise GptlabError(f"{folder} is one run folder: give the sweep folder that holds it (or an experiment)")
         raise GptlabError(f"{folder} holds no run folders (a sweep folder holds 0/, 1/, ...)")
     records = []
-    for d in sorted(run_dirs, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name)):
+    for d in run_dirs:
         rows = read_metrics(d)
         results = read_results(d)
         curve = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "tokens" in r]
@@ -319,9 +315,9 @@ def run_compare(cfg: Any) -> None:
         records, title = from_folder(folder), str(folder)
         out = Path(out_setting) if out_setting else folder / VAL_PNG
     else:
-        records, title = from_mlflow(config.tracking.uri or default_uri(Path("outputs")), target)
+        records, title = from_mlflow(config.tracking.uri or local_uri(Path(config.paths.mlflow_db)), target)
         safe = re.sub(r"[^\w.-]+", "_", target)
-        out = Path(out_setting) if out_setting else Path("outputs") / "compare" / f"{safe}.png"
+        out = Path(out_setting) if out_setting else Path(config.paths.outputs) / "compare" / f"{safe}.png"
     print(table(records), flush=True)
     try:
         plot_val_curves(records, out, title)

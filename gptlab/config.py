@@ -25,10 +25,22 @@ from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
-from gptlab.tracking import TrackingConfig, check_uri
+from gptlab.records.store import check_uri
 
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # parallelism.strategy (distributed.wrap_model reads it)
 SHARDED = ("fsdp", "hsdp")  # strategies whose weights, gradients and optimizer state are split over ranks
+
+
+@dataclass
+class TrackingConfig:
+    mlflow: bool  # false: only the run folder is written
+    uri: Optional[str]  # null: the local store sqlite:///<cwd>/outputs/mlflow.db
+    experiment: Optional[str]  # null: "<model>-<data>"
+    run_name: Optional[str]  # null: "<model>-<data>-<hardware>" (+ the job's overrides in a sweep)
+    flush_every: int  # metric points buffered before one batched MLflow call
+    system_metrics: bool  # CPU, memory, disk, network (+ GPU with nvidia-ml-py) as system/* metrics
+    tensorboard: bool  # also write TensorBoard event files to <run folder>/tensorboard
+    plots: bool  # loss.png (train/val loss and lr against tokens) at the end of the run
 
 
 @dataclass
@@ -74,9 +86,15 @@ class ParallelismConfig:
     strategy: str  # single | ddp | fsdp | hsdp: how the model is wrapped across processes (distributed.wrap_model)
     activation_checkpointing: bool
     reshard_after_forward: bool  # fsdp/hsdp: free gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
-    loss_chunk: Optional[int]  # tokens per chunk of LM head + loss; 0: whole; null: plan.loss_chunk's rule
+    loss_chunk: Optional[int]  # tokens per chunk of LM head + loss; 0: whole; null: costs.loss_chunk's rule
     compile: Optional[bool]  # null: the hardware's default
     timeout_s: int  # a collective waiting longer than this ends the job
+
+
+@dataclass
+class PathsConfig:
+    outputs: str  # the root of run folders, sweeps, benchmarks and the default MLflow store
+    mlflow_db: str  # the default store's SQLite file (tracking.uri: null), artifacts beside it
 
 
 @dataclass
@@ -88,6 +106,7 @@ class Config:
     hardware: HardwareConfig
     train: TrainConfig
     tracking: TrackingConfig
+    paths: PathsConfig
     # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
     expected: Dict[str, Any]
 
@@ -104,11 +123,11 @@ class Config:
     def micro_batch_size(self) -> int:
         """Per-process sequences per forward: train's setting, else the hardware's, else all of it.
 
-        ``auto`` is resolved by the planner when the run is built (plan.resolve_micro_batch).
+        ``auto`` is resolved by the planner when the run is built (costs.resolve_micro_batch).
         """
         setting = self.train.micro_batch_size
         if setting == "auto":
-            raise GptlabError("train.micro_batch_size=auto: resolve it with plan.resolve_micro_batch first")
+            raise GptlabError("train.micro_batch_size=auto: resolve it with costs.resolve_micro_batch first")
         per_rank = self.train.batch_size // self.world_size
         mb = setting or self.hardware.micro_batch_size or per_rank
         return min(mb, per_rank) if setting is None else mb
@@ -247,7 +266,7 @@ def _validate_micro_batch(c: Config) -> None:
         )
     setting = c.train.micro_batch_size
     if setting == "auto":
-        return  # the planner picks a divisor of the per-process batch that fits (plan.resolve_micro_batch)
+        return  # the planner picks a divisor of the per-process batch that fits (costs.resolve_micro_batch)
     if setting is not None and not (_is_int(setting) and setting > 0):
         raise GptlabError(
             f"train.micro_batch_size={setting}: must be a positive integer, null (the hardware's choice) "

@@ -88,11 +88,12 @@ def next_start(folder: Path, resume: str) -> str:
     is in the sweep's folder, and the sweep run again continues each job in its own folder).
     """
     from gptlab.checkpoint import latest, step_of
+    from gptlab.records import layout
 
     found = latest(Path(folder))
     where = f"resumes from {found} (step {step_of(found)})" if found else "begins at step 0 (no checkpoint yet)"
     run_dir = Path(folder).parent
-    if (run_dir.parent / "multirun.yaml").is_file():
+    if (run_dir.parent / layout.MULTIRUN).is_file():
         how = f"run the sweep again with hydra.sweep.dir={run_dir.parent}"
     else:
         how = f"run the same command with hydra.run.dir={run_dir}"

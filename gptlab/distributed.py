@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gptlab import runtime, slurm
 from gptlab.config import SHARDED
 
 if TYPE_CHECKING:  # hints only: the config classes are data this module reads
@@ -49,11 +50,6 @@ class Dist:
         return self.rank == 0
 
 
-def slurm_task() -> bool:
-    """True inside an `srun` step (which is how submitit starts each task of a job)."""
-    return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
-
-
 def role(hw: HardwareConfig) -> str:
     """plain | torchrun | slurm | parent (gptlab must start hw.nproc_per_node workers itself).
 
@@ -63,7 +59,7 @@ def role(hw: HardwareConfig) -> str:
     expected = hw.nproc_per_node * hw.nodes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return "torchrun"  # also our own spawned workers, which get the same variables
-    if slurm_task() and int(os.environ["SLURM_STEP_NUM_TASKS"]) > 1:
+    if slurm.slurm_task() and int(os.environ["SLURM_STEP_NUM_TASKS"]) > 1:
         return "slurm"
     if expected > 1:
         if hw.nodes > 1:
@@ -96,136 +92,12 @@ def check_gpus(hw: HardwareConfig, needed: int) -> None:
         )
 
 
-def _export_slurm_env() -> None:
-    """Turn a SLURM task's identity into torch.distributed's env:// variables, for any nodes x tasks.
-
-    The master is the first node of the step (SLURM gives it rank 0); the port is
-    `rendezvous_port(job id)` unless MASTER_PORT is set. Rank 0 checks that it can listen on that port
-    before any rank waits for it.
-    """
-    port = int(os.environ.get("MASTER_PORT") or rendezvous_port(int(os.environ["SLURM_JOB_ID"])))
-    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        import submitit
-
-        env = submitit.helpers.TorchDistributedEnvironment()  # rank, local rank, world, first node
-        env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
-        env.master_port = port  # submitit's own pick is random in 20000-60000: it may be an ephemeral port
-        # keep every GPU visible: the device is picked from the local rank in setup
-        env.export(set_cuda_visible_devices=False, overwrite=True)
-    else:  # srun without submitit (launch/sbatch_gptlab.sh)
-        nodes = slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
-        os.environ.setdefault("MASTER_ADDR", nodes[0])
-        os.environ.update(
-            MASTER_PORT=str(port),
-            RANK=os.environ["SLURM_PROCID"],
-            WORLD_SIZE=os.environ["SLURM_STEP_NUM_TASKS"],
-            LOCAL_RANK=os.environ["SLURM_LOCALID"],
-        )
-    if os.environ["RANK"] == "0":
-        check_rendezvous_port(port)
-
-
-def slurm_hostnames(nodelist: str) -> list:
-    """A SLURM node list (`gptlab-n[1-2]`) as host names, in SLURM's order."""
-    import subprocess
-
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()
-
-
-EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def ephemeral_ports(path: str = EPHEMERAL_PORTS_FILE) -> tuple:
-    """(first, last): the ports this node's kernel hands out to outgoing connections."""
-    try:
-        with open(path) as f:
-            first, last = (int(x) for x in f.read().split()[:2])
-        return first, last
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def rendezvous_port(job_id: int, ephemeral: Optional[tuple] = None) -> int:
-    """The port rank 0 listens on for the rendezvous of SLURM job `job_id`.
-
-    A function of the job id alone, so every node computes the same port and a requeued job gets it
-    again; and outside the node's ephemeral range (ephemeral: (first, last), default: read from
-    /proc), so that no outgoing connection of this machine (a previous job's gloo sockets sitting in
-    TIME_WAIT on an ephemeral port) already holds it. It is the larger of the free stretches of
-    20000-65535 on either side of that range (with Linux's default: 20000-32767).
-    """
-    first, last = ephemeral or ephemeral_ports()
-    low, high = 20000, 65536
-    stretches = [(low, min(first, high)), (max(last + 1, low), high)]
-    start, stop = max(stretches, key=lambda s: s[1] - s[0])
-    if stop - start < 1000:
-        from gptlab.errors import GptlabError
-
-        raise GptlabError(
-            f"the ephemeral port range {first}-{last} ({EPHEMERAL_PORTS_FILE}) leaves no room for a "
-            "rendezvous port in 20000-65535; set MASTER_PORT to a port that no connection uses"
-        )
-    return start + job_id % (stop - start)
-
-
-def check_rendezvous_port(port: int) -> None:
-    """Rank 0 is about to listen on `port`: if that is impossible, say so and end this task now.
-
-    Otherwise the other ranks would wait for the rendezvous until the process group's timeout. The
-    task exits non-zero (SystemExit: Hydra's job runner catches exceptions only, and would turn the
-    error into a finished task), so that SLURM's kill-on-bad-exit ends the whole job at once.
-    """
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore: TIME_WAIT is no obstacle
-        try:
-            s.bind(("", port))
-        except OSError as e:
-            first, last = ephemeral_ports()
-            message = (
-                f"rank 0 cannot listen on the rendezvous port {port} on {socket.gethostname()} ({e.strerror}); "
-                f"set MASTER_PORT to a free port outside {first}-{last} (this node's ephemeral ports)"
-            )
-            print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-
-
-def slurm_job_info() -> Optional[dict]:
-    """For a SLURM task (started by submitit or by srun): its job id, nodes, and where its output goes."""
-    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
-        import submitit
-
-        env = submitit.JobEnvironment()
-        return {
-            "job_id": env.job_id,
-            "nodes": env.hostnames,
-            "stdout": str(env.paths.stdout),
-            "stderr": str(env.paths.stderr),
-            "submitit_folder": str(env.paths.folder),
-        }
-    if not slurm_task():
-        return None
-    import subprocess
-
-    job_id = os.environ["SLURM_JOB_ID"]
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    fields = dict(word.partition("=")[::2] for word in shown.split() if "=" in word)
-    return {
-        "job_id": job_id,
-        "nodes": slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]),
-        "stdout": fields.get("StdOut", ""),
-        "stderr": fields.get("StdErr", ""),
-    }
-
-
 def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     """Decide who this process is, pick its device, and join the process group if there is one."""
     from gptlab.errors import GptlabError
 
     if role(hw) == "slurm":
-        _export_slurm_env()
+        slurm.export_env()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -243,7 +115,7 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
         per_node = max(1, world // hw.nodes)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     if hw.device == "cpu":
-        keep_freed_memory()
+        runtime.keep_freed_memory()
     if hw.device == "cuda":
         check_gpus(hw, 1)
         n_visible = torch.cuda.device_count()
@@ -270,34 +142,6 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
 
 
 # glibc malloc: blocks up to this size come from the heap rather than their own mmap
-MMAP_THRESHOLD = 32 * 2**20  # glibc's largest accepted value (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 2**31 - 1  # free memory at the heap's top is kept, never handed back
-
-
-def keep_freed_memory() -> bool:
-    """Keep the memory a CPU training step frees, so that the next step does not fault it in again.
-
-    Each step allocates and frees the same activations and gradients. glibc's malloc serves large
-    blocks from fresh mmaps and hands freed heap tops back to the kernel, so every step touched them
-    as new pages: a 6 x 384 x 256 model at batch 8 took 30-60k minor page faults per step (about 0
-    for the plain loop in benchmarks/, by luck of its heap layout), 5-9% of its step time. With
-    these two settings the faults drop to under 1k per step; resident memory stays at its peak,
-    as it would anyway over the next step. Returns False where the C library has no mallopt (not
-    glibc), or with GPTLAB_KEEP_FREED_MEMORY=0 (glibc's own settings, to compare): nothing changes there.
-    """
-    import ctypes
-
-    if os.environ.get("GPTLAB_KEEP_FREED_MEMORY", "1") == "0":
-        return False
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD)) and bool(mallopt(m_trim_threshold, TRIM_THRESHOLD))
-
-
 def broadcast_object(obj, src: int = 0):
     """Rank src's obj on every rank (identity without a process group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -669,15 +513,3 @@ def stop_again(first: str, since_s: float, name: str) -> bool:
     scheduler's warning, and the scheduler's SIGTERM that may follow must not cut the save short.
     """
     return first in USER_STOPS and name in USER_STOPS and since_s > SAME_STOP_S
-
-
-def attention_context(backend: str):
-    """Restrict SDPA to one kernel family when the hardware preset asks for it."""
-    if backend == "auto":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    kind = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[
-        backend
-    ]
-    return sdpa_kernel(kind)

@@ -18,8 +18,8 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
+from gptlab.inference import load_model
 from gptlab.model import GPT
-from gptlab.sample import load_model
 
 
 @dataclass
@@ -38,11 +38,18 @@ TEXT_KEYS = text_keys(ExportConfig)  # run=, out=, which= are text as typed (cli
 
 def gpt2_shaped(model: GPT) -> bool:
     c = model.config
-    return c.pos_emb == "learned" and c.mlp == "gelu" and c.bias and c.tie_weights and c.hidden_dim == 4 * c.n_embd
+    return (
+        c.pos_emb == "learned"
+        and c.mlp == "gelu"
+        and c.bias
+        and c.tie_weights
+        and c.hidden_dim == 4 * c.n_embd
+    )
 
 
 def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
-    """Our weights under GPT-2's names; its Conv1D layers store (in, out), so Linear weights are transposed."""
+    """Our weights under GPT-2's names; its Conv1D layers store (in, out), so Linear weights are
+    transposed."""
     V = model.config.vocab_size
     out = {
         "transformer.wte.weight": model.wte.weight[:V],
@@ -96,20 +103,29 @@ def run_export(config: Any) -> Path:
     cfg = to_config(config, ExportConfig)
     model, _, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
-    out = Path(cfg.out) if cfg.out else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
+    out = (
+        Path(cfg.out)
+        if cfg.out
+        else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
+    )
     out.mkdir(parents=True, exist_ok=True)
     # the tied LM head is the embedding: store it once
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
     (out / "config.json").write_text(
-        json.dumps({"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step}, indent=1)
+        json.dumps(
+            {"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step},
+            indent=1,
+        )
     )
     print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"
         hf.mkdir(exist_ok=True)
         save_file(hf_gpt2_state(model), str(hf / "model.safetensors"), metadata={"format": "pt"})
-        (hf / "config.json").write_text(json.dumps(hf_gpt2_config(model, saved.tokenizer), indent=1))
+        (hf / "config.json").write_text(
+            json.dumps(hf_gpt2_config(model, saved.tokenizer), indent=1)
+        )
         print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel.from_pretrained)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")

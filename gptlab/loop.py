@@ -1,4 +1,4 @@
-"""train(run): the one training loop. It sees built objects (``build.Run``), never the config tree.
+"""train(run): the one training loop. It sees built objects (``run.Run``), never the config tree.
 
 Per step: set lr -> accumulate gradients over micro-batches -> clip -> optimizer step -> log ->
 maybe evaluate -> maybe checkpoint. Host-device synchronisation happens only at logging, eval and
@@ -21,7 +21,7 @@ from gptlab.errors import GptlabError
 from gptlab.metrics import mfu
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
-    from gptlab.build import Run
+    from gptlab.run import Run
 
 
 class StopOnSignal:

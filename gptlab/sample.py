@@ -1,25 +1,23 @@
 """python -m gptlab.sample run=PATH [prompt=...]: generate text from a run folder's checkpoint.
 
 PATH is a run folder (its newest checkpoint, or the best by validation loss with which=best) or a
-checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone: the root config,
-conf/sample.yaml, holds only the settings below (``SampleConfig``), as top-level keys. Text keys take
-their value as typed: ``prompt="ROMEO:"`` is the text ``ROMEO:``.
+checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone
+(``gptlab.inference.load_model``): the root config, conf/sample.yaml, holds only the settings
+below (``SampleConfig``), as top-level keys. Text keys take their value as typed:
+``prompt="ROMEO:"`` is the text ``ROMEO:``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
 
-from gptlab import checkpoint
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
-from gptlab.data import Tokenizer, load_tokenizer
-from gptlab.model import GPT, GPTConfig
-from gptlab.optim import AVERAGE, load_average
+from gptlab.inference import load_model
 
 
 @dataclass
@@ -38,17 +36,8 @@ class SampleConfig:
 
 
 ConfigStore.instance().store(name="gptlab_sample_schema", node=SampleConfig)
-TEXT_KEYS = text_keys(SampleConfig)  # prompt=ROMEO: / prompt=true / prompt=a,b are text as typed (cli.hydra_words)
-
-
-def load_model(run: str, which: str = "latest", device: str = "cpu") -> Tuple[GPT, Tokenizer, checkpoint.TrainingState]:
-    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model (its
-    weight average where the run kept one)."""
-    saved = checkpoint.read_model(checkpoint.find(run, which), optimizer_entries=(AVERAGE,))
-    model = GPT(GPTConfig(**saved.model_config))
-    model.load_state_dict(saved.model)
-    load_average(model, saved.optimizer)  # the weights the run evaluated (optimizer.ema_decay > 0)
-    return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
+# prompt=ROMEO: / prompt=true / prompt=a,b are text as typed (cli.hydra_words)
+TEXT_KEYS = text_keys(SampleConfig)
 
 
 def run_sample(config: Any) -> None:
@@ -59,7 +48,9 @@ def run_sample(config: Any) -> None:
     prompt = tok.encode(cfg.prompt) or [0]
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    out = model.generate(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
+    out = model.generate(
+        idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, generator=gen
+    )
     for i, row in enumerate(out.tolist()):
         if cfg.num_samples > 1:
             print(f"--- sample {i + 1} (step {saved.step}) ---")
@@ -67,9 +58,10 @@ def run_sample(config: Any) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """python -m gptlab.sample run=PATH [key=value ...]: a Hydra app on conf/sample.yaml that writes nothing.
+    """python -m gptlab.sample run=PATH [key=value ...]: a Hydra app on conf/sample.yaml.
 
-    argv: the same key=value arguments, to run it in this process (errors raise GptlabError).
+    It writes nothing. argv: the same key=value arguments, to run it in this process (errors
+    raise GptlabError).
     """
     command("sample", run_sample, argv)
 

@@ -51,35 +51,24 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, fail, hydra_quote
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.runfolder import PREVIOUS
-from gptlab.sweep import SweepCallback, swept
-from gptlab.tracking import (
-    DERIVED_FILE,
-    LOSS_PLOT,
+from gptlab.records import identity, layout, parent
+from gptlab.records.layout import PREVIOUS, read_metrics, read_results
+from gptlab.records.store import (
+    DEFAULT_OUTPUTS,
     PARENT_TAG,
     SUMMARY_METRICS,
-    SWEEP_KIND,
     artifact_root,
     check_reachable,
     default_uri,
-    experiment_name,
     flatten,
     get_or_create_experiment,
+    local_uri,
     log_params,
     mlflow_client,
     mlflow_metrics,
-    read_metrics,
-    read_overrides,
-    read_results,
-    read_sweep,
-    run_name,
     store_failure,
-    sweep_run_name,
 )
 
-ARTIFACTS = ("config_resolved.yaml", "results.json", "samples.txt", LOSS_PLOT, "bench.json")
-RUN_MARKERS = ("metrics.jsonl", "config_resolved.yaml")  # what makes a folder a run folder
-DEFAULT_ROOTS = (Path("outputs") / "runs", Path("outputs") / "sweeps")
 SYNC_TAG = "recorded_by"  # on the runs (and sweep parents) that sync created
 AGAIN = "then run gptlab.sync again (it sends only what the store lacks)"
 # Hydra's options that take the next word as their value (--info takes one only when it is a topic)
@@ -139,25 +128,17 @@ class RunFolder:
     sweep: Optional[Dict[str, Any]]  # sweep.json (or what multirun.yaml says) of the sweep holding it
 
 
-def is_run_folder(folder: Path) -> bool:
-    return any((folder / m).is_file() for m in RUN_MARKERS)
-
-
-def _order(path: Path) -> Tuple[str, bool, int, str]:
-    """Sweep jobs in their numeric order (2 before 10), other folders by name."""
-    return (str(path.parent), not path.name.isdigit(), int(path.name) if path.name.isdigit() else 0, path.name)
-
-
 def runs_under(folder: Path) -> List[Path]:
-    """The run folders in folder and one level deeper (outputs/sweeps/<sweep>/<job>)."""
-    found = {d for d in [*folder.glob("*"), *folder.glob("*/*")] if d.is_dir() and is_run_folder(d)}
-    return sorted(found, key=_order)
+    """The run folders that began recording in folder and one level deeper (outputs/sweeps/<sweep>/<job>)."""
+    return [d for d in layout.runs_in(folder, depth=2) if layout.started(d)]
 
 
-def find_folders(names: Sequence[str]) -> List[Path]:
-    """The run folders to record (absolute, each once): those named, or all under outputs/."""
+def find_folders(names: Sequence[str], outputs: Path = DEFAULT_OUTPUTS) -> List[Path]:
+    """The run folders to record (absolute, each once): those named, or all under outputs/runs and
+    outputs/sweeps (paths.outputs)."""
     if not names:
-        found = [d for root in DEFAULT_ROOTS if root.is_dir() for d in runs_under(root)]
+        roots = [Path(outputs) / "runs", Path(outputs) / "sweeps"]
+        found = [d for root in roots if root.is_dir() for d in runs_under(root)]
         if not found:
             raise GptlabError(
                 "no run folders under outputs/runs or outputs/sweeps "
@@ -169,59 +150,19 @@ def find_folders(names: Sequence[str]) -> List[Path]:
         folder = Path(name).expanduser()
         if not folder.is_dir():
             raise GptlabError(f"{name}: no such folder")
-        inner = [folder] if is_run_folder(folder) else runs_under(folder)
+        inner = [folder] if layout.started(folder) else runs_under(folder)
         if not inner:
-            raise GptlabError(f"{name}: not a run folder (it has no {' or '.join(RUN_MARKERS)}) and holds none")
+            raise GptlabError(f"{name}: not a run folder (it has no {' or '.join(layout.STARTED)}) and holds none")
         out += [d.resolve() for d in inner if d.resolve() not in out]
     return out
 
 
-def _read_yaml(path: Path) -> Optional[Dict[str, Any]]:
-    """A YAML file's mapping, interpolations resolved where they can be (None if it is not readable)."""
-    from omegaconf import OmegaConf
-
-    try:
-        cfg = OmegaConf.load(path)
-    except Exception:  # noqa: BLE001 - a file cut short, or not YAML
-        return None
-    try:
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - an interpolation only Hydra could resolve (${now:...})
-        data = OmegaConf.to_container(cfg)
-    return data if isinstance(data, dict) else None
-
-
-def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
-    """What sweep.json would say, from the multirun.yaml Hydra writes in every sweep folder (a sweep
-    whose parent run could not be created has no sweep.json); None for a folder that is no sweep."""
-    cfg = _read_yaml(folder / "multirun.yaml") if (folder / "multirun.yaml").is_file() else None
-    if cfg is None or not isinstance(cfg.get("hydra"), dict):
-        return None
-    overrides = [str(o) for o in (cfg["hydra"].get("overrides") or {}).get("task") or []]
-    sweeping = swept(overrides)
-    m, d, hw = (str((cfg.get(k) or {}).get("name")) for k in ("model", "data", "hardware"))
-    tracking = cfg.get("tracking") or {}
-    return {
-        "kind": SWEEP_KIND,
-        "sweep_dir": str(folder.resolve()),
-        "uri": tracking.get("uri"),
-        "experiment": tracking.get("experiment") or experiment_name(m, d),
-        "overrides": overrides,
-        "swept": [o.partition("=")[0] for o in sweeping],
-        "launcher": str((cfg["hydra"].get("runtime") or {}).get("choices", {}).get("hydra/launcher") or "basic"),
-        "run_name": " ".join([tracking.get("run_name") or run_name(m, d, hw), "sweep", *sweeping]),
-    }
-
-
 def read_folder(path: Path) -> Optional[RunFolder]:
     """The run folder's config, results and sweep; None when it has no config to record the run by."""
-    for name in ("config_resolved.yaml", ".hydra/config.yaml"):
-        config = _read_yaml(path / name) if (path / name).is_file() else None
-        if config is not None:
-            break
-    else:
+    config = layout.read_config(path)
+    if config is None:
         return None
-    sweep = read_sweep(path) or sweep_from_multirun(path.parent)
+    sweep = layout.read_sweep(path) or identity.sweep_from_multirun(path.parent)
     return RunFolder(path, config, read_results(path), sweep)
 
 
@@ -233,31 +174,19 @@ def target_uri(folder: RunFolder, given: Optional[str]) -> str:
         return given
     if sweep_uri and own in (None, sweep_uri):
         return sweep_uri
-    return own or default_uri(Path("outputs"))
+    db = (folder.config.get("paths") or {}).get("mlflow_db")  # a folder from before paths: the default
+    return own or (local_uri(Path(db)) if db else default_uri())
 
 
 # ---- what the folder holds, as MLflow records it -----------------------------------------------------
 
 
-def _names(folder: RunFolder) -> Tuple[str, str, str]:
-    """(model, data, hardware) names of the run."""
-    m, d, hw = (str((folder.config.get(k) or {}).get("name")) for k in ("model", "data", "hardware"))
-    return m, d, hw
-
-
-def folder_tags(folder: RunFolder) -> Dict[str, str]:
-    """The tags gptlab.train gives the run that the folder can tell (not the git commit)."""
-    m, d, hw = _names(folder)
-    tags = {"model": m, "data": d, "hardware": hw, "run_dir": str(folder.path)}
-    if overrides := read_overrides(folder.path):
-        tags["overrides"] = " ".join(overrides)
-    with contextlib.suppress(OSError, ValueError, KeyError, IndexError, TypeError):  # the node, when SLURM ran it
-        tags["host"] = str(json.loads((folder.path / "slurm.json").read_text())["nodes"][0])
-    if "bench" in folder.config:
-        tags["kind"] = "bench"
+def folder_identity(folder: RunFolder) -> identity.RunIdentity:
+    """What gptlab.train recorded the run as (or would have), with the origin run.json keeps."""
+    ident = identity.identify(folder.config, folder.path, identity.recorded_origin(folder.path))
     if folder.results.get("expected_met") is not None:
-        tags["expected_met"] = str(folder.results["expected_met"]).lower()
-    return tags
+        ident.tags["expected_met"] = str(folder.results["expected_met"]).lower()
+    return ident
 
 
 def folder_params(folder: RunFolder) -> Dict[str, Any]:
@@ -265,7 +194,7 @@ def folder_params(folder: RunFolder) -> Dict[str, Any]:
     it existed has only derived.params, from results.json)."""
     params = flatten(folder.config)
     with contextlib.suppress(OSError, ValueError):
-        derived = json.loads((folder.path / DERIVED_FILE).read_text())
+        derived = json.loads((folder.path / layout.DERIVED).read_text())
         params.update({f"derived.{k}": v for k, v in derived.items()})
     if "derived.params" not in params and folder.results.get("params") is not None:
         params["derived.params"] = folder.results["params"]
@@ -293,8 +222,9 @@ def _mtime_ms(path: Path) -> Optional[int]:
 
 def span_ms(path: Path) -> Tuple[int, int]:
     """(first, last) write of the run folder in ms: when the run started and when it last recorded."""
-    first = [_mtime_ms(path / n) for n in (".hydra/config.yaml", ".hydra/overrides.yaml", "config_resolved.yaml")]
-    last = [_mtime_ms(path / n) for n in ("results.json", "metrics.jsonl")]
+    hydra = path / layout.HYDRA
+    first = [_mtime_ms(p) for p in (hydra / "config.yaml", hydra / "overrides.yaml", path / layout.CONFIG)]
+    last = [_mtime_ms(path / n) for n in (layout.RESULTS, layout.METRICS)]
     now = int(time.time() * 1000)
     start = min([t for t in first if t is not None], default=now)
     return start, max([t for t in last if t is not None] + [start])
@@ -392,19 +322,9 @@ class Store:
         return self.parents[key]
 
     def create_parent(self, sweep: Dict[str, Any]) -> Any:
-        """The sweep's parent run as gptlab.sweep records it (params: the sweep's overrides)."""
-        experiment_id = get_or_create_experiment(self.client, sweep["experiment"], artifact_root(self.uri))
-        tags = {
-            "run_type": "sweep",
-            "sweep_dir": sweep["sweep_dir"],
-            "launcher": str(sweep.get("launcher") or "basic"),
-            "overrides": " ".join(sweep.get("overrides") or []),
-            SYNC_TAG: "gptlab.sync",
-        }
+        """The sweep's parent run as gptlab.sweep records it (records/parent.py)."""
         start = min([span_ms(p)[0] for p in runs_under(Path(sweep["sweep_dir"]))], default=None)
-        run = self.client.create_run(experiment_id, run_name=sweep.get("run_name"), tags=tags, start_time=start)
-        pairs = (o.partition("=") for o in sweep.get("overrides") or [])
-        log_params(self.client, run.info.run_id, {k.lstrip("+~")[:250]: v for k, _, v in pairs})
+        run = parent.create(self.client, self.uri, sweep, {SYNC_TAG: "gptlab.sync"}, start)
         print(f"{sweep['sweep_dir']}: recorded as sweep run {run.info.run_id}", flush=True)
         return self.client.get_run(run.info.run_id)
 
@@ -413,9 +333,7 @@ class Store:
         (FINISHED, or FAILED when a job failed; the best summary/best_val_loss)."""
         for sweep_dir, (run_id, experiment_id) in self.parents.items():
             if run_id in self.ours and run_id in self.touched:
-                callback = SweepCallback()
-                callback.parent = {"uri": self.uri, "experiment_id": experiment_id, "parent_run_id": run_id}
-                callback._end(stopped=False)  # noqa: SLF001 - the one place that knows how a sweep ends
+                parent.end(self.client, experiment_id, run_id, stopped=False)
                 print(f"{sweep_dir}: sweep run {run_id} ended from its jobs' records", flush=True)
 
 
@@ -423,19 +341,15 @@ class Store:
 
 
 def create_run(store: Store, folder: RunFolder) -> Any:
-    """A new run for the folder, named and placed as gptlab.train would have (nested in its sweep)."""
-    m, d, hw = _names(folder)
-    tracking = folder.config.get("tracking") or {}
-    name = tracking.get("run_name") or run_name(m, d, hw)
-    tags = {**folder_tags(folder), SYNC_TAG: "gptlab.sync"}
+    """A new run for the folder, named, tagged and placed as gptlab.train would have (nested in its sweep)."""
+    ident = folder_identity(folder)
+    tags = {**ident.tags, SYNC_TAG: "gptlab.sync"}
     if folder.sweep is not None:
         parent_id, experiment_id = store.parent(folder.sweep)
-        tags.update({PARENT_TAG: parent_id, "sweep_dir": folder.sweep["sweep_dir"]})
-        name = sweep_run_name(name, read_overrides(folder.path), folder.sweep)
+        tags.update(parent.child_tags(folder.sweep, parent_id))
     else:
-        experiment = tracking.get("experiment") or experiment_name(m, d)
-        experiment_id = get_or_create_experiment(store.client, experiment, artifact_root(store.uri))
-    run = store.client.create_run(experiment_id, run_name=name, tags=tags, start_time=span_ms(folder.path)[0])
+        experiment_id = get_or_create_experiment(store.client, ident.experiment, artifact_root(store.uri))
+    run = store.client.create_run(experiment_id, run_name=ident.name, tags=tags, start_time=span_ms(folder.path)[0])
     return store.client.get_run(run.info.run_id)
 
 
@@ -460,7 +374,7 @@ def send_artifacts(client: Any, run_id: str, path: Path) -> int:
     """The folder's artifacts the run lacks, or has in another size (a results.json rewritten by a resume)."""
     have = {a.path: a.file_size for a in client.list_artifacts(run_id)}
     sent = 0
-    for name in ARTIFACTS:
+    for name in layout.ARTIFACTS:
         if (path / name).is_file() and have.get(name) != (path / name).stat().st_size:
             client.log_artifact(run_id, str(path / name))
             sent += 1
@@ -474,7 +388,7 @@ def send_status(client: Any, run: Any, folder: RunFolder) -> Optional[str]:
     status = "KILLED" if folder.results.get("stopped_by") else "FINISHED"
     if run.info.status == status:
         return None
-    client.set_terminated(run.info.run_id, status=status, end_time=_mtime_ms(folder.path / "results.json"))
+    client.set_terminated(run.info.run_id, status=status, end_time=_mtime_ms(folder.path / layout.RESULTS))
     return status
 
 
@@ -483,7 +397,7 @@ def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
     client, run_id = store.client, run.info.run_id
     params = {k: v for k, v in folder_params(folder).items() if k not in run.data.params}
     log_params(client, run_id, params)
-    for key, value in folder_tags(folder).items():
+    for key, value in folder_identity(folder).tags.items():
         if key not in run.data.tags:
             client.set_tag(run_id, key, value)
     return Sent(
@@ -571,7 +485,7 @@ def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
 def run_sync(cfg: Any) -> List[str]:
     """Record the folders of sync.folders (all under outputs/ when empty). cfg: composed from conf/sync.yaml."""
     config = to_config(cfg, SyncConfig)
-    return sync(find_folders(config.sync.folders), config.tracking.uri)
+    return sync(find_folders(config.sync.folders, Path(config.paths.outputs)), config.tracking.uri)
 
 
 def sync_command_line(cfg: Any) -> List[str]:

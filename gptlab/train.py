@@ -14,19 +14,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab import console, distributed, runfolder
-from gptlab.build import build, default_run_name, record_expectation, write_sample
+from gptlab import console, distributed
+from gptlab.build import build, record_expectation, write_sample
 from gptlab.cli import command, fail, os_error_message
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.loop import train
+from gptlab.records import layout, runfolder
 
 log = logging.getLogger("gptlab.train")  # not __name__: run as __main__, it would fall outside gptlab
 
 
-def run_training(
-    cfg: DictConfig, run_dir: Path, run_name: str | None = None, tags: Dict[str, str] | None = None
-) -> Dict[str, Any]:
+def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """config -> build -> loop -> results; also used by tests through Hydra's compose API.
 
     When `hardware` asks for more processes than were launched (hardware=cpu_x2 from a plain
@@ -45,9 +44,9 @@ def run_training(
         )
         return done
     if distributed.role(config.hardware) == "parent":
-        distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir), run_name, tags))
-        return json.loads((Path(run_dir) / "results.json").read_text())
-    run = build(config, run_dir, resolved, run_name=run_name, tags=tags)
+        distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir)))
+        return json.loads((Path(run_dir) / layout.RESULTS).read_text())
+    run = build(config, run_dir, resolved)
     status, results = "FAILED", {}
     try:
         run.tracker.write_config(resolved, run.derived)
@@ -74,12 +73,12 @@ def run_training(
             os.kill(os.getpid(), signal.SIGUSR2)
 
 
-def _worker(resolved: Dict[str, Any], run_dir: str, run_name: str | None, tags: Dict[str, str] | None) -> None:
+def _worker(resolved: Dict[str, Any], run_dir: str) -> None:
     """One locally spawned rank: the same run, with RANK / WORLD_SIZE set by distributed.spawn."""
-    console.setup_logging(Path(run_dir) / "train.log")  # a fresh process: Hydra configured nothing here
+    console.setup_logging(Path(run_dir) / layout.LOG)  # a fresh process: Hydra configured nothing here
     console.local_bars()
     try:
-        run_training(OmegaConf.create(resolved), Path(run_dir), run_name, tags)
+        run_training(OmegaConf.create(resolved), Path(run_dir))
     except (GptlabError, OSError) as e:
         # a path or the machine (disk full, permissions) is the user's to fix too; other OSErrors are bugs
         message = str(e) if isinstance(e, GptlabError) else os_error_message(e)
@@ -106,15 +105,11 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
     or Ctrl-C before training) carries the line saying where the next start resumes.
     """
     hc = HydraConfig.get()
-    run_name = None
-    if hc.mode == RunMode.MULTIRUN and hc.overrides.task:
-        base = default_run_name(cfg.model.name, cfg.data.name, cfg.hardware.name)
-        run_name = f"{base}[{','.join(hc.overrides.task)}]"
     run_dir = Path(hc.runtime.output_dir)
     try:
-        results = run_training(cfg, run_dir, run_name=run_name)
+        results = run_training(cfg, run_dir)
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(console.next_start(run_dir / "checkpoints", cfg.train.resume)) from None
+        raise KeyboardInterrupt(console.next_start(run_dir / layout.CHECKPOINTS, cfg.train.resume)) from None
     if results.get("stopped_by") and hc.mode == RunMode.MULTIRUN and hc.launcher._target_ == BASIC_LAUNCHER:
         log.info(f"{results['stopped_by']}: the sweep stops here; the jobs after this one did not start")
         raise SystemExit(0)

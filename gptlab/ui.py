@@ -36,9 +36,10 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.tracking import (
+from gptlab.records.store import (
+    DEFAULT_OUTPUTS,
     artifact_root,
-    default_uri,
+    local_uri,
     mlflow_client,
     runs_url,
     short_reason,
@@ -69,9 +70,10 @@ ConfigStore.instance().store(name="gptlab_ui_schema", node=UIConfig)
 TEXT_KEYS = text_keys(UISettings, "ui.")  # ui.host=..., ui.allowed_hosts=a,b:* are text as typed (cli.hydra_words)
 
 
-def store_uri(uri: Optional[str]) -> str:
-    """The store to open; a SQLite store must exist already (no run has been recorded otherwise)."""
-    uri = uri or default_uri(Path("outputs"))
+def store_uri(uri: Optional[str], default_db: Path = DEFAULT_OUTPUTS / "mlflow.db") -> str:
+    """The store to open (default_db: paths.mlflow_db's SQLite file, for uri=None); a SQLite store
+    must exist already (no run has been recorded otherwise)."""
+    uri = uri or local_uri(default_db)
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         raise GptlabError(
@@ -274,7 +276,7 @@ def run_ui(cfg: Any) -> None:
     """Serve (or point at) the runs' store until Ctrl-C. cfg: composed from conf/ui.yaml."""
     config = to_config(cfg, UIConfig)
     tracking, ui = config.tracking, config.ui
-    uri = store_uri(tracking.uri)
+    uri = store_uri(tracking.uri, Path(config.paths.mlflow_db))
     if uri.startswith(("http://", "https://")):
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()

@@ -1,30 +1,16 @@
-"""Shared fixtures: tiny configs composed through Hydra's compose API from the real conf/ tree."""
+"""pytest's fixtures and hooks for the whole suite; the helpers tests import are in helpers.py.
+
+Run as a script (make test does, first): prints where Tiny Shakespeare is, or one line and exits 2.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
-
-import gptlab.config  # noqa: F401 - registers the schema in Hydra's ConfigStore
-from gptlab.data.sources import cache_root, shakespeare_file
-from gptlab.errors import GptlabError
-
-REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
-SHARED_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"  # this repository's CI copy
-GPTLAB_CACHE = cache_root(None)  # gptlab's own cache (downloads), resolved before _isolated_cache replaces it
+from helpers import find_shakespeare
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,160 +45,6 @@ def one_rank_group():
     yield
     if dist.is_initialized():  # a test may have torn it down itself
         dist.destroy_process_group()
-
-
-def find_shakespeare(
-    env: Mapping[str, str] = os.environ, shared: Path = SHARED_SHAKESPEARE, cache: Path = GPTLAB_CACHE, data=None
-) -> Path:
-    """Tiny Shakespeare, found as `make train` finds it: $GPTLAB_SHAKESPEARE (the offline override),
-    else ../shared/data/tinyshakespeare.txt, else gptlab's own download in its cache
-    (<cache>/downloads/, fetched once from data.url and checked against data.sha256).
-
-    data: the data section giving the URL and SHA-256 (default: conf/data/shakespeare_char.yaml's).
-    Fails the test with one line saying how to point at a local copy.
-    """
-    how = "set GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt"
-    override = env.get("GPTLAB_SHAKESPEARE")
-    if override:
-        if not Path(override).expanduser().is_file():
-            pytest.fail(f"GPTLAB_SHAKESPEARE={override}: no such file; {how}", pytrace=False)
-        return Path(override).expanduser()
-    if shared.is_file():
-        return shared
-    data = dataclasses.replace(data or typed("data"), path=None)
-    try:
-        return shakespeare_file(data, cache)
-    except GptlabError as e:  # offline, or a bad download: its reason without gptlab's data.path= advice
-        reason = str(e).split(";")[0]
-    pytest.fail(f"Tiny Shakespeare is not at {shared}, and {reason}; {how}", pytrace=False)
-
-
-def compose_config(overrides: List[str]) -> DictConfig:
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        return compose(config_name="config", overrides=overrides)
-
-
-def typed(section: str, *overrides: str, **changes: Any) -> Any:
-    """One typed section of the composed config (conf/ gives every value), with some fields changed.
-
-    A dict for a nested section (data's tokenizer) changes only the fields it names.
-    """
-    from gptlab.config import to_config
-
-    return _replace(getattr(to_config(compose_config(list(overrides))), section), changes)
-
-
-def _replace(obj: Any, changes: Dict[str, Any]) -> Any:
-    nested = {
-        k: _replace(getattr(obj, k), v)
-        for k, v in changes.items()
-        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, k))
-    }
-    return dataclasses.replace(obj, **{**changes, **nested})
-
-
-def model_config(**changes: Any):
-    """gpt_nano's GPTConfig with fields changed (vocab_size must be given to build a GPT)."""
-    return typed("model", "model=gpt_nano", **changes)
-
-
-def data_config(**changes: Any):
-    """The Tiny Shakespeare data section, split into 8-way shards unless changed."""
-    return typed("data", **{"shard_divisor": 8, **changes})
-
-
-def nano_overrides(data_path: Path, *extra: str) -> List[str]:
-    """A seconds-long fp32 run of the nano model, with MLflow off unless asked for."""
-    return [
-        "model=gpt_nano",
-        "optimizer=adamw",  # the numerics these tests pin (golden curve, resume) are AdamW's
-        f"data.path={data_path}",
-        "train.max_steps=20",
-        "train.batch_size=8",
-        "train.eval_every=10",
-        "train.eval_steps=2",
-        "train.log_every=5",
-        "train.sample_tokens=20",
-        "tracking.mlflow=false",
-        "optimizer.warmup_steps=5",
-        *extra,
-    ]
-
-
-def overwrite_entry(folder: Path, prefix: str, content: Optional[bytes] = None) -> Tuple[str, str]:
-    """In a sharded checkpoint, overwrite the saved entry first by name of those starting with prefix, in
-    place, keeping every file's size (random bytes: a bad disk block; or content, padded with zeros):
-    (the entry's name, the shard file holding it)."""
-    from gptlab.safe_dcp import read_metadata
-
-    # storage_data: where each entry's bytes are (file, offset, length)
-    stored = read_metadata(folder).storage_data.items()
-    index, info = min(((i, s) for i, s in stored if i.fqn.startswith(prefix)), key=lambda item: item[0].fqn)
-    data = os.urandom(info.length) if content is None else content.ljust(info.length, b"\0")
-    assert len(data) == info.length, "the content does not fit in the entry"
-    with open(folder / info.relative_path, "r+b") as f:
-        f.seek(info.offset)
-        f.write(data)
-    return index.fqn, info.relative_path
-
-
-def cli_env(env_extra=None) -> Dict[str, str]:
-    """The environment a user's shell gives a command (no HYDRA_FULL_ERROR from the test run)."""
-    env = {**os.environ, **(env_extra or {})}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return env
-
-
-def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) -> subprocess.CompletedProcess:
-    """Run `python -m <args>` as a user would, from cwd."""
-    return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(env_extra), capture_output=True, text=True, timeout=timeout
-    )
-
-
-def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False) -> subprocess.Popen:
-    """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start several)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def start_mlflow_server(store: Path):
-    """A real `mlflow server` on a free loopback port with a SQLite backend: (process, uri)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(store / "artifacts"),
-        ],
-        cwd=store,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-            return server, uri
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                os.killpg(server.pid, signal.SIGTERM)
-                pytest.fail("mlflow server did not start")
-            time.sleep(0.5)
 
 
 if __name__ == "__main__":  # make test asks first, before it starts the services: one line and exit 2

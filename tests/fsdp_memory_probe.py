@@ -11,12 +11,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import compose_config  # noqa: E402
+from helpers import compose_config  # noqa: E402
 from test_plan import measured_peak_bytes  # noqa: E402
 
 from gptlab import distributed  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
-from gptlab.plan import resolve_micro_batch  # noqa: E402
+from gptlab.costs import resolve_micro_batch  # noqa: E402
 
 
 def measure(overrides):

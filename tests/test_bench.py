@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 from gptlab.bench import bench_config, run_bench
 from gptlab.cli import compose

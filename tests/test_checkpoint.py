@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, nano_overrides, overwrite_entry, run_cli, start_cli
+from helpers import REPO, compose_config, nano_overrides, overwrite_entry, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
-from gptlab.tracking import read_metrics
+from gptlab.records.layout import read_metrics
 from gptlab.train import run_training
 
 
@@ -283,7 +283,7 @@ def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, s
 KILL_DURING_SAVE = textwrap.dedent("""
     import sys, time, pathlib, torch
     sys.path.insert(0, {tests!r})
-    from conftest import compose_config
+    from helpers import compose_config
     from gptlab import checkpoint
     from gptlab.train import run_training
     real_save, calls = torch.save, []

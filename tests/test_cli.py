@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import nano_overrides, run_cli
+from helpers import nano_overrides, run_cli
 from omegaconf import OmegaConf
 
 from gptlab.cli import HYDRA_OPTIONS, compose, config_keys, flag_error, hydra_quote, nearest_keys
@@ -173,7 +173,7 @@ def test_prepare_writes_only_the_data_cache(shakespeare, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, shakespeare):
-    from conftest import compose_config
+    from helpers import compose_config
 
     from gptlab.train import run_training
 

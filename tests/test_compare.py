@@ -1,13 +1,14 @@
-"""A real sweep made by `python -m gptlab.train -m`: one MLflow parent run with a child per job (a
-failing job included), and `python -m gptlab.compare` on its folder, its parent run id and its experiment.
+"""`python -m gptlab.compare` on a real sweep made by `python -m gptlab.train -m`: on its folder, its
+parent run id and its experiment.
 
-The sweep is made once per session (tests/test_browser.py and tests/test_ui.py reuse it)."""
+The sweep is made once per session (tests/test_sweep.py checks its MLflow parent run and children,
+tests/test_browser.py renders them)."""
 
 import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 from gptlab.compare import RunRecord, differing_keys, table
 from gptlab.compare import main as compare_main
@@ -55,34 +56,6 @@ def client_for(cwd: Path):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=f"sqlite:///{cwd / 'outputs' / 'mlflow.db'}")
-
-
-@pytest.mark.slow
-def test_a_sweep_is_one_parent_run_with_a_child_per_job(sweep):
-    cwd, sweep_dir, info, r = sweep
-    # the failed job is reported at the end, after the other jobs ran
-    assert r.returncode == 2 and "optimizer.lr: must be > 0" in r.stderr
-    assert all((sweep_dir / j / "results.json").is_file() for j in ("0", "1"))
-    client = client_for(cwd)
-    parent = client.get_run(info["parent_run_id"])
-    assert parent.info.run_name == "gpt_nano-shakespeare_char-cpu sweep optimizer.lr=1e-3,3e-3,-1"
-    assert parent.data.params["optimizer.lr"] == "1e-3,3e-3,-1" and parent.data.params["train.max_steps"] == "12"
-    assert parent.data.tags["launcher"] == "basic" and parent.data.tags["sweep_dir"] == str(sweep_dir)
-    assert parent.info.status == "FAILED" and parent.data.tags["error"] == "1 of 3 jobs failed"
-    kids = {
-        k.info.run_name: k
-        for k in client.search_runs(
-            [info["experiment_id"]], filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'"
-        )
-    }
-    base = "gpt_nano-shakespeare_char-cpu optimizer.lr="
-    assert set(kids) == {base + "0.001", base + "0.003", base + "-1"}
-    assert kids[base + "0.001"].info.status == kids[base + "0.003"].info.status == "FINISHED"
-    failed = kids[base + "-1"]
-    assert failed.info.status == "FAILED" and failed.data.tags["error"].startswith("GptlabError: optimizer.lr")
-    assert kids[base + "0.003"].data.tags["run_dir"] == str(sweep_dir / "1")
-    best = min(kids[base + v].data.metrics["summary/best_val_loss"] for v in ("0.001", "0.003"))
-    assert parent.data.metrics["summary/best_val_loss"] == best
 
 
 @pytest.mark.slow

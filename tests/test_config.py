@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, compose_config, run_cli
+from helpers import CONF, compose_config, run_cli
 
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError

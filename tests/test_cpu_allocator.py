@@ -1,4 +1,4 @@
-"""The CPU allocator setting of distributed.keep_freed_memory: a step's freed memory is reused, not faulted in again."""
+"""The CPU allocator setting of runtime.keep_freed_memory: a step's freed memory is reused, not faulted in again."""
 
 import os
 import resource
@@ -9,10 +9,10 @@ import pytest
 
 PROBE = r"""
 import resource, sys, torch
-from gptlab import distributed
+from gptlab import distributed, runtime, slurm
 tune = sys.argv[1] == "1"
 if tune:
-    assert distributed.keep_freed_memory()
+    assert runtime.keep_freed_memory()
 def step():
     # a training step's pattern: a few large blocks allocated, used and freed, over and over
     xs = [torch.ones(3 * 2**20) for _ in range(4)]  # 12 MiB each

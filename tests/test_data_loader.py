@@ -1,4 +1,5 @@
-"""The sequential loader: deterministic, resumable from global token positions, topology-independent."""
+"""The loaders: the sequential one deterministic, resumable from global token positions and
+topology-independent; random windows a function of seed and step."""
 
 import numpy as np
 import pytest
@@ -226,3 +227,46 @@ def test_loader_defaults_shapes_and_prefetch_switch():
     assert loader(tokens, prefetch=True)._pool is not None and loader(tokens, prefetch=False)._pool is None
     pinned = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, pin_memory=True)  # not stepped: no CUDA here
     assert pinned.pin_memory is True and pinned._pool is not None
+
+
+def _loader(tokens, **kw):
+    args = dict(block_size=8, batch_size=8, micro_batch_size=2, rank=0, world_size=1, seed=3)
+    args.update(kw)
+    return RandomWindowLoader(tokens, **args)
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a, b = _loader(tokens), _loader(tokens)
+    for _ in range(3):
+        for (xa, ya), (xb, yb) in zip(a.next_step(), b.next_step()):
+            assert xa.equal(xb) and ya.equal(yb)
+            assert (ya[:, :-1] == xa[:, 1:]).all()  # targets are inputs shifted by one
+    c = _loader(tokens, seed=4)
+    assert not c.next_step()[0][0].equal(_loader(tokens).next_step()[0][0])
+
+
+def test_resume_position_continues_the_sequence():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = _loader(tokens)
+    for _ in range(5):
+        a.next_step()
+    b = _loader(tokens)
+    b.load_state_dict(a.state_dict())
+    assert all(x.equal(y) for (x, _), (y, _) in zip(a.next_step(), b.next_step()))
+
+
+def test_ranks_and_micro_steps_split_one_global_batch():
+    tokens = np.arange(1000, dtype=np.uint16)
+    one = torch_cat(_loader(tokens, micro_batch_size=2).next_step())  # 1 rank x 4 micro-steps
+    two = torch_cat(
+        _loader(tokens, micro_batch_size=2, world_size=2, rank=0).next_step()
+        + _loader(tokens, micro_batch_size=2, world_size=2, rank=1).next_step()
+    )
+    assert one.equal(two)
+
+
+def torch_cat(batches):
+    import torch
+
+    return torch.cat([x for x, _ in batches])

@@ -1,15 +1,18 @@
 """Guards on the design: imports flow one way, and the command-line names stay stable."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
-from conftest import compose_config
+from helpers import compose_config
 
 from gptlab.config import to_config
 
 PKG = Path(__file__).resolve().parents[1] / "gptlab"
-LEAVES = ["model", "optim", "tracking", "metrics", "checkpoint", "data", "safe_dcp"]
+# modules (or packages) that import no other gptlab module but their own package's, errors and safe_dcp
+LEAVES = ["model", "optim", "metrics", "checkpoint", "data", "safe_dcp", "records.layout",
+          "records.store", "records.identity", "records.tracker"]  # fmt: skip
 ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp"}  # safe_dcp: torch only
 
 
@@ -38,10 +41,13 @@ def gptlab_imports(path: Path):
 
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaf_modules_import_no_other_gptlab_module(leaf):
-    files = [PKG / f"{leaf}.py"] if (PKG / f"{leaf}.py").exists() else sorted((PKG / leaf).glob("*.py"))
+    path = PKG.joinpath(*leaf.split("."))
+    files = [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
+    own = f"gptlab.{leaf.split('.')[0]}"  # a module in a package may import its package's modules
+    assert files, leaf
     for f in files:
         for mod in gptlab_imports(f):
-            assert mod in ALLOWED_FOR_LEAVES or mod.startswith(f"gptlab.{leaf}"), f"{f.name} imports {mod}"
+            assert mod in ALLOWED_FOR_LEAVES or mod.startswith(own), f"{f.name} imports {mod}"
 
 
 def module_name(path: Path) -> str:
@@ -103,8 +109,73 @@ def test_loop_and_train_stay_thin():
         "gptlab",
         "gptlab.distributed",
         "gptlab.console",  # logging set-up (a spawned worker is a fresh process)
-        "gptlab.runfolder",  # a finished run rerun: nothing to build
+        "gptlab.records",
+        "gptlab.records.layout",  # where rank 0's results are
+        "gptlab.records.runfolder",  # a finished run rerun: nothing to build
     }
+
+
+# The commands (python -m gptlab.<name>): no other module imports one; shared code lives below them.
+ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "export", "bench", "plan",
+                                                "ui", "compare", "sync")}  # fmt: skip
+
+
+def test_no_module_imports_an_entry_module():
+    found = [f"{mod} imports {dep}" for mod, deps in import_graph().items() for dep in deps
+             if dep in ENTRY_MODULES]  # fmt: skip
+    assert not found, "; ".join(found)
+
+
+def test_the_loop_imports_nothing_from_build():
+    assert not {m for m in gptlab_imports(PKG / "loop.py") if m.startswith("gptlab.build")}
+
+
+def string_constants(path: Path):
+    """(line, text) of the string constants in a module's code, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)}  # fmt: skip
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+
+
+def test_the_run_folders_file_names_are_written_in_one_module():
+    from gptlab.records import layout
+
+    names = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and "." in v}
+    assert {"metrics.jsonl", "results.json", "slurm.json", "sweep.json", "run.json"} <= names
+    home = PKG / "records" / "layout.py"
+    found = [f"{path.relative_to(PKG)}:{line} {text!r}" for path in sorted(PKG.rglob("*.py")) if path != home
+             for line, text in string_constants(path)
+             if any(text == n or text.endswith("/" + n) for n in names)]  # fmt: skip
+    assert not found, "run-folder file names outside records/layout.py: " + ", ".join(found)
+
+
+def test_a_runs_name_is_computed_in_one_module():
+    """records/identity.py names runs; every MLflow run is created with a name it computed."""
+    naming = {"run_name", "experiment_name", "sweep_run_name", "base_name", "identify"}
+    home = PKG / "records" / "identity.py"
+    defined, created = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in naming and path != home:
+                defined.append(f"{path.relative_to(PKG)}:{node.lineno} {node.name}")
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "create_run":
+                name = next((k.value for k in node.keywords if k.arg == "run_name"), None)
+                named = isinstance(name, ast.Attribute) and name.attr == "name"
+                named = named or "run_name" in ast.unparse(name) if name is not None else False
+                if not named:
+                    created.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not defined, "run naming outside records/identity.py: " + ", ".join(defined)
+    assert not created, "MLflow runs created without an identity's name: " + ", ".join(created)
+
+
+def test_tests_import_their_helpers_from_helpers_not_conftest():
+    found = [p.name for p in sorted(PKG.parent.joinpath("tests").glob("*.py"))
+             if re.search(r"^\s*(from conftest import|import conftest)", p.read_text(), re.M)]  # fmt: skip
+    assert not found, found
 
 
 FROZEN_OVERRIDES = {
@@ -241,12 +312,13 @@ def _hydra_dir(config: str, mode: str) -> str:
     from omegaconf import OmegaConf
 
     raw = OmegaConf.to_container(OmegaConf.load(PKG.parent / "conf" / f"{config}.yaml"))["hydra"][mode]["dir"]
+    raw = raw.replace("${paths.outputs}", "outputs")  # conf/paths/default.yaml's root
     return raw.replace("${now:%Y-%m-%d_%H-%M-%S.%f}", "<date>_<time>")
 
 
 def test_readme_names_the_files_and_folders_the_code_writes():
     from gptlab.checkpoint import checkpoint_path
-    from gptlab.runfolder import RECORDS
+    from gptlab.records.layout import RECORDS
 
     text = README.read_text()
     whole, sharded = checkpoint_path(Path("c"), 2800).name, checkpoint_path(Path("c"), 2800, sharded=True).name

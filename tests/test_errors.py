@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, data_config, find_shakespeare, nano_overrides, run_cli, typed
+from helpers import compose_config, data_config, find_shakespeare, nano_overrides, run_cli, typed
 
 from gptlab import checkpoint, distributed
 from gptlab.cli import os_error_message, run_entry
@@ -449,7 +449,7 @@ def test_without_shakespeare_the_suite_stops_before_its_first_test_with_one_line
     ask = subprocess.run([sys.executable, str(tests / "conftest.py")], env=env, capture_output=True, text=True)
     assert ask.returncode == 2 and ask.stdout == ""
     assert ask.stderr.splitlines() == [f"tests: {line}/path/to/tinyshakespeare.txt"]
-    suite = [sys.executable, "-m", "pytest", str(tests / "test_data.py"), "-p", "no:cacheprovider", "-q"]
+    suite = [sys.executable, "-m", "pytest", str(tests / "test_data_tokenizers.py"), "-p", "no:cacheprovider", "-q"]
     run = subprocess.run(suite, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 2
     assert run.stdout.count(line) == 1 and "no tests ran" in run.stdout

@@ -1,15 +1,18 @@
-"""conf/experiment: every reference recipe composes, says what it expects, and runs on the CPU shrunk."""
+"""conf/experiment: every reference recipe composes, says what it expects, and runs on the CPU
+shrunk; each inherits what the references share from conf/experiment/base/reference.yaml."""
 
 import json
 import math
 from pathlib import Path
 
 import pytest
-from conftest import CONF, compose_config
+from helpers import CONF, compose_config
+from omegaconf import OmegaConf
 
 from gptlab.config import to_config
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+BASE = "base/reference"  # not a recipe: what the recipes share
 
 # The model shrunk and the run made CPU-sized; everything else is the recipe's.
 SHRINK = [
@@ -44,6 +47,20 @@ def test_the_reference_recipes_are_all_there():
         "gpt2_124m_fineweb_edu",
         "shakespeare_char_baby",
     }
+
+
+def defaults(name: str) -> list:
+    return [str(entry) for entry in OmegaConf.load(CONF / "experiment" / f"{name}.yaml").defaults]
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_inherits_the_reference_base_and_chooses_no_optimizer(name):
+    chain = [name]
+    while defaults(chain[-1])[0] in RECIPES:  # a recipe built on another one (fineweb on gutenberg)
+        chain.append(defaults(chain[-1])[0])
+    assert defaults(chain[-1])[0] == BASE, f"{chain[-1]}'s defaults start with {BASE}"
+    assert not [e for n in chain for e in defaults(n) if "optimizer" in e], "the base chooses it"
+    assert to_config(compose_config([f"experiment={name}"])).optimizer.name == "adamw"
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -137,10 +154,9 @@ def test_recipe_runs_five_steps_on_the_cpu(name, shakespeare, tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses, norms = [r["train_loss"] for r in rows], [r["grad_norm"] for r in rows]
     assert results["steps"] == 5 and len(losses) == 5
-    # Measured (torch 2.13, CPU): the first loss is ln(vocab) within 0.012 (5.692 for 300 BPE symbols,
-    # 4.172 for 65 characters), the five stay within 0.08 of it (warmup: a small lr), and every step
-    # moves the weights (no two losses equal). The clipped gradient norms were 0.69-1.72: under fp16 an
-    # unscaled (2^16 x) or skipped (inf) gradient, or a loader that repeats its batch, fails here.
+    # An untrained model's loss is ln(vocab); warmup's small lr keeps the five near it, and every
+    # step moves the weights (no two losses equal). Under fp16 an unscaled (2^16 x) or skipped (inf)
+    # gradient, or a loader that repeats its batch, leaves the gradient norms' band and fails here.
     ln_vocab = math.log(json.loads((tmp_path / "run" / "derived.json").read_text())["vocab_size"])
     assert abs(losses[0] - ln_vocab) < 0.03, (losses, ln_vocab)
     assert all(abs(x - ln_vocab) < 0.12 for x in losses), losses

@@ -20,10 +20,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, cli_env, nano_overrides, overwrite_entry, run_cli
+from helpers import REPO, cli_env, nano_overrides, overwrite_entry, run_cli
 
 from gptlab import checkpoint
-from gptlab.sample import load_model
+from gptlab.inference import load_model
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -313,7 +313,7 @@ def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_
 def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, shakespeare, straight_fsdp):
     """Consolidated on load: the same logits and the same export files as the unsharded model."""
     from gptlab.export import main as export
-    from gptlab.sample import load_model
+    from gptlab.inference import load_model
 
     sharded, _, saved = load_model(str(straight_fsdp))
     assert saved.shards is not None and saved.step == 20
@@ -344,42 +344,3 @@ def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, sh
         assert (out_sharded / f).read_bytes() == (out_whole / f).read_bytes(), f
     r = run_cli(["gptlab.sample", f"run={straight_fsdp}", "max_new_tokens=20"], REPO, timeout=120)
     assert r.returncode == 0 and len(r.stdout.strip()) >= 20, r.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_fsdp_order_is_checkpointing_then_per_block_compile_then_sharding():
-    """distributed.wrap_model under fsdp (a world of one, in this process): every block compiled in
-    place and sharded, the root sharded, checkpointing on; compiled losses equal eager ones."""
-    import torch.distributed as dist
-    from conftest import typed
-    from torch.distributed.fsdp import FSDPModule
-
-    from gptlab import distributed
-    from gptlab.model import GPT
-
-    par = typed("parallelism", "parallelism=fsdp")
-    hw = typed("hardware", "hardware=cpu")
-    d = distributed.setup(hw, par)  # fsdp needs a process group even alone: one rank, in memory
-    try:
-        cfg = typed("model", "model=gpt_nano", vocab_size=65, dropout=0.0)
-        x = torch.randint(0, 65, (4, cfg.block_size))
-        losses = {}
-        for compile_ in (False, True):
-            torch.manual_seed(0)
-            model = distributed.wrap_model(GPT(cfg), d, par, hw, compile=compile_)
-            assert isinstance(model, FSDPModule) and model.activation_checkpointing
-            assert all(isinstance(b, FSDPModule) for b in model.h)
-            assert all((b._compiled_call_impl is not None) == compile_ for b in model.h)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses[compile_] = []
-            for _ in range(3):
-                _, loss = model(x, x)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses[compile_].append(loss.item())
-        assert losses[True] == pytest.approx(losses[False], abs=1e-5)
-        assert losses[False][-1] < losses[False][0]
-    finally:
-        distributed.teardown()
-        assert not dist.is_initialized()

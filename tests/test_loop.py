@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, nano_overrides
+from helpers import compose_config, nano_overrides
 
 from gptlab.build import build
 from gptlab.config import to_config
 from gptlab.loop import train
-from gptlab.tracking import read_metrics
+from gptlab.records.layout import read_metrics
 from gptlab.train import run_training
 
 GOLDEN = Path(__file__).parent / "golden" / "nano_loss_curve.json"
@@ -383,27 +383,6 @@ def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-def test_the_stop_line_names_the_checkpoint_the_next_start_resumes_and_the_command(tmp_path):
-    """A run folder is named by its start time: the command names it (a sweep's job: the sweep's)."""
-    from gptlab.checkpoint import checkpoint_path
-    from gptlab.console import next_start
-
-    folder = tmp_path / "run" / "checkpoints"
-    assert next_start(folder, "auto") == (
-        f"the next start begins at step 0 (no checkpoint yet): run the same command with "
-        f"hydra.run.dir={tmp_path / 'run'}"
-    )
-    folder.mkdir(parents=True)
-    for step in (10, 20):
-        checkpoint_path(folder, step, sharded=step == 20).mkdir()
-    assert next_start(folder, "never") == (
-        f"the next start resumes from {folder / 'ckpt_00000020'} (step 20): run the same command with "
-        f"hydra.run.dir={tmp_path / 'run'} train.resume=auto"
-    )
-    (tmp_path / "multirun.yaml").write_text("{}")  # Hydra's record of a sweep, in the sweep's folder
-    assert next_start(folder, "auto").endswith(f"(step 20): run the sweep again with hydra.sweep.dir={tmp_path}")
-
-
 def test_stop_on_signal_outside_the_main_thread_installs_nothing():
     import threading
 
@@ -468,8 +447,8 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
 def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages(tmp_path, shakespeare):
     """optimizer.ema_decay > 0: evaluation sees the average (not the training weights, which come back
     unchanged), and a checkpoint's reader (sample, export) rebuilds the model with the average."""
+    from gptlab.inference import load_model
     from gptlab.model import GPT
-    from gptlab.sample import load_model
 
     overrides = nano_overrides(
         shakespeare, "train.max_steps=6", "train.eval_every=6", "train.sample_tokens=0", "optimizer.ema_decay=0.8"
@@ -494,3 +473,20 @@ def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages
     assert saved.step == 6
     for n, p in model.named_parameters():
         assert torch.equal(p, averages[n]), n
+
+
+def test_dropout_draws_depend_on_seed_step_and_rank_only():
+    """seed_step: what a step draws is fixed by (seed, step, rank), whatever ran before, so a resumed
+    run draws what it would have drawn, and each rank draws its own masks."""
+    import torch
+
+    from gptlab.loop import seed_step
+
+    def draw(seed, step, rank):
+        torch.rand(7)  # history that must not matter
+        seed_step(seed, step, rank)
+        return torch.rand(4)
+
+    assert torch.equal(draw(1, 10, 0), draw(1, 10, 0))
+    draws = [draw(*key) for key in ((1, 10, 0), (1, 10, 1), (1, 11, 0), (2, 10, 0), (1, 0, 0), (0, 1, 0))]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])

@@ -1,13 +1,13 @@
-"""gptlab.metrics: analytic FLOPs against PyTorch's FLOP counter, MFU / HFU, peaks, expectations."""
+"""gptlab.costs' FLOPs against PyTorch's FLOP counter and memory model; gptlab.metrics: MFU, peaks."""
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import model_config
+from helpers import model_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptlab import metrics
+from gptlab import costs, metrics
 from gptlab.model import GPT
 
 
@@ -28,10 +28,10 @@ def counted_flops_per_token(model: GPT, B: int, T: int) -> float:
 def analytic(model: GPT):
     c = model.config
     mm = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    assert mm == metrics.matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.padded_vocab_size, c.mlp == "swiglu")
-    fpt = metrics.flops_per_token(c.n_layer, c.n_embd, c.block_size, mm)
-    recomputed = metrics.recomputed_matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.mlp == "swiglu")
-    extra = metrics.recompute_flops_per_token(c.n_layer, c.n_embd, c.block_size, recomputed)
+    assert mm == costs.matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.padded_vocab_size, c.mlp == "swiglu")
+    fpt = costs.flops_per_token(c.n_layer, c.n_embd, c.block_size, mm)
+    recomputed = costs.recomputed_matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.mlp == "swiglu")
+    extra = costs.recompute_flops_per_token(c.n_layer, c.n_embd, c.block_size, recomputed)
     return fpt, extra
 
 
@@ -65,26 +65,26 @@ def test_mfu_and_hfu():
     assert metrics.mfu(0.5, 1.0, 1.0) == 0.5  # any positive peak is a peak, however small
     # HFU: the same rate over hardware FLOPs, which add checkpointing's second forward of the blocks
     n_layer, d, hidden, vocab, T = 2, 64, 256, 128, 64
-    fpt = metrics.flops_per_token(n_layer, d, T, metrics.matmul_params(n_layer, d, hidden, vocab))
-    recompute = metrics.recompute_flops_per_token(n_layer, d, T, metrics.recomputed_matmul_params(n_layer, d, hidden))
+    fpt = costs.flops_per_token(n_layer, d, T, costs.matmul_params(n_layer, d, hidden, vocab))
+    recompute = costs.recompute_flops_per_token(n_layer, d, T, costs.recomputed_matmul_params(n_layer, d, hidden))
     assert fpt == 3 * (2 * (2 * (4 * d * d + 2 * d * hidden) + vocab * d) + 4 * n_layer * T * d)
     assert recompute == 2 * 2 * (4 * d * d + d * hidden) + 4 * n_layer * T * d
     mfu, hfu = metrics.mfu(1000.0, fpt, 1e9), metrics.mfu(1000.0, fpt + recompute, 1e9)
     assert hfu == pytest.approx(mfu * (fpt + recompute) / fpt) and hfu > mfu
-    swiglu = metrics.recomputed_matmul_params(n_layer, d, hidden, swiglu=True)
+    swiglu = costs.recomputed_matmul_params(n_layer, d, hidden, swiglu=True)
     assert swiglu == n_layer * (4 * d * d + 2 * d * hidden)
-    swiglu_mm = metrics.matmul_params(n_layer, d, hidden, vocab, swiglu=True)
+    swiglu_mm = costs.matmul_params(n_layer, d, hidden, vocab, swiglu=True)
     assert swiglu_mm == n_layer * (4 * d * d + 3 * d * hidden) + vocab * d
 
 
 def test_peak_per_precision():
     a100 = dict(half=312, tf32_tflops=156, fp32=19.5)
-    assert metrics.peak_tflops_for("bf16", True, **a100) == 312
-    assert metrics.peak_tflops_for("fp16", False, **a100) == 312
-    assert metrics.peak_tflops_for("fp32", True, **a100) == 156
-    assert metrics.peak_tflops_for("fp32", False, **a100) == 19.5
-    assert metrics.peak_tflops_for("fp32", False, half=100, tf32_tflops=None, fp32=None) == 100  # one figure only
-    assert metrics.peak_tflops_for("fp32", False, half=None, tf32_tflops=None, fp32=None) is None  # CPU: measure
+    assert costs.peak_tflops_for("bf16", True, **a100) == 312
+    assert costs.peak_tflops_for("fp16", False, **a100) == 312
+    assert costs.peak_tflops_for("fp32", True, **a100) == 156
+    assert costs.peak_tflops_for("fp32", False, **a100) == 19.5
+    assert costs.peak_tflops_for("fp32", False, half=100, tf32_tflops=None, fp32=None) == 100  # one figure only
+    assert costs.peak_tflops_for("fp32", False, half=None, tf32_tflops=None, fp32=None) is None  # CPU: measure
 
 
 def test_measured_cpu_peak_is_positive():
@@ -146,10 +146,10 @@ def test_expectation_met():
     assert metrics.expectation_met({"val_loss": 2.0, "tokens_per_s": 5}, {"val_loss": 1.0}) is True
 
 
-def _shape(**kw) -> metrics.Shape:
+def _shape(**kw) -> costs.Shape:
     base = dict(n_layer=3, n_embd=32, n_head=4, hidden=128, vocab=96, block_size=16, params=50_000,
                 matmul_params=40_000)  # fmt: skip
-    return metrics.Shape(**{**base, **kw})
+    return costs.Shape(**{**base, **kw})
 
 
 def test_memory_estimate_counts_ids_targets_and_the_embedding_dropout_mask_per_token():
@@ -158,12 +158,12 @@ def test_memory_estimate_counts_ids_targets_and_the_embedding_dropout_mask_per_t
     d, L, tokens = 32, 3, 2 * 16
     # chunked loss: the head keeps 8 bytes per channel and token, plus the head weight's fp32 gradient
     s = _shape(loss_chunk=8, device="cpu")
-    per_layer = metrics.activation_bytes_per_layer_token(s, checkpointing=False)
-    got = metrics.memory_estimate(s, micro_batch=2, checkpointing=False)["activations"]
+    per_layer = costs.activation_bytes_per_layer_token(s, checkpointing=False)
+    got = costs.memory_estimate(s, micro_batch=2, checkpointing=False)["activations"]
     assert got == tokens * (L * per_layer + 16 + 8 * d) + 4 * 96 * d
     for device, mask in (("cpu", 4), ("cuda", 1)):
-        without = metrics.memory_estimate(_shape(device=device), micro_batch=2, checkpointing=False)
-        with_dropout = metrics.memory_estimate(_shape(device=device, dropout=0.1), micro_batch=2, checkpointing=False)
+        without = costs.memory_estimate(_shape(device=device), micro_batch=2, checkpointing=False)
+        with_dropout = costs.memory_estimate(_shape(device=device, dropout=0.1), micro_batch=2, checkpointing=False)
         assert with_dropout["activations"] - without["activations"] == tokens * (2 * L + 1) * mask * d, device
 
 
@@ -219,19 +219,19 @@ def test_peak_rss_follows_the_kernels_mark_after_a_reset():
 def test_memory_estimate_static_parts_by_world_and_precision():
     """DDP's buckets (a second fp32 gradient) from 2 processes on; autocast's half-precision copies
     of the matmul weights only below fp32; the unchunked head keeps its input and fp32 log-softmax."""
-    est = lambda **kw: metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
+    est = lambda **kw: costs.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
     one, two = est(), est(world_size=2)
     assert one["ddp"] == 0.0 and two["ddp"] == 4.0 * 50_000
     assert one["autocast"] == 0.0 and est(precision="bf16")["autocast"] == 2.0 * 40_000
     assert est(world_size=2, sharded=True, shards=2)["ddp"] == 0.0
-    per_layer = metrics.activation_bytes_per_layer_token(_shape(), checkpointing=False)
+    per_layer = costs.activation_bytes_per_layer_token(_shape(), checkpointing=False)
     assert one["activations"] == 2 * 16 * (3 * per_layer + 16 + 4 * 32 + 4 * 32 + 4 * 96)
 
 
 def test_memory_estimate_transient_logits_whole_and_chunked():
     """The LM head's transient: whole logits, their log-softmax's and their own gradients (compute
     dtype + 4 + 4 bytes a logit); chunked, one chunk's fp32 logits beside a half-precision copy."""
-    est = lambda **kw: metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
+    est = lambda **kw: costs.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
     tokens, vocab = 2 * 16, 96
     assert est()["transient"] == tokens * 12 * vocab
     assert est(precision="bf16")["transient"] == tokens * 10 * vocab
@@ -247,22 +247,22 @@ def test_memory_estimate_sharded_parts_exactly():
     every block's, CUDA about two); nothing of this unsharded."""
     root, layer = 20_000, 10_000
     s = lambda **kw: _shape(sharded=True, shards=2, world_size=2, layer_params=layer, **kw)  # noqa: E731
-    assert metrics._sharded_parts(s(device="cpu"), 4) == {
+    assert costs._sharded_parts(s(device="cpu"), 4) == {
         "gathered": 4.0 * (root + 2 * layer),
         "grads_in_flight": 8.0 * root + 4.0 * 3 * layer,
     }
-    assert metrics._sharded_parts(s(device="cuda"), 2) == {
+    assert costs._sharded_parts(s(device="cuda"), 2) == {
         "gathered": 2.0 * (root + 2 * layer),
         "grads_in_flight": 6.0 * root + 4.0 * 2 * layer,
     }
-    assert metrics._sharded_parts(s(device="cuda", reshard=False), 2)["gathered"] == 2.0 * (root + 3 * layer)
-    assert metrics._sharded_parts(_shape(), 4) == {"gathered": 0.0, "grads_in_flight": 0.0}
+    assert costs._sharded_parts(s(device="cuda", reshard=False), 2)["gathered"] == 2.0 * (root + 3 * layer)
+    assert costs._sharded_parts(_shape(), 4) == {"gathered": 0.0, "grads_in_flight": 0.0}
     # the static parts are halved, the gathered weights and gradients in flight added
-    est = metrics.memory_estimate(s(device="cpu"), micro_batch=2, checkpointing=False)
+    est = costs.memory_estimate(s(device="cpu"), micro_batch=2, checkpointing=False)
     assert (est["weights"], est["optimizer"], est["ddp"]) == (2.0 * 50_000, 4.0 * 50_000, 0.0)
     assert est["grads"] == 2.0 * 50_000 + 8.0 * root + 4.0 * 3 * layer
     assert est["gathered"] == 4.0 * (root + 2 * layer)
-    assert metrics.memory_estimate(_shape(), micro_batch=2, checkpointing=False)["gathered"] == 0.0
+    assert costs.memory_estimate(_shape(), micro_batch=2, checkpointing=False)["gathered"] == 0.0
 
 
 def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
@@ -279,8 +279,8 @@ def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
         (dict(params=5_000_000), True, "end"),
         (dict(params=5_000_000), False, "end"),  # every gradient, nothing recomputed
     ):
-        e = metrics.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=checkpointing)
-        recompute = 2 * 16 * metrics.activation_bytes_per_layer_token(_shape(**kw), False) if checkpointing else 0
+        e = costs.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=checkpointing)
+        recompute = 2 * 16 * costs.activation_bytes_per_layer_token(_shape(**kw), False) if checkpointing else 0
         moments = {
             "start": e["autocast"] + e["gathered"] + e["activations"] + e["transient"],
             "end": e["grads"] + recompute,
@@ -295,7 +295,7 @@ def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
     attention without a fused kernel keeps the T x T probabilities per head, and with dropout their mask
     (a byte on CUDA, the dtype's size on the CPU) and the dropped copy; checkpointing keeps the input."""
     d, h, c, heads, T = 32, 128, 4, 4, 16
-    per = lambda **kw: metrics.activation_bytes_per_layer_token(_shape(**kw), checkpointing=False)  # noqa: E731
+    per = lambda **kw: costs.activation_bytes_per_layer_token(_shape(**kw), checkpointing=False)  # noqa: E731
     base = 8 * d + 6 * c * d
     assert per() == base + 2 * c * h
     assert per(swiglu=True) == base + 3 * c * h
@@ -304,4 +304,4 @@ def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
         assert per(flash=False, dropout=0.1, device=device) == base + 2 * c * h + 2 * mask * d + heads * T * (
             c + mask + c
         ), device
-    assert metrics.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True) == 4 * d
+    assert costs.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True) == 4 * d

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import cli_env, run_cli
+from helpers import cli_env, run_cli
 from team_server import ScriptServer, alive, live_pids, need, stop_group
 from test_sync import expected_points, recorded_points
 

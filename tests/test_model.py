@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import model_config
+from helpers import model_config
 
 from gptlab.model import GPT, GPTConfig
 

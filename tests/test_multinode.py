@@ -24,12 +24,11 @@ from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
-from conftest import REPO, cli_env, start_cli
+from helpers import REPO, cli_env, start_cli
 from test_slurm import PARTITION, _cluster_problem, assert_resumed_in_one_run
 
-from gptlab.distributed import check_rendezvous_port, ephemeral_ports, rendezvous_port
 from gptlab.errors import GptlabError
-from gptlab.sweep import srun_failures
+from gptlab.slurm import check_rendezvous_port, ephemeral_ports, rendezvous_port, srun_failures
 
 SCRIPT = REPO / "launch" / "local_slurm.sh"
 SBATCH_SCRIPT = REPO / "launch" / "sbatch_gptlab.sh"
@@ -239,7 +238,8 @@ def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
     from omegaconf import OmegaConf
     from submitit.slurm.slurm import SlurmJob
 
-    from gptlab.sweep import ControllerCheckedWatcher, SubmissionReporter
+    from gptlab.slurm import ControllerCheckedWatcher
+    from gptlab.sweep import SubmissionReporter
 
     stock = SlurmJob.watcher
     for launcher, installed in (("slurm_local", True), ("local", False)):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from conftest import compose_config, model_config, typed
+from helpers import compose_config, model_config, typed
 
 from gptlab.config import to_config
 from gptlab.errors import GptlabError

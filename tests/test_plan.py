@@ -1,18 +1,18 @@
-"""gptlab.plan: parameter count, the memory model against measured allocations, fit decisions."""
+"""gptlab.costs and gptlab.plan: parameter count, the memory model against measured peaks, fits."""
 
 import dataclasses
 import json
 
 import pytest
 import torch
-from conftest import REPO, compose_config, run_cli
+from helpers import REPO, compose_config, run_cli
 
-from gptlab import metrics
+from gptlab import costs, metrics
 from gptlab.config import to_config
+from gptlab.costs import make_plan, param_count, resolve_micro_batch, shape_for
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer
-from gptlab.plan import make_plan, param_count, resolve_micro_batch, shape_for
 
 
 def cfg_for(*overrides):
@@ -96,9 +96,7 @@ def test_memory_estimate_within_7_percent_of_measured(model, checkpointing):
 def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, monkeypatch):
     """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and the
     memory model follows the allocator both ways (an over-estimate of 21% whole, 13% chunked)."""
-    from gptlab import plan
-
-    monkeypatch.setattr(plan, "vocab_for", lambda cfg: (8192, False))
+    monkeypatch.setattr(costs, "vocab_for", lambda cfg: (8192, False))
     cfg = cfg_for("model=gpt_char", *CALIBRATED, f"parallelism.loss_chunk={loss_chunk}")
     predicted = make_plan(cfg).memory["total"]
     measured = measured_peak_bytes(cfg, False, vocab=8192, loss_chunk=loss_chunk)
@@ -144,8 +142,8 @@ def test_activations_per_layer_match_autograds_saved_tensors(pos_emb):
             model(x, x)
         shape, _, _ = shape_for(cfg)
         d, V = cfg.model.n_embd, shape.vocab
-        head = 4 * d + metrics._BYTES[precision] * d + 4 * V  # ln_f input, head input, log-softmax
-        expected = metrics.activation_bytes_per_layer_token(shape, checkpointing=False) + head
+        head = 4 * d + costs._BYTES[precision] * d + 4 * V  # ln_f input, head input, log-softmax
+        expected = costs.activation_bytes_per_layer_token(shape, checkpointing=False) + head
         # the autocast weight copies are 2-D too: they are counted apart in memory_estimate
         weights = shape.matmul_params * 2 if dtype is not None else 0
         assert sum(saved.values()) - weights == pytest.approx(expected * B * T, rel=0.02)
@@ -435,7 +433,7 @@ def test_the_shape_is_the_models_block_by_block(overrides):
     assert shape.layer_params == sum(p.numel() for p in model.h[0].parameters())
     assert (params, assumed) == (model.num_params(), True)
     assert shape.swiglu == ("model.mlp=swiglu" in overrides) and shape.n_head == cfg.model.n_head == 2
-    swiglu_weights = metrics.matmul_params(2, 32, cfg.model.hidden_dim, 65, True)
+    swiglu_weights = costs.matmul_params(2, 32, cfg.model.hidden_dim, 65, True)
     assert (shape.matmul_params == swiglu_weights) == shape.swiglu
     assert (shape.device, shape.reshard, shape.world_size, shape.shards) == ("cpu", True, 1, 1)
 
@@ -463,10 +461,8 @@ def test_the_shape_knows_fused_attention_and_hsdps_shards():
 
 
 def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
-    from gptlab import plan
-
     def vocab(*overrides):
-        return plan.vocab_for(to_config(compose_config(list(overrides))))
+        return costs.vocab_for(to_config(compose_config(list(overrides))))
 
     assert vocab("model.vocab_size=100") == (100, False)
     assert vocab("data=fineweb_edu", "data.tokenizer.kind=gpt2") == (50257, False)  # tiktoken's GPT-2 encoding
@@ -474,7 +470,7 @@ def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
     assert vocab() == (65, True)  # Tiny Shakespeare's characters, until the text is read
     assert vocab("data=text_files", "data.tokenizer.kind=char") == (256, True)  # bytes, until read
 
-    peak = plan.device_peak
+    peak = costs.device_peak
     hw = cfg_for("hardware=a100x8").hardware
     assert peak(hw) == (312e12, "config")  # bf16
     assert peak(dataclasses.replace(hw, precision="fp32")) == (156e12, "config")  # TF32 on
@@ -483,21 +479,21 @@ def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
         0.0,
         "unknown",
     )
-    monkeypatch.setattr(plan, "measured_cpu_peak", lambda dtype: {"float32": 1e11, "bfloat16": 3e11}[dtype])
+    monkeypatch.setattr(costs, "measured_cpu_peak", lambda dtype: {"float32": 1e11, "bfloat16": 3e11}[dtype])
     assert peak(cfg_for().hardware) == (1e11, "measured")
     assert peak(cfg_for("hardware.precision=bf16").hardware) == (3e11, "measured")
 
-    monkeypatch.setattr(plan, "machine_memory_bytes", lambda: 24 * 2**30)
-    assert plan.device_memory_bytes(cfg_for()) == 24 * 2**30
-    assert plan.device_memory_bytes(cfg_for("hardware=cpu_x2")) == 12 * 2**30  # one machine, two processes
-    assert plan.device_memory_bytes(cfg_for("hardware=cpu_x2", "hardware.memory_gb=3")) == 3 * 2**30
+    monkeypatch.setattr(costs, "machine_memory_bytes", lambda: 24 * 2**30)
+    assert costs.device_memory_bytes(cfg_for()) == 24 * 2**30
+    assert costs.device_memory_bytes(cfg_for("hardware=cpu_x2")) == 12 * 2**30  # one machine, two processes
+    assert costs.device_memory_bytes(cfg_for("hardware=cpu_x2", "hardware.memory_gb=3")) == 3 * 2**30
     if not torch.cuda.is_available():
         with pytest.raises(GptlabError) as e:
-            plan.device_memory_bytes(to_config(compose_config(["hardware=gpu"])))
+            costs.device_memory_bytes(to_config(compose_config(["hardware=gpu"])))
         assert str(e.value) == (
             "hardware.memory_gb: unknown for hardware=gpu without a visible GPU; set it, e.g. hardware.memory_gb=80"
         )
-    assert plan._divisors(1) == [1] and plan._divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert costs._divisors(1) == [1] and costs._divisors(12) == [1, 2, 3, 4, 6, 12]
     assert make_plan(cfg_for("model=gpt_nano"), micro_batch=2).micro_batch == 2  # the one asked about
 
 
@@ -585,7 +581,7 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP (4 x n_embd)."""
     from test_metrics import counted_flops_per_token
 
-    from gptlab.plan import flops_for, loss_chunk
+    from gptlab.costs import flops_for, loss_chunk
 
     cfg = cfg_for("model=gpt_nano", f"model.mlp={mlp}")
     torch.manual_seed(0)
@@ -622,4 +618,4 @@ def test_the_optimizer_state_is_what_the_optimizer_keeps(overrides):
     shape, params, _ = shape_for(cfg)
     assert params == model.num_params()
     assert shape.optimizer_floats * params == pytest.approx(held, rel=1e-12)
-    assert metrics.memory_estimate(shape, 1, False)["optimizer"] == pytest.approx(4.0 * held)
+    assert costs.memory_estimate(shape, 1, False)["optimizer"] == pytest.approx(4.0 * held)

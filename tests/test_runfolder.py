@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, nano_overrides, run_cli, start_cli
+from helpers import compose_config, nano_overrides, run_cli, start_cli
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import run_cli, start_cli, start_mlflow_server
+from helpers import run_cli, start_cli, start_mlflow_server
 from team_server import session_server_uri
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,7 @@ def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_control
     (ControllerCheckedWatcher) asks the controller first."""
     from submitit.slurm.slurm import SlurmInfoWatcher
 
-    from gptlab.sweep import ControllerCheckedWatcher, controller_state
+    from gptlab.slurm import ControllerCheckedWatcher, controller_state
 
     r = _run(
         ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=2", f"--output={tmp_path}/%j.out",

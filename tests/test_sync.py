@@ -13,11 +13,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, nano_overrides, run_cli, start_cli, start_mlflow_server
+from helpers import compose_config, nano_overrides, run_cli, start_cli, start_mlflow_server
 
 from gptlab.cli import compose
+from gptlab.records.layout import SWEEP_KIND, read_metrics
+from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS, flatten, mlflow_metrics
 from gptlab.sync import gather_words, main, sync
-from gptlab.tracking import METRIC_NAMES, SUMMARY_METRICS, SWEEP_KIND, flatten, mlflow_metrics, read_metrics
 from gptlab.train import run_training
 
 DOWN = "http://127.0.0.1:9"  # nothing listens there: MLflow is disabled for the run
@@ -90,7 +91,7 @@ def offline_run(tmp_path_factory, shakespeare):
     """A finished run whose store was unreachable: everything in its folder, nothing in MLflow."""
     run_dir = tmp_path_factory.mktemp("offline") / "run"
     overrides = nano_overrides(shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5")
-    said, logger = Lines(), logging.getLogger("gptlab.tracking")
+    said, logger = Lines(), logging.getLogger("gptlab.records.tracker")
     logger.addHandler(said)
     try:
         results = run_training(compose_config(overrides), run_dir)
@@ -318,7 +319,7 @@ def test_every_folder_is_tried_and_each_one_not_recorded_is_one_line(offline_run
 
 RACE = """
 import sys, time
-from gptlab.tracking import artifact_root, get_or_create_experiment, mlflow_client
+from gptlab.records.store import artifact_root, get_or_create_experiment, mlflow_client
 uri, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))  # all at once
 client = mlflow_client(uri)
@@ -342,7 +343,7 @@ def test_processes_that_open_one_fresh_sqlite_store_at_once_all_record(tmp_path)
 
 
 def test_a_locked_database_is_tried_again_and_other_errors_are_not(monkeypatch):
-    from gptlab import tracking
+    from gptlab.records import store as tracking
 
     monkeypatch.setattr(tracking.time, "sleep", lambda s: None)
     calls = []
@@ -491,3 +492,32 @@ def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(offline_sweep, t
     r = run_cli(["gptlab.sync", str(sweep), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
     assert r.stdout == f"{sweep / '0'}: up to date\n{sweep / '1'}: up to date\n", r.stdout + r.stderr[-2000:]
     assert len(all_runs(uri)) == 3
+
+
+def comparable(run, folder_tags=("run_dir", "sweep_dir", "mlflow.parentRunId", "recorded_by")):
+    """A run's name and tags, without those that name its own folder or store (the overrides tag
+    loses its tracking.uri=..., the one override the two sweeps differ in)."""
+    tags = {k: v for k, v in run.data.tags.items() if k not in folder_tags}
+    if "overrides" in tags:
+        tags["overrides"] = " ".join(o for o in tags["overrides"].split() if not o.startswith("tracking.uri="))
+    return run.info.run_name, tags
+
+
+@pytest.mark.slow
+def test_a_sweep_synced_later_is_named_and_tagged_as_the_same_sweep_recorded_live(offline_sweep, shakespeare, tmp_path):
+    """One function names and tags a run (records/identity.py): live and synced records agree,
+    host and git_commit included (the run folder's run.json keeps them)."""
+    offline, _ = offline_sweep
+    synced_uri = f"sqlite:///{tmp_path / 'synced' / 'mlflow.db'}"
+    r = run_cli(["gptlab.sync", str(offline), f"tracking.uri={synced_uri}"], cwd=tmp_path, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    live_uri = f"sqlite:///{tmp_path / 'live' / 'mlflow.db'}"
+    sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    args = train_args(shakespeare, f"tracking.uri={live_uri}", "optimizer.lr=1e-3,3e-3", sweep_dir)
+    r = run_cli([args[0], "-m", *args[1:]], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    live, synced = all_runs(live_uri), all_runs(synced_uri)
+    assert len(live) == len(synced) == 3
+    assert sorted(map(comparable, synced), key=repr) == sorted(map(comparable, live), key=repr)
+    kids = [x for x in live if x.data.tags.get("run_type") != "sweep"]
+    assert len(kids) == 2 and all({"host", "git_commit"} <= set(k.data.tags) for k in kids)

@@ -10,10 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import compose_config, nano_overrides, run_cli, typed
+from helpers import compose_config, nano_overrides, run_cli, typed
 
 from gptlab.errors import GptlabError
-from gptlab.tracking import RunIdentity, Tracker, check_uri, default_uri, runs_url, sweep_run_name, ui_command
+from gptlab.records.identity import RunIdentity, sweep_run_name
+from gptlab.records.store import check_uri, default_uri, runs_url, ui_command
+from gptlab.records.tracker import Tracker
 from gptlab.train import run_training
 
 
@@ -52,7 +54,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     assert [m.step for m in history] == [1, 5, 10, 15, 20]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [10, 20]
     # every point MLflow holds is the run folder's own value at that step (metrics.jsonl is the record)
-    from gptlab.tracking import METRIC_NAMES
+    from gptlab.records.store import METRIC_NAMES
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for key, name in METRIC_NAMES.items():
@@ -200,11 +202,18 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
 
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     cfg, outputs = typed("tracking", plots=False), tmp_path / "outputs"
-    first = Tracker(tmp_path / "run", cfg, outputs, RunIdentity("exp", "name", {"train.max_steps": 10, "a": 1}, {}))
+    first = Tracker(
+        tmp_path / "run", cfg, default_uri(outputs), RunIdentity("exp", "name", {}), {"train.max_steps": 10, "a": 1}
+    )
     first.log_metrics(5, {"train_loss": 3.0, "tokens": 100})
     first.finish("KILLED")  # stopped (preempted) with a checkpoint holding first.run_id
     again = Tracker(
-        tmp_path / "run", cfg, outputs, RunIdentity("exp", "name", {"train.max_steps": 20, "b": 2}, {}, first.run_id)
+        tmp_path / "run",
+        cfg,
+        default_uri(outputs),
+        RunIdentity("exp", "name", {}),
+        {"train.max_steps": 20, "b": 2},
+        first.run_id,
     )
     again.log_metrics(10, {"train_loss": 2.0, "tokens": 200})
     again.finish("FINISHED")
@@ -215,27 +224,6 @@ def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     assert run.data.params == {"train.max_steps": "10", "a": "1", "b": "2"}  # logged params cannot change
     assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [(5, 3.0), (10, 2.0)]
     assert len(client.search_runs([run.info.experiment_id])) == 1
-
-
-def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
-    for bound, met in (("10.0", True), ("0.1", False)):
-        results = run_training(
-            compose_config(
-                nano_overrides(
-                    shakespeare,
-                    "tracking.mlflow=true",
-                    f"+expected.best_val_loss={bound}",
-                    "hardware.attention_backend=math",
-                )
-            ),
-            tmp_path / f"run{bound}",
-        )
-        assert results["expected_met"] is met
-        assert client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()
 
 
 # ---- the sender: a store that is slow, stopped or gone never holds the step loop -------------------
@@ -287,7 +275,7 @@ class StalledClient:
 @pytest.fixture
 def stalled(monkeypatch, tmp_path):
     """A Tracker on a StalledClient, with short waits: (tracker, client)."""
-    from gptlab import tracking
+    from gptlab.records import tracker as tracking
 
     client = StalledClient()
     monkeypatch.setattr(tracking, "mlflow_client", lambda uri: client)
@@ -295,7 +283,9 @@ def stalled(monkeypatch, tmp_path):
     monkeypatch.setattr(tracking, "SEND_FIRST_RETRY_S", 0.01)
     monkeypatch.setattr(tracking, "FINAL_FLUSH_S", 0.5)
     cfg = typed("tracking", "tracking.uri=http://127.0.0.1:9", plots=False, flush_every=5)
-    tracker = Tracker(tmp_path / "run", cfg, tmp_path / "outputs", RunIdentity("exp", "name", {"a": 1}, {}))
+    tracker = Tracker(
+        tmp_path / "run", cfg, default_uri(tmp_path / "outputs"), RunIdentity("exp", "name", {}), {"a": 1}
+    )
     yield tracker, client
     client.answer.set()  # let an abandoned sender thread end
 
@@ -346,7 +336,7 @@ def test_points_reach_a_server_that_answers_again_in_order_and_once(stalled):
 def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past_its_bound(monkeypatch):
     import threading
 
-    from gptlab.tracking import Call, Sender
+    from gptlab.records.tracker import Call, Sender
 
     class Refused(Exception):
         error_code = "INVALID_PARAMETER_VALUE"

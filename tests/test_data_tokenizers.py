@@ -104,3 +104,15 @@ def test_gpt2_from_a_prefilled_cache_works_offline(tmp_path, monkeypatch, bpe_ra
     monkeypatch.setattr(tk, "GPT2_RANKS_SHA256", "0" * 64)  # a corrupt cache is named, not used
     with pytest.raises(GptlabError, match="SHA-256 mismatch"):
         tk.gpt2_tokenizer()
+
+
+def test_char_tokenizer_round_trip(shakespeare):
+    text = shakespeare.read_text()
+    tok = CharTokenizer.fit(text)
+    assert tok.vocab_size == 65
+    sample = text[:5000]
+    ids = tok.encode_array(sample)
+    assert ids.tolist() == tok.encode(sample)
+    assert tok.decode(ids.tolist()) == sample
+    with pytest.raises(GptlabError, match="not in"):
+        tok.encode("€")

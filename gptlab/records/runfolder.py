@@ -37,22 +37,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from gptlab import checkpoint
 from gptlab.errors import GptlabError
-from gptlab.tracking import flatten, read_results
+from gptlab.records import layout
+from gptlab.records.layout import LOCK, PREVIOUS, RECORDS, read_results
+from gptlab.records.store import flatten
 
-# What a run folder holds besides Hydra's .hydra/ and the log file (which the new attempt owns already).
-RECORDS = ("checkpoints", "metrics.jsonl", "results.json", "samples.txt", "loss.png", "config_resolved.yaml",
-           "derived.json", "tensorboard", "slurm.json", "bench.json", "export")  # fmt: skip
-PREVIOUS = "previous"
-LOCK_FILE = ".gptlab.lock"
 _HELD: Dict[str, Any] = {}  # run folder -> its open lock file, while this process runs it
-BROKEN = "broken"
+BROKEN = "broken"  # in checkpoints/: checkpoints that do not load, kept and named
 WARNING = "warning: "  # how checkpoint.load_latest_good marks a note that is a warning
 
 # Keys a run may change and still continue its own checkpoint: where and how fast it runs, how often
 # it reports, how long it goes on, and where it records. Everything else (model, data stream,
 # optimizer, global batch, seed) makes it another run.
 FREE = (
-    "hardware.", "parallelism.", "tracking.", "expected.",
+    "hardware.", "parallelism.", "tracking.", "expected.", "paths.",
     "train.max_steps", "train.micro_batch_size", "train.eval_every", "train.eval_steps", "train.eval_batch_size",
     "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.sample_tokens",
     "train.sample_prompt", "train.save_checkpoints",
@@ -78,8 +75,8 @@ def differences(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
 
 
 def has_records(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in RECORDS if name != "checkpoints") or bool(
-        checkpoint.list_checkpoints(run_dir / "checkpoints")
+    return any((run_dir / name).exists() for name in RECORDS if name != layout.CHECKPOINTS) or bool(
+        checkpoint.list_checkpoints(run_dir / layout.CHECKPOINTS)
     )
 
 
@@ -109,7 +106,7 @@ def _saved_config(run_dir: Path) -> Dict[str, Any]:
     import yaml
 
     try:
-        return yaml.safe_load((run_dir / "config_resolved.yaml").read_text()) or {}
+        return yaml.safe_load((run_dir / layout.CONFIG).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -130,7 +127,7 @@ def lock(run_dir: Path) -> None:
     if key in _HELD:
         return  # this process runs the folder already (a test calling run_training again)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    f = open(Path(run_dir) / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the whole run
+    f = open(Path(run_dir) / LOCK, "a+")  # noqa: SIM115 - held open for the whole run
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -178,7 +175,7 @@ def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[
     if resume != "auto":
         path, state = _warm_start(run_dir, Path(resume).expanduser(), say)
         return _told(Claim(path, notes, state), log)
-    folder = run_dir / "checkpoints"
+    folder = run_dir / layout.CHECKPOINTS
     found = checkpoint.load_latest_good(folder, warn=say, unreadable=unreadable)
     if found is None:
         if checkpoint.list_checkpoints(folder):
@@ -203,7 +200,7 @@ def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[
 def _warm_start(run_dir: Path, path: Path, say: Callable[[str], None]) -> Tuple[Path, checkpoint.TrainingState]:
     """train.resume=PATH: within this folder's history, the history after it goes aside; else the whole
     earlier run does."""
-    folder = run_dir / "checkpoints"
+    folder = run_dir / layout.CHECKPOINTS
     state = checkpoint.TrainingState.load(path)  # one that does not load stops here, before anything moves
     if path.resolve().parent == folder.resolve():
         later = [p for p in checkpoint.list_checkpoints(folder) if p.name > path.name]

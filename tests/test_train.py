@@ -1,4 +1,5 @@
-"""The real command in a subprocess, as a user runs it."""
+"""`python -m gptlab.train`, the real command in a subprocess as a user runs it: its run folder, its
+MLflow run, and Ctrl-C. Its sweeps: test_sweep.py."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import cli_env, run_cli, start_cli
+from helpers import cli_env, run_cli
 
 from gptlab import checkpoint
 
@@ -47,34 +48,6 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
     db = sqlite3.connect(tmp_path / "outputs" / "mlflow.db")
     (status,) = db.execute("select status from runs where run_uuid = ?", (results["mlflow_run_id"],)).fetchone()
     assert status == "FINISHED"
-
-
-@pytest.mark.slow
-def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
-    r = run_cli(
-        [
-            "gptlab.train",
-            "-m",
-            "model=gpt_nano",
-            f"data.path={shakespeare}",
-            "train.max_steps=5",
-            "train.eval_steps=1",
-            "train.batch_size=4",
-            "tracking.mlflow=false",
-            "optimizer.lr=1e-3,3e-3",
-        ],
-        cwd=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
-    assert [json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1")] == [5, 5]
-    # each job trained with its own lr: every lr job 1 logged is job 0's times 3 (the same schedule)
-    lrs = {}
-    for job in ("0", "1"):
-        rows = [json.loads(x) for x in (sweep / job / "metrics.jsonl").read_text().splitlines()]
-        lrs[job] = [r["lr"] for r in rows if "lr" in r]
-    assert len(lrs["0"]) >= 2 and lrs["1"] == pytest.approx([3 * x for x in lrs["0"]], rel=1e-9)
-    assert max(lrs["1"]) <= 3e-3
 
 
 # ------------------------------------------------------------------ stop signals
@@ -179,25 +152,3 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resu
     ]
     checkpoint.TrainingState.load(latest)  # whole: the interrupted save left nothing under a checkpoint's name
     assert not (run_dir / "results.json").exists()
-
-
-@pytest.mark.slow
-def test_sigterm_to_a_sweep_stops_the_sweep(tmp_path, shakespeare):
-    """Hydra's basic launcher runs the jobs one after another in this process: the job that gets the
-    signal saves and stops, and no later job starts."""
-    sweep = tmp_path / "sweep"
-    args = ["gptlab.train", "-m", *_long_run(shakespeare, f"hydra.sweep.dir={sweep}"), "optimizer.lr=1e-3,2e-3"]
-    proc = start_cli(args, tmp_path)
-    try:
-        _wait_for_lines(sweep / "0" / "metrics.jsonl", 3, proc)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err[-3000:]
-    assert not (sweep / "1").exists()  # the second job never started
-    results = json.loads((sweep / "0" / "results.json").read_text())
-    assert results["stopped_by"] == "SIGTERM"
-    assert f"run the sweep again with hydra.sweep.dir={sweep}" in out
-    assert "the sweep stops here; the jobs after this one did not start" in out

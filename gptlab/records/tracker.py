@@ -1,0 +1,540 @@
+"""Rank 0's records of a training run: the run folder (always) and MLflow (when reachable).
+
+Other ranks get ``NullTracker``, so the training loop calls the same methods everywhere and never
+branches on whether logging is on. A tracking store that is down or fails never stops training: the
+tracker warns once, stops using MLflow, and the run folder still gets everything. The optional parts
+(system metrics, TensorBoard, the loss plot) each say in one line what is missing and are skipped.
+
+A run that is a sweep's job (records/identity.py finds the sweep) becomes a child of that sweep's
+MLflow parent run, whatever launcher ran it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+from gptlab.records import identity as ids
+from gptlab.records import layout, parent
+from gptlab.records.identity import RunIdentity
+from gptlab.records.store import (
+    SUMMARY_METRICS,
+    artifact_root,
+    check_reachable,
+    error_text,
+    get_or_create_experiment,
+    log_params,
+    mlflow_client,
+    mlflow_metrics,
+    mlflow_ui_command,
+    runs_url,
+    store_failure,
+    store_name,
+    sync_command,
+    ui_command,
+)
+
+if TYPE_CHECKING:
+    from gptlab.config import TrackingConfig
+
+log = logging.getLogger(__name__)
+
+
+def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
+    """PNG of train and val loss against tokens, with lr on a second axis (needs matplotlib)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def series(key: str):
+        pts = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None and r.get("tokens") is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    fig = Figure(figsize=(8, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key, style in (
+        ("train_loss", dict(color="tab:blue", lw=1.5)),
+        ("val_loss", dict(color="tab:orange", marker="o", ms=3, lw=1.5)),
+    ):
+        x, y = series(key)
+        if x:
+            ax.plot(x, y, label=key.replace("_", " "), **style)
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    x, y = series("lr")
+    handles, labels = ax.get_legend_handles_labels()
+    if x:
+        ax2 = ax.twinx()
+        ax2.plot(x, y, color="tab:gray", ls="--", lw=1, label="lr")
+        ax2.set_ylabel("lr")
+        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        h2, l2 = ax2.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
+    if handles:
+        ax.legend(handles, labels, loc="upper right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+class NullTracker:
+    """What non-zero ranks get: every call does nothing."""
+
+    run_id: Optional[str] = None
+    uri: Optional[str] = None
+
+    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None: ...
+
+    def log_artifact(self, path: Path) -> None: ...
+
+    def set_tag(self, key: str, value: str) -> None: ...
+
+    def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None: ...
+
+    def write_results(self, results: Dict[str, Any]) -> None: ...
+
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+# The tracker's calls to MLflow go through a Sender: a background thread, so that a slow, restarting
+# or absent server never holds the step loop (which only appends to a queue). What a server that is
+# down does not take is in metrics.jsonl anyway, and gptlab.sync records it later.
+SEND_FIRST_RETRY_S = 0.5  # the wait after a failed call, doubling ...
+SEND_MAX_RETRY_S = 8.0  # ... up to this
+SEND_TRIES = 40  # tries of one call (about 5 minutes of waits) before it is left to gptlab.sync
+SEND_QUEUE_POINTS = 100_000  # metric points waiting for the store; past this, the oldest are left to gptlab.sync
+FINAL_FLUSH_S = 30.0  # at the run's end, how long it waits for the store to take what is still queued
+# MLflow error codes that no retry will change (a bad value, a run that was deleted, no permission)
+PERMANENT_ERRORS = {
+    *("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"),
+    *("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_STATE"),
+}
+
+
+@dataclass
+class Call:
+    """One MLflow call the sender makes: what it records (for the report) and how many metric points."""
+
+    what: str  # "metrics", "the run's status", "artifact results.json", ...
+    fn: Callable[[], Any]
+    points: int = 0
+
+
+def is_permanent(e: BaseException) -> bool:
+    """A failure that trying again cannot fix (a 4xx answer); anything else may pass (no answer, 5xx, a lock)."""
+    return getattr(e, "error_code", None) in PERMANENT_ERRORS
+
+
+class Sender:
+    """Makes MLflow calls in order on a background thread; put() never waits on the store.
+
+    A call that fails in a way that may pass is tried again after a wait (SEND_FIRST_RETRY_S doubling
+    to SEND_MAX_RETRY_S), SEND_TRIES times at most; the calls behind it wait their turn, so points reach
+    the store in order once it answers again. The queue holds SEND_QUEUE_POINTS points at most: past
+    that the oldest metric calls are given up. A call is sent again with the same points (same
+    timestamps), which MLflow stores once even when an earlier try did reach it. close() waits a
+    bounded time for the queue to empty and returns the calls that were not made.
+    """
+
+    def __init__(self, name: str, max_points: int = SEND_QUEUE_POINTS):
+        import collections
+        import threading
+
+        self.name = name  # the store, as the log lines name it
+        self.max_points = max_points
+        self._queue: Any = collections.deque()
+        self._queued_points = 0
+        self._current: Optional[Call] = None
+        self._lost: List[Call] = []  # given up: too many tries, a permanent error, or the queue was full
+        self._closed = False
+        self._cond = threading.Condition()
+        self._abandon = threading.Event()
+        self._down_since: Optional[float] = None
+        self._thread = threading.Thread(target=self._run, name="gptlab-mlflow-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, call: Call) -> None:
+        with self._cond:
+            if self._closed:
+                self._lost.append(call)
+                return
+            self._queue.append(call)
+            self._queued_points += call.points
+            while self._queued_points > self.max_points:
+                oldest = next((c for c in self._queue if c.points), None)
+                if oldest is None:
+                    break
+                self._queue.remove(oldest)
+                self._queued_points -= oldest.points
+                self._lost.append(oldest)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue or self._abandon.is_set():
+                    return
+                call = self._current = self._queue.popleft()
+                self._queued_points -= call.points
+            done = self._attempt(call)
+            with self._cond:
+                self._current = None
+                if not done:
+                    self._lost.append(call)
+                self._cond.notify_all()
+
+    def _attempt(self, call: Call) -> bool:
+        """Make the call, trying again with backoff while the failure may pass; whether it was made."""
+        wait = SEND_FIRST_RETRY_S
+        for tries in range(1, SEND_TRIES + 1):
+            try:
+                call.fn()
+            except Exception as e:  # noqa: BLE001 - a store's failure is reported, never raised into the run
+                if is_permanent(e) or tries == SEND_TRIES:
+                    log.warning(f"MLflow {self.name}: {call.what} not recorded ({error_text(e)[:300]})")
+                    return False
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    log.warning(
+                        f"MLflow {self.name} is not answering ({error_text(e)[:200]}); "
+                        "training goes on, metrics.jsonl has every point, and they are sent when it answers"
+                    )
+                if self._abandon.wait(wait * random.uniform(0.8, 1.2)):
+                    return False
+                wait = min(wait * 2, SEND_MAX_RETRY_S)
+                continue
+            if self._down_since is not None:
+                log.warning(f"MLflow {self.name} answers again after {time.monotonic() - self._down_since:.0f} s")
+                self._down_since = None
+            return True
+        return False
+
+    def close(self, timeout: float) -> List[Call]:
+        """Wait up to timeout seconds for every queued call to be made; the calls that were not."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while (self._queue or self._current) and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+            self._abandon.set()  # a call still being tried stops at its next wait
+            left = [*self._lost, *([self._current] if self._current else []), *self._queue]
+            self._queue.clear()
+            self._cond.notify_all()
+        return left
+
+
+def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
+    """The one line a run that ends with calls not made prints: how many points, and the sync command."""
+    points = sum(c.points for c in left)
+    others = sorted({c.what for c in left if not c.points})
+    also = f" (nor {', '.join(others)})" if others else ""
+    if run_dir is None:
+        return f"MLflow {store} unreachable: {points} points not sent{also}"
+    return (
+        f"MLflow {store} unreachable: {points} points not sent{also}; they are in "
+        f"{Path(run_dir).resolve() / layout.METRICS} — run `{sync_command(run_dir)}`"
+    )
+
+
+class MLflowRun:
+    """One MLflow run, written through a Sender: the run is created (or reopened) at once, and every
+    later call is queued; a store that cannot be reached at the start is one warning and a no-op."""
+
+    def __init__(
+        self,
+        cfg: TrackingConfig,
+        uri: str,
+        run: RunIdentity,
+        params: Dict[str, Any],
+        resume_run_id: Optional[str] = None,
+        experiment_id: Optional[str] = None,
+        run_dir: Optional[Path] = None,
+    ):
+        """resume_run_id: the checkpoint's MLflow run, continued instead of a new one; experiment_id:
+        the experiment when it is known already (a sweep's), else found or created by name; run_dir:
+        the run folder, which the warning names when MLflow fails (to record it later)."""
+        self.uri = uri
+        self.run_dir = run_dir
+        self.flush_every = cfg.flush_every
+        self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
+        self._buffer: List[Any] = []
+        self._client = None
+        self._sender: Optional[Sender] = None
+        self._monitor = None
+        self.resumed = False
+        self.unsent: List[Call] = []  # what the store had not taken when the run ended
+        try:
+            self._check_reachable(uri)
+            client = mlflow_client(uri)
+            mlflow_run = self._reopen(client, resume_run_id)
+            if mlflow_run is not None:  # a resumed run goes on in the same MLflow run
+                exp_id, self.resumed = mlflow_run.info.experiment_id, True
+                client.update_run(mlflow_run.info.run_id, status="RUNNING")
+                for k, v in run.tags.items():
+                    client.set_tag(mlflow_run.info.run_id, k, v)
+                logged = mlflow_run.data.params  # a param cannot change once logged: keep the first value
+                params = {k: v for k, v in params.items() if k not in logged}
+            else:
+                exp_id = experiment_id or get_or_create_experiment(client, run.experiment, artifact_root(uri))
+                mlflow_run = client.create_run(exp_id, run_name=run.name, tags=run.tags)
+            self.run_id = mlflow_run.info.run_id
+            log_params(client, self.run_id, params)
+            self._client = client
+            self.experiment_id = exp_id
+            self._sender = Sender(store_name(uri))
+        except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
+            self._fail(e)
+
+    @staticmethod
+    def _reopen(client: Any, run_id: Optional[str]) -> Any:
+        if not run_id:
+            return None
+        try:
+            return client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
+            log.warning(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
+            return None
+
+    _check_reachable = staticmethod(check_reachable)
+
+    def _fail(self, e: Exception) -> None:
+        later = sync_command(self.run_dir) if self.run_dir is not None else "python -m gptlab.sync <run folder>"
+        log.warning(
+            f"MLflow disabled for this run: {store_failure(self.uri, e)}; the run folder still records "
+            f"everything; record it later with: {later}"
+        )
+        self._client = None
+
+    def start_system_metrics(self, gpu_expected: bool) -> None:
+        """MLflow's own sampler (a thread): system/* metrics every 10 s (MLFLOW_SYSTEM_METRICS_*)."""
+        if self._client is None:
+            return
+        try:
+            import psutil  # noqa: F401 - MLflow's CPU monitor needs it
+        except ImportError:
+            log.warning("system metrics skipped: psutil is not installed (pip install psutil)")
+            return
+        try:
+            import logging
+
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
+            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri, resume_logging=self.resumed)
+            self._monitor.start()
+        except Exception as e:  # noqa: BLE001
+            log.warning(f"system metrics skipped: {error_text(e)}")
+            self._monitor = None
+            return
+        if gpu_expected and not any(type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors):
+            log.warning("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+
+    def _buffer_points(self, step: int, values: Dict[str, float]) -> None:
+        """values (MLflow name -> value) as points at step, sent by the next flush()."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
+
+    def _send(self, what: str, fn: Callable[..., Any], *args: Any, points: int = 0, **kwargs: Any) -> None:
+        """Queue client.fn(run_id, *args, **kwargs) for the sender (nothing when MLflow is off)."""
+        if self._client is None or self._sender is None:
+            return
+        self._sender.put(Call(what, functools.partial(fn, self.run_id, *args, **kwargs), points))
+
+    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+        if self._client is None:
+            return
+        self._buffer_points(step, mlflow_metrics(metrics))
+        if len(self._buffer) >= self.flush_every * 4:
+            self.flush()
+
+    def log_summary(self, step: int, values: Dict[str, float]) -> None:
+        if self._client is None:
+            return
+        self._buffer_points(step, values)
+        self.flush()
+
+    def flush(self) -> None:
+        """Hand the buffered points to the sender, in batches of 1000 (the most one MLflow call takes)."""
+        if self._client is None or not self._buffer:
+            return
+        for i in range(0, len(self._buffer), 1000):
+            batch = self._buffer[i : i + 1000]
+            self._send("metrics", self._client.log_batch, metrics=batch, points=len(batch))
+        self._buffer = []
+
+    def log_artifact(self, path: Path) -> None:
+        if self._client is not None:
+            self._send(f"artifact {Path(path).name}", self._client.log_artifact, str(path))
+
+    def set_tag(self, key: str, value: str) -> None:
+        if self._client is not None:
+            self._send(f"tag {key}", self._client.set_tag, key, value)
+
+    def finish(self, status: str) -> None:
+        """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store to
+        take it; what it did not take is one line naming gptlab.sync."""
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):  # a sampler that fails to stop must not fail the run
+                self._monitor.finish()
+            self._monitor = None
+        self.flush()
+        if self._client is None or self._sender is None:
+            return
+        self._send("the run's status", self._client.set_terminated, status=status)
+        self.unsent = self._sender.close(FINAL_FLUSH_S)
+        if self.unsent:
+            log.warning(unsent_line(store_name(self.uri), self.run_dir, self.unsent))
+
+    @property
+    def active(self) -> bool:
+        return self._client is not None
+
+
+class Tracker:
+    """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
+    (and to TensorBoard when asked), and loss.png at the end."""
+
+    def __init__(self, run_dir: Path, cfg: TrackingConfig, default_store: str, run: RunIdentity,
+                 params: Optional[Dict[str, Any]] = None, resume_run_id: Optional[str] = None):  # fmt: skip
+        """default_store: the store of tracking.uri=null (paths.mlflow_db); run: what the run is recorded as
+        (identity.identify); params: MLflow's params; resume_run_id: the checkpoint's MLflow run."""
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.run_name = run.name
+        self.experiment = run.experiment
+        # line-buffered for the whole run, closed by finish()
+        self._metrics = open(self.run_dir / layout.METRICS, "a", buffering=1)  # noqa: SIM115
+        self.uri = cfg.uri or default_store
+        self.mlflow: Optional[MLflowRun] = None
+        self._tb = self._open_tensorboard() if cfg.tensorboard else None
+        ids.write(self.run_dir, run)
+        if cfg.mlflow:
+            experiment_id, sweep = None, run.sweep
+            if sweep and sweep.get("parent_run_id"):  # nested under the sweep's parent, in its store
+                self.uri, experiment_id = sweep["uri"], sweep["experiment_id"]
+                tags = {**run.tags, **parent.child_tags(sweep, sweep["parent_run_id"])}
+                run = RunIdentity(run.experiment, run.name, tags, sweep)
+            self.mlflow = MLflowRun(cfg, self.uri, run, params or {}, resume_run_id, experiment_id, self.run_dir)
+            if cfg.system_metrics:
+                self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
+        elif cfg.system_metrics:
+            log.warning("system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false")
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            log.warning(
+                "TensorBoard event files skipped: the tensorboard package is not installed (pip install tensorboard)"
+            )
+            return None
+        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.mlflow.run_id if self.mlflow and self.mlflow.active else None
+
+    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+        row = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
+        self._metrics.write(json.dumps(row) + "\n")
+        if self.mlflow:
+            self.mlflow.log_metrics(step, metrics)
+        if self._tb is not None:
+            for name, value in mlflow_metrics(metrics).items():
+                self._tb.add_scalar(name, value, step)
+
+    def log_artifact(self, path: Path) -> None:
+        if self.mlflow:
+            self.mlflow.log_artifact(path)
+
+    def set_tag(self, key: str, value: str) -> None:
+        if self.mlflow:
+            self.mlflow.set_tag(key, value)
+
+    def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
+        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact, and
+        the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync too)."""
+        import yaml
+
+        path = self.run_dir / layout.CONFIG
+        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        self.log_artifact(path)
+        (self.run_dir / layout.DERIVED).write_text(json.dumps(derived, indent=1) + "\n")
+
+    def write_results(self, results: Dict[str, Any]) -> None:
+        """results.json, atomically, as strict JSON: a figure that is not a finite number is null."""
+        path = self.run_dir / layout.RESULTS
+        tmp = path.with_suffix(".json.tmp")
+        strict = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in results.items()}
+        tmp.write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
+        os.replace(tmp, path)
+        results = strict
+        self.log_artifact(path)
+        if self.mlflow:
+            self.mlflow.log_summary(
+                int(results.get("steps") or 0),
+                {name: results[key] for key, name in SUMMARY_METRICS.items() if results.get(key) is not None},
+            )
+
+    def _plot(self) -> None:
+        rows = layout.read_metrics(self.run_dir)
+        if not rows:
+            return
+        path = self.run_dir / layout.LOSS_PLOT
+        try:
+            plot_loss(rows, path, self.run_name)
+        except ImportError:
+            log.warning(f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)")
+            return
+        except Exception as e:  # noqa: BLE001 - a plot must never fail a run
+            log.warning(f"{layout.LOSS_PLOT} skipped: {error_text(e)}")
+            return
+        self.log_artifact(path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        # Called from a `finally:` block: on a failure the exception is still in flight here.
+        error = sys.exc_info()[1] if status != "FINISHED" else None
+        self._metrics.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self.cfg.plots:
+            self._plot()
+        if self.mlflow:
+            if error is not None:
+                self.mlflow.set_tag("error", error_text(error))
+            self.mlflow.finish(status)
+            if self.mlflow.active:
+                how = (
+                    f"open {runs_url(self.uri, self.mlflow.experiment_id)}"
+                    if self.uri.startswith(("http://", "https://"))
+                    else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
+                    f"  (or {mlflow_ui_command(self.uri)})"
+                )
+                log.info(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}")
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,89 @@
+"""Run: everything the training loop needs, already built (gptlab/build.py makes it)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from gptlab import distributed
+from gptlab.console import Reporter
+from gptlab.data import RandomWindowLoader, Tokenizer
+from gptlab.distributed import Dist
+from gptlab.model import GPT
+from gptlab.optim import averaged_weights
+from gptlab.records import runfolder
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, already built."""
+
+    train: Any  # TrainConfig
+    dist: Dist
+    model: nn.Module  # wrapped (checkpointing -> compile -> DDP)
+    raw_model: GPT
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    lr_at: Callable[[int], float]
+    grad_clip: float
+    train_loader: RandomWindowLoader
+    val_batches: List[Any]
+    tokenizer: Tokenizer
+    tracker: Any  # Tracker on rank 0, NullTracker elsewhere
+    reporter: Reporter  # progress lines and timing windows (speaks on rank 0)
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    block_size: int
+    num_params: int
+    flops_per_token: float
+    peak_flops: float
+    run_dir: Path
+    checkpoint_dir: Path
+    resolved_config: Dict[str, Any]
+    model_config: Dict[str, Any]
+    summary: str = ""
+    start_step: int = 0
+    start_tokens: int = 0
+    start_best_val: float = math.inf
+    # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
+    # are not logged again: an exact resume recomputes the same values
+    logged_until_step: int = 0
+    start_loss_window: Tuple[float, int] = (0.0, 0)  # the train-loss average in progress (TrainingState)
+    start_losses: Tuple[float, Optional[float]] = (math.nan, None)  # the checkpoint's last train and val loss
+    derived: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def timings(self) -> List[Tuple[int, float, int]]:
+        """(step, seconds, tokens) per timing window of the loop (gptlab.bench reads them)."""
+        return self.reporter.timings
+
+    def stateful(self) -> Dict[str, Any]:
+        """The live objects a checkpoint saves, by checkpoint.STATEFUL name."""
+        return {
+            "model": self.raw_model,
+            "optimizer": self.optimizer,
+            "scaler": self.scaler,
+            "loader": self.train_loader,
+        }
+
+    @contextlib.contextmanager
+    def evaluated_weights(self) -> Iterator[None]:
+        """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
+        with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
+        with averaged_weights(self.optimizer) as swapped:
+            try:
+                yield
+            finally:  # a sharded model's gathered copies of the average must not reach the next step
+                if swapped:
+                    distributed.reshard(self.raw_model)
+
+    def close(self, status: str) -> None:
+        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""
+        self.tracker.finish(status)
+        runfolder.unlock(self.run_dir)
+        distributed.teardown()

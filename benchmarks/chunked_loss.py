@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
+# the checkout's gptlab, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptlab.config import to_config  # noqa: E402
 from gptlab.costs import make_plan  # noqa: E402
 from gptlab.metrics import cpu_peak_bytes  # noqa: E402
@@ -44,7 +45,9 @@ def peak_of(step, device: torch.device) -> int:
     return cpu_peak_bytes(step)
 
 
-def measure(cfg, vocab: int, chunk: int, batch: int, device: torch.device, precision: str, steps: int) -> dict:
+def measure(
+    cfg, vocab: int, chunk: int, batch: int, device: torch.device, precision: str, steps: int
+) -> dict:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=vocab)).to(device)
     model.loss_chunk = chunk
@@ -73,23 +76,32 @@ def measure(cfg, vocab: int, chunk: int, batch: int, device: torch.device, preci
 
 def main(argv):
     o = dict(a.split("=", 1) for a in argv)
-    model, batch, vocab = o.get("model", "gpt2_124m"), int(o.get("batch", 4)), int(o.get("vocab", 50304))
+    model, batch, vocab = (
+        o.get("model", "gpt2_124m"),
+        int(o.get("batch", 4)),
+        int(o.get("vocab", 50304)),
+    )
     chunk, precision = int(o.get("chunk", 1024)), o.get("precision", "fp32")
     device = torch.device(o.get("device", "cpu"))
     hardware = "cpu" if device.type == "cpu" else "h200"
     overrides = [f"model={model}", f"hardware={hardware}", f"hardware.precision={precision}",
                  f"train.batch_size={batch}", f"train.micro_batch_size={batch}"]  # fmt: skip
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = {c: to_config(compose("config", [*overrides, f"parallelism.loss_chunk={c}"])) for c in (0, chunk)}
-    out = {"model": model, "batch": batch, "block_size": cfg[0].model.block_size, "vocab": vocab, "chunk": chunk,
-           "device": str(device), "precision": precision}  # fmt: skip
+        cfg = {
+            c: to_config(compose("config", [*overrides, f"parallelism.loss_chunk={c}"]))
+            for c in (0, chunk)
+        }
+    out = {"model": model, "batch": batch, "block_size": cfg[0].model.block_size, "vocab": vocab,
+           "chunk": chunk, "device": str(device), "precision": precision}  # fmt: skip
     from gptlab import costs
 
     costs.vocab_for = lambda c: (vocab, False)  # the planner sees the same vocabulary
     for name, c in (("whole", 0), ("chunked", chunk)):
         out[name] = measure(cfg[c], vocab, c, batch, device, precision, int(o.get("steps", 2)))
         out[name]["plan_total_bytes"] = int(make_plan(cfg[c]).memory["total"])
-    out["peak_ratio"] = round(out["chunked"]["peak_step_bytes"] / out["whole"]["peak_step_bytes"], 3)
+    out["peak_ratio"] = round(
+        out["chunked"]["peak_step_bytes"] / out["whole"]["peak_step_bytes"], 3
+    )
     print(json.dumps(out))
 
 

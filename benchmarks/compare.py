@@ -1,15 +1,16 @@
 """gptlab's loop beside the plain loop, on the same model shapes, alternating, N runs each.
 
-    python benchmarks/compare.py [runs=2] [warmup=3] [steps=10] [shapes=baby,default] [precisions=fp32,bf16]
+    python benchmarks/compare.py [runs=2] [warmup=3] [steps=10] [shapes=baby,default]
+    [precisions=fp32,bf16]
 
 For each shape and precision it runs benchmarks/plain_loop.py and `python -m gptlab.bench` one after
-the other, `runs` times, the first of the pair alternating (so drift in the machine's speed hits both
-alike), and prints one line per
+the other, `runs` times, the first of the pair alternating (so drift in the machine's speed hits
+both alike), and prints one line per
 pair plus a JSON summary: tokens/s of each (the mean over the timed steps, as gptlab.bench reports),
 and gptlab's ratio to the plain loop. Shapes: baby = 6 x 384, 6 heads, 256 context, batch 8 (the
-shakespeare_char_baby recipe's width, dropout 0); default = gpt_char (4 x 128, 64 context, batch 16).
-Both sides run AdamW with learned positions (the default job's Muon, rotary and weight average are
-not the plain loop's, so gptlab.bench is pinned to what plain_loop.py does).
+shakespeare_char_baby recipe's width, dropout 0); default = gpt_char (4 x 128, 64 context, batch
+16). Both sides run AdamW with learned positions (the default job's Muon, rotary and weight average
+are not the plain loop's, so gptlab.bench is pinned to what plain_loop.py does).
 Not a test: speed is measured, never asserted.
 """
 
@@ -35,24 +36,31 @@ def last_json(out: str) -> dict:
 
 
 def plain(shape: dict, precision: str, warmup: int, steps: int, data: Path) -> float:
-    args = [f"{k}={v}" for k, v in shape.items()] + [f"precision={precision}", f"warmup={warmup}", f"steps={steps}"]
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plain_loop.py"), *args, f"data={data}"],
-                         capture_output=True, text=True, check=True, cwd=ROOT).stdout  # fmt: skip
+    args = [f"{k}={v}" for k, v in shape.items()] + [
+        f"precision={precision}",
+        f"warmup={warmup}",
+        f"steps={steps}",
+    ]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "plain_loop.py"), *args, f"data={data}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return last_json(out)["tokens_per_s_mean"]
 
 
 def gptlab(shape: dict, precision: str, warmup: int, steps: int, data: Path) -> float:
     s = shape
     args = [
-        f"model.n_layer={s['n_layer']}", f"model.n_embd={s['n_embd']}", f"model.n_head={s['n_head']}",
-        f"model.block_size={s['block_size']}", "model.dropout=0.0", f"train.batch_size={s['batch']}",
-        "optimizer=adamw", "optimizer.ema_decay=0", "model.pos_emb=learned",  # what plain_loop.py runs
-        f"train.micro_batch_size={s['batch']}", f"hardware.precision={precision}", "hardware.compile=false",
+        f"model.n_layer={s['n_layer']}", f"model.n_embd={s['n_embd']}",
+        f"model.n_head={s['n_head']}", f"model.block_size={s['block_size']}", "model.dropout=0.0",
+        f"train.batch_size={s['batch']}",
+        # what plain_loop.py runs
+        "optimizer=adamw", "optimizer.ema_decay=0", "model.pos_emb=learned",
+        f"train.micro_batch_size={s['batch']}", f"hardware.precision={precision}",
+        "hardware.compile=false",
         f"bench.warmup={warmup}", f"bench.steps={steps}", f"data.path={data}",
     ]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        out = subprocess.run([sys.executable, "-m", "gptlab.bench", *args, f"hydra.run.dir={tmp}/run"],
-                             capture_output=True, text=True, check=True, cwd=ROOT).stdout  # fmt: skip
+        cmd = [sys.executable, "-m", "gptlab.bench", *args, f"hydra.run.dir={tmp}/run"]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return last_json(out)["tokens_per_s"]
 
 
@@ -71,8 +79,11 @@ def main(argv):
                     got[loop].append(fn(SHAPES[name], precision, warmup, steps, data))
             p, g = statistics.mean(got["plain"]), statistics.mean(got["gptlab"])
             summary[f"{name}/{precision}"] = {**got, "ratio": round(g / p, 3)}
-            print(f"{name:8} {precision}: plain {p:10,.0f} tok/s  gptlab {g:10,.0f} tok/s  ratio {g / p:.3f}  "
-                  f"(runs: {got['plain']} / {got['gptlab']})", flush=True)  # fmt: skip
+            print(
+                f"{name:8} {precision}: plain {p:10,.0f} tok/s  gptlab {g:10,.0f} tok/s  "
+                f"ratio {g / p:.3f}  (runs: {got['plain']} / {got['gptlab']})",
+                flush=True,
+            )
     print(json.dumps(summary))
 
 

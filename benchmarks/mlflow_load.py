@@ -1,7 +1,9 @@
-"""N gptlab runs started at once, each logging every step to one tracking store: what the store records.
+"""N gptlab runs started at once, each logging every step to one tracking store: what the store
+records.
 
     python benchmarks/mlflow_load.py [backend=server] [runs=16] [steps=200] [uri=http://HOST:PORT]
-                                     [model=gpt_nano] [batch=8] [eval_every=50] [threads=1] [work=FOLDER]
+                                     [model=gpt_nano] [batch=8] [eval_every=50] [threads=1]
+                                     [work=FOLDER]
 
 backend=server: the runs log to `mlflow server` on PostgreSQL. Without `uri`, a fresh one is started
 with launch/mlflow_server.sh (its own state folder under work/, a free port) and taken down at the
@@ -9,8 +11,8 @@ end; with `uri`, that server is used, and its CPU is measured when GPTLAB_MLFLOW
 folder it was started with. backend=sqlite: a fresh SQLite file (sqlite:///work/mlflow.db), the
 default kind of store, shared by the runs.
 
-Every run is `python -m gptlab.train model=... train.max_steps=steps train.log_every=1` in its own run
-folder, on `threads` CPU threads (1: many runs on few cores would otherwise fight over them),
+Every run is `python -m gptlab.train model=... train.max_steps=steps train.log_every=1` in its own
+run folder, on `threads` CPU threads (1: many runs on few cores would otherwise fight over them),
 started through this script (`child` mode), which times each call of the tracker's
 log_metrics (what the step loop pays) and each call the background sender makes to the store (what
 the store takes per batch), and writes them beside the run folder.
@@ -45,11 +47,12 @@ SCRIPT = ROOT / "launch" / "mlflow_server.sh"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-# ---- child mode: one timed gptlab run ---------------------------------------------------------------
+# ---- child mode: one timed gptlab run ------------------------------------------------------------
 
 
 def child(timings: Path, overrides: List[str]) -> None:
-    """Run gptlab.train with the tracker's calls timed; write the timings (ms) to `timings` at exit."""
+    """Run gptlab.train with the tracker's calls timed; write the timings (ms) to `timings` at
+    exit."""
     import atexit
 
     from gptlab.records import tracker as tracking
@@ -69,7 +72,9 @@ def child(timings: Path, overrides: List[str]) -> None:
 
     tracking.Tracker.log_metrics = timed(tracking.Tracker.log_metrics, logged)
     tracking.Sender._attempt = timed(tracking.Sender._attempt, sent)
-    atexit.register(lambda: timings.write_text(json.dumps({"log_metrics_ms": logged, "send_ms": sent})))
+    atexit.register(
+        lambda: timings.write_text(json.dumps({"log_metrics_ms": logged, "send_ms": sent}))
+    )
     sys.argv = [sys.argv[0], *overrides]
     from gptlab.train import main
 
@@ -87,14 +92,17 @@ def free_port() -> int:
 
 def script(command: str, state: Path, port: int) -> str:
     env = {**os.environ, "GPTLAB_MLFLOW_DIR": str(state), "GPTLAB_MLFLOW_PORT": str(port)}
-    r = subprocess.run(["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), command], env=env, capture_output=True, text=True, timeout=600
+    )
     if r.returncode != 0:
         raise SystemExit(f"launch/mlflow_server.sh {command} failed:\n{r.stdout}{r.stderr}")
     return r.stdout
 
 
 def server_pids(state: Optional[Path]) -> List[int]:
-    """The mlflow server's processes (its process group) and PostgreSQL's (the postmaster and children)."""
+    """The mlflow server's processes (its process group) and PostgreSQL's (the postmaster and
+    children)."""
     if state is None:
         return []
     pids = []
@@ -134,15 +142,16 @@ def start_runs(o: Dict[str, str], uri: str, work: Path, experiment: str) -> List
         run_dir = work / "runs" / str(i)
         overrides = [
             f"model={o['model']}", f"data.path={o['data']}", f"train.max_steps={o['steps']}",
-            f"train.batch_size={o['batch']}", "train.log_every=1", f"train.eval_every={o['eval_every']}",
-            "train.eval_steps=2", "train.sample_tokens=0", "train.save_checkpoints=false",
+            f"train.batch_size={o['batch']}", "train.log_every=1",
+            f"train.eval_every={o['eval_every']}", "train.eval_steps=2", "train.sample_tokens=0",
+            "train.save_checkpoints=false",
             f"hardware.threads={o['threads']}",
             f"tracking.uri={uri}", f"tracking.experiment={experiment}", f"hydra.run.dir={run_dir}",
         ]  # fmt: skip
         timings = work / f"timings-{i}.json"
         log = open(work / f"run-{i}.log", "w")  # noqa: SIM115 - closed when the run ends
-        proc = subprocess.Popen([sys.executable, __file__, "child", str(timings), *overrides], cwd=work,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        cmd = [sys.executable, __file__, "child", str(timings), *overrides]
+        proc = subprocess.Popen(cmd, cwd=work, stdout=log, stderr=subprocess.STDOUT)
         runs.append({"proc": proc, "log": log, "dir": run_dir, "timings": timings})
     return runs
 
@@ -177,10 +186,14 @@ def main(argv: List[str]) -> None:
     if argv[:1] == ["child"]:
         return child(Path(argv[1]), argv[2:])
     o = {"backend": "server", "runs": "16", "steps": "200", "model": "gpt_nano", "batch": "8",
-         "eval_every": "50", "threads": "1", "data": str(DATA), **dict(a.split("=", 1) for a in argv)}  # fmt: skip
-    work = Path(o.get("work") or tempfile.mkdtemp(prefix="gptlab-mlflow-load-", dir="/var/tmp")).resolve()
+         "eval_every": "50", "threads": "1", "data": str(DATA),
+         **dict(a.split("=", 1) for a in argv)}  # fmt: skip
+    work = Path(
+        o.get("work") or tempfile.mkdtemp(prefix="gptlab-mlflow-load-", dir="/var/tmp")
+    ).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    work.chmod(0o755)  # the postgres user enters it (a server started here keeps its database there)
+    # the postgres user enters it (a server started here keeps its database there)
+    work.chmod(0o755)
     started_here: Optional[Path] = None
     state = Path(os.environ["GPTLAB_MLFLOW_DIR"]) if os.environ.get("GPTLAB_MLFLOW_DIR") else None
     if o["backend"] == "sqlite":
@@ -206,7 +219,8 @@ def main(argv: List[str]) -> None:
             r["log"].close()
     wall = time.time() - t0
     cpu1 = cpu_seconds(server_pids(state))
-    server_cpu = sum(cpu1.get(p, 0.0) - cpu0.get(p, 0.0) for p in cpu1)  # processes alive at the end
+    # processes alive at the end
+    server_cpu = sum(cpu1.get(p, 0.0) - cpu0.get(p, 0.0) for p in cpu1)
     logged, sent = [], []
     for r in runs:
         with_timings = json.loads(r["timings"].read_text()) if r["timings"].is_file() else {}
@@ -217,8 +231,9 @@ def main(argv: List[str]) -> None:
     synced = None
     if rec["points_recorded"] < len(runs) * steps or rec["runs_finished"] < len(runs):
         # what the runs said they could not send: one gptlab.sync of their folders
-        subprocess.run([sys.executable, "-m", "gptlab.sync", *[str(r["dir"]) for r in runs], f"tracking.uri={uri}"],
-                       cwd=work, capture_output=True, text=True, timeout=3600)  # fmt: skip
+        cmd = [sys.executable, "-m", "gptlab.sync", *[str(r["dir"]) for r in runs]]
+        subprocess.run([*cmd, f"tracking.uri={uri}"], cwd=work, capture_output=True, text=True,
+                       timeout=3600)  # fmt: skip
         synced = recorded(uri, experiment, steps)
     summary = {
         "backend": o["backend"], "uri": uri, "runs": len(runs), "steps": steps,
@@ -226,7 +241,8 @@ def main(argv: List[str]) -> None:
         "after_one_sync": synced,
         "log_metrics_ms_p50": percentile(logged, 50), "log_metrics_ms_p99": percentile(logged, 99),
         "log_metrics_ms_max": percentile(logged, 100), "log_metrics_calls": len(logged),
-        "send_ms_p50": percentile(sent, 50), "send_ms_p99": percentile(sent, 99), "send_calls": len(sent),
+        "send_ms_p50": percentile(sent, 50), "send_ms_p99": percentile(sent, 99),
+        "send_calls": len(sent),
         "wall_s": round(wall, 1),
         "server_cpu_s": round(server_cpu, 1) if state else None,
         "server_cpu_percent_of_one_core": round(100 * server_cpu / wall, 1) if state else None,
@@ -241,17 +257,20 @@ def main(argv: List[str]) -> None:
         f"({rec['duplicate_points']} duplicates)"
         + (
             f"; after one gptlab.sync: {synced['runs_finished']}/{len(runs)} FINISHED, "
-            f"{synced['points_recorded']}/{summary['points_expected']} points ({synced['duplicate_points']} duplicates)"
+            f"{synced['points_recorded']}/{summary['points_expected']} points "
+            f"({synced['duplicate_points']} duplicates)"
             if synced
             else ""
         )
         + "\n"
-        f"log_metrics p50 {summary['log_metrics_ms_p50']} ms, p99 {summary['log_metrics_ms_p99']} ms "
-        f"({summary['log_metrics_calls']} calls); sender's calls to the store p50 {summary['send_ms_p50']} ms, "
+        f"log_metrics p50 {summary['log_metrics_ms_p50']} ms, "
+        f"p99 {summary['log_metrics_ms_p99']} ms ({summary['log_metrics_calls']} calls); "
+        f"sender's calls to the store p50 {summary['send_ms_p50']} ms, "
         f"p99 {summary['send_ms_p99']} ms ({summary['send_calls']} calls)\n"
         f"wall {summary['wall_s']} s; server CPU "
         + (
-            f"{summary['server_cpu_s']} s ({summary['server_cpu_percent_of_one_core']}% of one core)"
+            f"{summary['server_cpu_s']} s "
+            f"({summary['server_cpu_percent_of_one_core']}% of one core)"
             if state
             else "n/a (no server)"
         ),

@@ -1,7 +1,8 @@
 """The simplest training loop a user could write around gptlab's model: the speed baseline.
 
     python benchmarks/plain_loop.py [n_layer=6 n_embd=384 n_head=6 block_size=256 batch=8]
-                                    [precision=fp32|bf16] [compile=0|1] [warmup=3 steps=10] [data=PATH]
+                                    [precision=fp32|bf16] [compile=0|1] [warmup=3 steps=10]
+                                    [data=PATH]
 
 gptlab's own GPT (gptlab/model.py) and nothing else of gptlab: the text is read and encoded by
 characters here, batches are random windows drawn with torch.randint, and each step is forward,
@@ -21,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
+# the checkout's gptlab, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptlab.model import GPT, GPTConfig  # noqa: E402
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -29,7 +31,11 @@ SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinysha
 
 def main(argv):
     o = dict(a.split("=", 1) for a in argv)
-    n_layer, n_embd, n_head = int(o.get("n_layer", 6)), int(o.get("n_embd", 384)), int(o.get("n_head", 6))
+    n_layer, n_embd, n_head = (
+        int(o.get("n_layer", 6)),
+        int(o.get("n_embd", 384)),
+        int(o.get("n_head", 6)),
+    )
     T, B = int(o.get("block_size", 256)), int(o.get("batch", 8))
     warmup, steps = int(o.get("warmup", 3)), int(o.get("steps", 10))
     precision, compile_ = o.get("precision", "fp32"), o.get("compile", "0") == "1"
@@ -39,14 +45,16 @@ def main(argv):
 
     torch.manual_seed(1337)
     cfg = GPTConfig(
-        name="plain", vocab_size=len(chars), vocab_multiple=1, block_size=T, n_layer=n_layer, n_head=n_head,
-        n_embd=n_embd, ffn_dim=None, dropout=0.0, bias=True, pos_emb="learned", mlp="gelu", tie_weights=True,
-        rope_base=10000.0,
+        name="plain", vocab_size=len(chars), vocab_multiple=1, block_size=T, n_layer=n_layer,
+        n_head=n_head, n_embd=n_embd, ffn_dim=None, dropout=0.0, bias=True, pos_emb="learned",
+        mlp="gelu", tie_weights=True, rope_base=10000.0,
     )  # fmt: skip
     model = GPT(cfg)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=1e-3
+    )
     step_fn = torch.compile(model) if compile_ else model
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -67,7 +75,9 @@ def main(argv):
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
     result = {"loop": "plain", "tokens_per_s_mean": round(B * T * len(times) / sum(times), 1)}
-    result.update(n_layer=n_layer, n_embd=n_embd, block_size=T, batch=B, precision=precision, compile=compile_)
+    result.update(
+        n_layer=n_layer, n_embd=n_embd, block_size=T, batch=B, precision=precision, compile=compile_
+    )
     result.update(threads=torch.get_num_threads(), step_ms=round(step_s * 1e3, 2))
     result.update(tokens_per_s=round(B * T / step_s, 1), last_loss=round(loss_value, 4))
     print(json.dumps(result))

@@ -4,8 +4,9 @@
 
 Builds the model (vocabulary 50,304) under parallelism=fsdp on gloo CPU processes (or NCCL GPUs with
 hardware=...), takes one AdamW step so the optimizer state exists, then times checkpoint.save_state
-(every rank writes its shard; rank 0 renames) and TrainingState.restore (every rank reads its slices),
-and prints one JSON line from rank 0. Not a test: figures depend on the disk and the machine.
+(every rank writes its shard; rank 0 renames) and TrainingState.restore (every rank reads its
+slices), and prints one JSON line from rank 0. Not a test: figures depend on the disk and the
+machine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's gptlab, installed or not
+# the checkout's gptlab, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptlab import checkpoint, distributed  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
@@ -45,11 +47,15 @@ def main(argv):
     model_name, out = opts.get("model", "gpt2_124m"), opts.get("out")
     hardware = opts.get("hardware", "cpu_x2")
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF)):
-        cfg = to_config(compose("config", [f"model={model_name}", f"hardware={hardware}", "parallelism=fsdp"]))
+        cfg = to_config(
+            compose("config", [f"model={model_name}", f"hardware={hardware}", "parallelism=fsdp"])
+        )
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     mcfg = dataclasses.replace(cfg.model, vocab_size=50304, block_size=64)
     torch.manual_seed(0)
-    model = distributed.wrap_model(GPT(mcfg).to(d.device), d, cfg.parallelism, cfg.hardware, compile=False)
+    model = distributed.wrap_model(
+        GPT(mcfg).to(d.device), d, cfg.parallelism, cfg.hardware, compile=False
+    )
     opt = build_optimizer(model, cfg.optimizer, 1e-4, d.device.type)
     x = torch.randint(0, 50304, (1, 64), device=d.device)
     model(x, x)[1].backward()
@@ -60,8 +66,8 @@ def main(argv):
     dist.barrier()
     t0 = time.perf_counter()
     state = checkpoint.TrainingState.capture(
-        objects, step=1, tokens=64, best_val_loss=float("inf"), config={}, model_config=dataclasses.asdict(mcfg),
-        tokenizer={}, mlflow_run_id=None,
+        objects, step=1, tokens=64, best_val_loss=float("inf"), config={},
+        model_config=dataclasses.asdict(mcfg), tokenizer={}, mlflow_run_id=None,
     )  # fmt: skip
     path = checkpoint.save_state(folder, state, None, keep=1, is_main=d.is_main)
     dist.barrier()

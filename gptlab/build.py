@@ -45,7 +45,8 @@ def seed_everything(seed: int) -> None:
 def autocast_factory(
     device_type: str, precision: str, attention_backend: str = "auto"
 ) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context every forward runs in: the hardware's autocast precision and SDPA kernel choice."""
+    """The context every forward runs in: the hardware's autocast precision and SDPA kernel
+    choice."""
     dtype = _AUTOCAST[precision]
 
     def context() -> contextlib.AbstractContextManager:
@@ -59,7 +60,8 @@ def autocast_factory(
 
 
 def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, Any]) -> None:
-    """For a recipe with an `expected:` block: whether the run met it, in results and as an MLflow tag."""
+    """For a recipe with an `expected:` block: whether the run met it, in results and as an MLflow
+    tag."""
     met = expectation_met(expected, results) if expected else None
     if met is not None:
         results["expected_met"] = met
@@ -68,12 +70,15 @@ def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, 
 
 def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
     """Build every object of a training run from a validated Config: this process's place in the
-    job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the records."""
+    job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the
+    records."""
     cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     console.for_rank(d.rank)
     run_dir = shared_run_dir(run_dir)
-    resume_from, loaded = runfolder.shared_claim(run_dir, cfg.train.resume, resolved, d.is_main, log.info)
+    resume_from, loaded = runfolder.shared_claim(
+        run_dir, cfg.train.resume, resolved, d.is_main, log.info
+    )
     data, train_tokens, val_tokens = build_data(cfg, d)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     raw_model, model = build_model(cfg, mcfg, d)
@@ -94,9 +99,20 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
     return run
 
 
-def new_run(cfg: Config, d: Dist, mcfg: GPTConfig, data: Any, raw_model: GPT, model: nn.Module,
-            loader: Any, val: List[Any], run_dir: Path, resolved: Dict[str, Any]) -> Run:  # fmt: skip
-    """The Run of the built parts, with the optimizer, schedule and figures derived from the config."""
+def new_run(
+    cfg: Config,
+    d: Dist,
+    mcfg: GPTConfig,
+    data: Any,
+    raw_model: GPT,
+    model: nn.Module,
+    loader: Any,
+    val: List[Any],
+    run_dir: Path,
+    resolved: Dict[str, Any],
+) -> Run:
+    """The Run of the built parts, with the optimizer, schedule and figures derived from the
+    config."""
     peak_lr = scaled_lr(cfg.optimizer, d.world_size)
     fpt, hfpt = flops_for(mcfg, data.vocab_size, cfg.parallelism.activation_checkpointing)
     # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
@@ -163,27 +179,37 @@ def _sharding(cfg: Config, world: int) -> str:
     return f" | {strategy} mesh {'x'.join(map(str, shape))} ({names})"
 
 
-def build_loaders(cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any) -> Tuple[Any, List[Any]]:
+def build_loaders(
+    cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any
+) -> Tuple[Any, List[Any]]:
     """(this rank's training loader, its fixed validation batches)."""
     mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
     loader = build_train_loader(
         train_tokens, T, t.batch_size, mb, d.rank, d.world_size, t.seed,
         sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda",
     )  # fmt: skip
-    val = eval_batches(val_tokens, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size)
+    val = eval_batches(
+        val_tokens, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size
+    )
     return loader, val
 
 
 def shared_run_dir(run_dir: Path) -> Path:
-    """Rank 0's run folder, on every rank (under torchrun each rank's Hydra picked its own timestamp)."""
+    """Rank 0's run folder, on every rank (under torchrun each rank's Hydra picked its own
+    timestamp)."""
     own_dir, shared = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
-    if own_dir != shared and own_dir.is_dir() and {p.name for p in own_dir.iterdir()} <= {layout.HYDRA, layout.LOG}:
+    if (
+        own_dir != shared
+        and own_dir.is_dir()
+        and {p.name for p in own_dir.iterdir()} <= {layout.HYDRA, layout.LOG}
+    ):
         shutil.rmtree(own_dir, ignore_errors=True)  # this rank's unused, empty Hydra folder
     return shared
 
 
 def build_data(cfg: Config, d: Dist):
-    """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read them."""
+    """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read
+    them."""
     if d.is_main:
         data = prepare_data(cfg.data, log=log.info)
     if d.world_size > 1:
@@ -194,40 +220,60 @@ def build_data(cfg: Config, d: Dist):
     T = cfg.model.block_size
     if min(len(train_tokens), len(val_tokens)) < T + 1:
         raise GptlabError(
-            f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation tokens)"
+            f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation "
+            f"tokens)"
         )
     return data, train_tokens, val_tokens
 
 
 def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
-    """(the plain model, the model as trained: checkpointing -> compile -> data-parallel wrapper)."""
+    """(the plain model, the model as trained: checkpointing -> compile -> data-parallel
+    wrapper)."""
     seed_everything(cfg.train.seed)  # identical initialisation on every rank
     raw_model = GPT(mcfg).to(d.device)
-    raw_model.loss_chunk = loss_chunk(cfg.parallelism, mcfg, mcfg.vocab_size)  # training's head + loss in chunks
+    # training's head + loss in chunks
+    raw_model.loss_chunk = loss_chunk(cfg.parallelism, mcfg, mcfg.vocab_size)
     seed_everything(cfg.train.seed + d.rank)  # then per-rank streams
-    return raw_model, distributed.wrap_model(raw_model, d, cfg.parallelism, cfg.hardware, cfg.compile)
+    return raw_model, distributed.wrap_model(
+        raw_model, d, cfg.parallelism, cfg.hardware, cfg.compile
+    )
 
 
-def resume(run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingState]) -> Optional[str]:
+def resume(
+    run: Run, path: Optional[Path], loaded: Optional[checkpoint.TrainingState]
+) -> Optional[str]:
     """Restore the claimed checkpoint into the run (when there is one); its MLflow run id.
 
     loaded: the state rank 0 read while claiming the folder (the other ranks read it here)."""
     if path is None:
         return None
-    path, state = runfolder.shared_restore(run.run_dir, run.train.resume, run.resolved_config, run.dist.is_main,
-                                           log.info, run.stateful(), (path, loaded))  # fmt: skip
+    path, state = runfolder.shared_restore(
+        run.run_dir,
+        run.train.resume,
+        run.resolved_config,
+        run.dist.is_main,
+        log.info,
+        run.stateful(),
+        (path, loaded),
+    )
     log.info(f"resuming from {path} (step {state.step})")
-    run.start_step, run.start_tokens, run.start_best_val = state.step, state.tokens, state.best_val_loss
+    run.start_step, run.start_tokens, run.start_best_val = (
+        state.step,
+        state.tokens,
+        state.best_val_loss,
+    )
     run.start_loss_window = tuple(state.loss_window)
     run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
-    # steps logged after the checkpoint (a crash) are not logged again: an exact resume recomputes them
+    # steps logged after the checkpoint (a crash) are not logged again: an exact resume recomputes
+    # them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id
 
 
 def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any],
                  mlflow_run_id: Optional[str]) -> Tracker:  # fmt: skip
-    """Rank 0's records: the run folder and MLflow, with the config and derived figures as params."""
+    """Rank 0's records: the run folder and MLflow, with the config and derived figures as
+    params."""
     params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
     ident = identity.identify(resolved, run.run_dir, identity.this_process())
     store = local_uri(Path(cfg.paths.mlflow_db))
@@ -246,7 +292,9 @@ def write_sample(run: Run) -> Optional[str]:
     idx = torch.tensor([prompt], dtype=torch.long, device=run.dist.device)
     gen = torch.Generator(device=run.dist.device).manual_seed(run.train.seed)
     with run.autocast(), run.evaluated_weights():
-        out = run.raw_model.generate(idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen)
+        out = run.raw_model.generate(
+            idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen
+        )
     if not run.dist.is_main:
         return None
     text = run.tokenizer.decode(out[0].tolist())

@@ -32,7 +32,15 @@ import numpy as np
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.safe_dcp import METADATA, UnreadableEntry, load_into, load_whole, missing_data, read_metadata, would_run
+from gptlab.safe_dcp import (
+    METADATA,
+    UnreadableEntry,
+    load_into,
+    load_whole,
+    missing_data,
+    read_metadata,
+    would_run,
+)
 
 # v2: model and optimizer keyed by parameter name (v1 keyed the optimizer's state by position)
 FORMAT_VERSION = 2
@@ -83,9 +91,9 @@ def load(path: Path) -> Dict[str, Any]:
     """Load a checkpoint without executing code from it (weights_only unpickling).
 
     Whatever else it is, the error is one line naming it: missing, a folder that is not a sharded
-    checkpoint, an incomplete one, unreadable, not a PyTorch file, truncated, a pickle that would run
-    code (refused unread), or not gptlab's. A sharded checkpoint gives its state.pt (the shards are
-    read on restore); its metadata is checked here, and every shard file it names must be whole.
+    checkpoint, an incomplete one, unreadable, not a PyTorch file, truncated, a pickle that would
+    run code (refused unread), or not gptlab's. A sharded checkpoint gives its state.pt (the shards
+    are read on restore); its metadata is checked here, and every shard file it names must be whole.
     """
     path = Path(path)
     if path.is_dir():
@@ -104,12 +112,22 @@ def _check_shards(path: Path) -> None:
         )
     try:
         metadata = read_metadata(path)
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ImportError,
+        ValueError,
+        TypeError,
+    ) as e:
         why = f"unreadable or unsafe metadata: {e}"
         raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint ({why})") from None
     short = missing_data(path, metadata)
     if short:
-        raise GptlabError(f"checkpoint {path} is incomplete: shard file(s) {', '.join(short)} missing or cut short")
+        raise GptlabError(
+            f"checkpoint {path} is incomplete: shard file(s) {', '.join(short)} missing or "
+            f"cut short"
+        )
 
 
 def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
@@ -122,7 +140,8 @@ def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise GptlabError(f"checkpoint {path}: no such file") from None
-    except OSError as e:  # permission denied, an I/O error (a folder never gets here: load() takes it as sharded)
+    # permission denied, an I/O error (a folder never gets here: load() takes it as sharded)
+    except OSError as e:
         raise GptlabError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or unsafe files all land here
         # torch's own message is a page long (its weights_only upgrade notice) or says nothing
@@ -143,10 +162,14 @@ def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
             why = "not a PyTorch file"
         raise GptlabError(f"checkpoint {path} is not a gptlab checkpoint ({why})") from None
     if not isinstance(state, dict) or "format_version" not in state:
-        raise GptlabError(f"checkpoint {shown} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)")
+        raise GptlabError(
+            f"checkpoint {shown} is not a gptlab checkpoint (a PyTorch file that gptlab did not "
+            f"write)"
+        )
     if state["format_version"] not in READABLE_VERSIONS:
         raise GptlabError(
-            f"checkpoint {shown} has checkpoint format v{state['format_version']}; this gptlab reads "
+            f"checkpoint {shown} has checkpoint format v{state['format_version']}; this gptlab "
+            f"reads "
             f"v{', v'.join(map(str, READABLE_VERSIONS))}: use the gptlab version that wrote it"
         )
     return state
@@ -166,10 +189,13 @@ def latest(folder: Path) -> Optional[Path]:
 
 
 def load_latest_good(
-    folder: Path, warn: Optional[Callable[[str], None]] = None, unreadable: Optional[Dict[Path, str]] = None
+    folder: Path,
+    warn: Optional[Callable[[str], None]] = None,
+    unreadable: Optional[Dict[Path, str]] = None,
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable
-    ones, sharded saves that never finished, and those in `unreadable` (path: why; a restore found it)."""
+    ones, sharded saves that never finished, and those in `unreadable` (path: why; a restore found
+    it)."""
     warn = warn or logging.getLogger(__name__).warning
     found, unreadable = None, unreadable or {}
     for path in reversed(list_checkpoints(folder)):
@@ -183,7 +209,10 @@ def load_latest_good(
     newest = step_of(found[0]) if found else -1
     for partial in unfinished(folder):
         if step_of(partial) > newest:
-            warn(f"warning: {partial} is a sharded save that did not finish (the job stopped during it); skipped")
+            warn(
+                f"warning: {partial} is a sharded save that did not finish (the job stopped during "
+                f"it); skipped"
+            )
     return found
 
 
@@ -222,7 +251,8 @@ def prune(folder: Path, keep: int) -> None:
     for stale in Path(folder).glob(".ckpt_*.pt.tmp*"):  # left by a process killed mid-save
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
-    for stale in unfinished(folder):  # sharded saves of a killed job (this one's own has its name now)
+    # sharded saves of a killed job (this one's own has its name now)
+    for stale in unfinished(folder):
         _remove(stale)
 
 
@@ -237,7 +267,8 @@ def _remove(path: Path) -> None:
 
 
 class UnreadableCheckpoint(GptlabError):
-    """A checkpoint an entry of which does not read back (damaged, or crafted): resume=auto skips it."""
+    """A checkpoint an entry of which does not read back (damaged, or crafted): resume=auto skips
+    it."""
 
 
 # the live objects whose state a checkpoint holds, by name (build.Run.stateful() gives them)
@@ -246,14 +277,15 @@ STATEFUL = ("model", "optimizer", "scaler", "loader")
 
 @dataclass
 class TrainingState:
-    """Everything a run needs to continue exactly, and to rebuild its model without the config tree."""
+    """Everything a run needs to continue exactly, and to rebuild its model without the config
+    tree."""
 
     step: int
     tokens: int  # tokens trained on so far (the loader's position is in `loader`)
     best_val_loss: float
-    # model and optimizer by parameter name (get_state_dict): whole tensors in a .pt checkpoint; this
-    # rank's shards (DTensors) while a sharded one is saved; None when read from one (they stay in
-    # its shards until restore reads them into the live objects, in their layout)
+    # model and optimizer by parameter name (get_state_dict): whole tensors in a .pt checkpoint;
+    # this rank's shards (DTensors) while a sharded one is saved; None when read from one (they stay
+    # in its shards until restore reads them into the live objects, in their layout)
     model: Optional[Dict[str, Any]]
     optimizer: Optional[Dict[str, Any]]
     scaler: Dict[str, Any]  # the fp16 GradScaler (a disabled scaler's state on other precisions)
@@ -263,19 +295,22 @@ class TrainingState:
     model_config: Dict[str, Any]  # GPTConfig's fields with the real vocabulary
     tokenizer: Dict[str, Any]  # the tokenizer's to_meta()
     mlflow_run_id: Optional[str]  # a resumed run goes on in the same MLflow run
-    # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps), so
-    # that a resumed run logs the same averages as one that was never stopped (older checkpoints: empty)
+    # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps),
+    # so that a resumed run logs the same averages as one that was never stopped (older checkpoints:
+    # empty)
     loss_window: Tuple[float, int] = (0.0, 0)
-    # the last logged train loss and evaluated val loss, for results.json of a resumption that has no
-    # step left to train (older checkpoints: None)
+    # the last logged train loss and evaluated val loss, for results.json of a resumption that has
+    # no step left to train (older checkpoints: None)
     train_loss: Optional[float] = None
     val_loss: Optional[float] = None
-    shards: Optional[Path] = field(default=None, metadata={"saved": False})  # a sharded checkpoint's folder
+    # a sharded checkpoint's folder
+    shards: Optional[Path] = field(default=None, metadata={"saved": False})
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})
 
     @classmethod
     def capture(cls, objects: Dict[str, Any], **fields_: Any) -> "TrainingState":
-        """The state now (every rank calls it): objects maps each STATEFUL name to its live object."""
+        """The state now (every rank calls it): objects maps each STATEFUL name to its live
+        object."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(objects["model"], objects["optimizer"])
@@ -290,32 +325,48 @@ class TrainingState:
         return any(isinstance(v, DTensor) for v in (self.model or {}).values())
 
     def restore(self, objects: Dict[str, Any]) -> None:
-        """Load every object's state and the random generators (the run continues exactly), resharding
-        the model and optimizer to the live objects' layout: any strategy, any world size."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        """Load every object's state and the random generators (the run continues exactly),
+        resharding the model and optimizer to the live objects' layout: any strategy, any world
+        size."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_state_dict,
+        )
 
         model, optimizer = objects["model"], objects["optimizer"]
-        if self.shards is not None:  # read into the live layout: each rank reads the slices it holds
+        # read into the live layout: each rank reads the slices it holds
+        if self.shards is not None:
             msd, osd = get_state_dict(model, optimizer)
             try:
                 load_into({"model": msd, "optimizer": osd}, self.shards)
-            except UnreadableEntry as e:  # damage, not a mismatch: every rank got it (resume falls back)
+            # damage, not a mismatch: every rank got it (resume falls back)
+            except UnreadableEntry as e:
                 raise UnreadableCheckpoint(_damaged(self.shards, e)) from None
             except RuntimeError as e:
-                raise GptlabError(f"checkpoint {self.shards} does not fit this model and optimizer: {e}") from None
+                raise GptlabError(
+                    f"checkpoint {self.shards} does not fit this model and optimizer: {e}"
+                ) from None
             set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
-        elif self.format_version == 1:  # the optimizer's state by position: the unsharded objects only
+        # the optimizer's state by position: the unsharded objects only
+        elif self.format_version == 1:
             if any(hasattr(p, "full_tensor") for p in model.parameters()):
                 raise GptlabError(
-                    "a v1 checkpoint resumes under parallelism=single or ddp only: resume it there once "
+                    "a v1 checkpoint resumes under parallelism=single or ddp only: resume it "
+                    "there once "
                     "(its next checkpoint is v2), then under fsdp"
                 )
             model.load_state_dict(self.model)
             optimizer.load_state_dict(self.optimizer)
         else:  # whole tensors: every rank keeps its own slice of them
             whole = StateDictOptions(full_state_dict=True)
-            set_state_dict(model, optimizer, model_state_dict=self.model, optim_state_dict=self.optimizer,
-                           options=whole)  # fmt: skip
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=self.model,
+                optim_state_dict=self.optimizer,
+                options=whole,
+            )
         for name in STATEFUL:
             if name not in SHARDED_PARTS:
                 objects[name].load_state_dict(getattr(self, name))
@@ -329,8 +380,9 @@ class TrainingState:
         return save(path, self._saved())
 
     def save_sharded(self, path: Path, is_main: bool) -> Path:
-        """Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it to
-        path once all parts are complete (a killed save never appears under a checkpoint's name)."""
+        """Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it
+        to path once all parts are complete (a killed save never appears under a checkpoint's
+        name)."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -339,10 +391,15 @@ class TrainingState:
         barrier = dist.barrier if dist.is_initialized() else (lambda: None)
         if is_main:
             path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a killed save's leftovers (maybe from more ranks)
+            # a killed save's leftovers (maybe from more ranks)
+            shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        dcp.save({"model": self.model, "optimizer": self.optimizer}, storage_writer=dcp.FileSystemWriter(str(tmp)))
-        if is_main:  # dcp.save returned: every rank's shards and the metadata are written and synced
+        dcp.save(
+            {"model": self.model, "optimizer": self.optimizer},
+            storage_writer=dcp.FileSystemWriter(str(tmp)),
+        )
+        # dcp.save returned: every rank's shards and the metadata are written and synced
+        if is_main:
             save(tmp / STATE_FILE, self._saved(*SHARDED_PARTS))
             old = path.with_name(f".{path.name}.replaced")
             if path.exists():  # the same step saved again (a stop at a checkpoint step)
@@ -360,13 +417,16 @@ class TrainingState:
 
     @classmethod
     def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
-        """The state checkpoint.load(path) read (for a sharded one, its state.pt: the shards stay put)."""
+        """The state checkpoint.load(path) read (for a sharded one, its state.pt: the shards stay
+        put)."""
         if Path(path).is_dir():
             state = {**state, "model": None, "optimizer": None, "shards": Path(path)}
         names = [f.name for f in fields(cls)]
         missing = [f.name for f in fields(cls) if f.name not in state and f.default is MISSING]
         if missing:
-            raise GptlabError(f"checkpoint {path} is not a gptlab training checkpoint (no {', '.join(missing)})")
+            raise GptlabError(
+                f"checkpoint {path} is not a gptlab training checkpoint (no {', '.join(missing)})"
+            )
         return cls(**{n: state[n] for n in names if n in state})
 
 
@@ -380,7 +440,11 @@ def read_model(path: Path, optimizer_entries: Sequence[str] = ()) -> TrainingSta
         try:
             state.model = load_whole(state.shards, ["model"])["model"]
             if optimizer_entries:
-                keys = [f"optimizer.state.{name}.{entry}" for name in state.model for entry in optimizer_entries]
+                keys = [
+                    f"optimizer.state.{name}.{entry}"
+                    for name in state.model
+                    for entry in optimizer_entries
+                ]
                 state.optimizer = load_whole(state.shards, keys).get("optimizer")
         except UnreadableEntry as e:
             raise UnreadableCheckpoint(_damaged(state.shards, e)) from None
@@ -391,10 +455,12 @@ def _damaged(path: Path, e: UnreadableEntry) -> str:
     return f"checkpoint {path} has an {e}"
 
 
-def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], keep: int, is_main: bool = True) -> Path:
-    """Save the state as the step's checkpoint (every rank calls it: a sharded state is written by all,
-    a whole one by rank 0); rank 0 remembers it as the best when val_loss is the best so far, and
-    prunes to the newest `keep` checkpoints plus the best."""
+def save_state(
+    folder: Path, state: TrainingState, val_loss: Optional[float], keep: int, is_main: bool = True
+) -> Path:
+    """Save the state as the step's checkpoint (every rank calls it: a sharded state is written by
+    all, a whole one by rank 0); rank 0 remembers it as the best when val_loss is the best so far,
+    and prunes to the newest `keep` checkpoints plus the best."""
     path = checkpoint_path(folder, state.step, sharded=state.sharded)
     if state.sharded:
         state.save_sharded(path, is_main)
@@ -408,8 +474,8 @@ def save_state(folder: Path, state: TrainingState, val_loss: Optional[float], ke
 
 
 def find(run: str, which: str = "latest") -> Path:
-    """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest (or, with
-    which=best, its best by validation loss)."""
+    """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest (or,
+    with which=best, its best by validation loss)."""
     path = Path(run).expanduser()
     if path.is_file() or (path / STATE_FILE).is_file():
         return path
@@ -418,7 +484,8 @@ def find(run: str, which: str = "latest") -> Path:
         return found
     found = latest(folder)
     if found is None:
-        where = folder if folder.name == "checkpoints" else path / "checkpoints"  # a run keeps them there
+        # a run keeps them there
+        where = folder if folder.name == "checkpoints" else path / "checkpoints"
         raise GptlabError(
             f"run={run}: no checkpoint found (expected {where}/ckpt_<step>.pt such as "
             f"{checkpoint_path(Path(), 30).name}, or a sharded {where}/ckpt_<step>/)"

@@ -1,9 +1,10 @@
-"""Entry-point plumbing shared by the ``python -m gptlab.*`` commands: one grammar, one kind of error.
+"""Entry-point plumbing shared by the ``python -m gptlab.*`` commands: one grammar, one kind of
+error.
 
 Every command is a Hydra app with a root config of its own under conf/ (``conf/<command>.yaml``;
 train's is ``conf/config.yaml``), so every command takes the same words: ``key=value`` and
-``group=option`` overrides, ``-m`` for a sweep, ``--help`` for the command and its keys, ``--cfg job``
-for the composed config. ``command`` runs one; tests and other code run the same command in
+``group=option`` overrides, ``-m`` for a sweep, ``--help`` for the command and its keys, ``--cfg
+job`` for the composed config. ``command`` runs one; tests and other code run the same command in
 process with ``command(..., argv=[...])`` or get its config with ``compose``.
 
 Hydra prints config errors over several lines with a hint about HYDRA_FULL_ERROR; gptlab's
@@ -35,7 +36,8 @@ CONF = Path(__file__).resolve().parent.parent / "conf"
 
 _TRACEBACK = {"wanted": False}  # the user's HYDRA_FULL_ERROR=1, seen by run_entry before it sets it
 _SKIP = ("object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
-_SEARCH_PATH = "Config search path"  # Hydra's list of where it looked: no help to a user who mistyped a name
+# Hydra's list of where it looked: no help to a user who mistyped a name
+_SEARCH_PATH = "Config search path"
 
 
 def condense(message: str) -> str:
@@ -58,16 +60,20 @@ def condense(message: str) -> str:
             continue
         in_options = False
         parts.append(line.rstrip(".") if not line.startswith("full_key:") else f"({line})")
-    text = ": ".join(p for p in parts if not p.startswith("(")) + "".join(f" {p}" for p in parts if p.startswith("("))
+    text = ": ".join(p for p in parts if not p.startswith("(")) + "".join(
+        f" {p}" for p in parts if p.startswith("(")
+    )
     if options:
         text += f" (available: {', '.join(options)})"
     return text
 
 
 def describe(error: BaseException) -> str:
-    """One line for a Hydra / OmegaConf error and the errors that caused it (the cause names the key)."""
+    """One line for a Hydra / OmegaConf error and the errors that caused it (the cause names the
+    key)."""
     options, missing = getattr(error, "options", None), getattr(error, "missing_cfg_file", None)
-    if options and missing and "/" in missing:  # a group's choice that does not exist: the choices, nothing else
+    # a group's choice that does not exist: the choices, nothing else
+    if options and missing and "/" in missing:
         group, _, choice = missing.rpartition("/")
         return f"{group}={choice}: no such choice; choose one of {', '.join(options)}"
     messages, seen = [], set()
@@ -80,18 +86,23 @@ def describe(error: BaseException) -> str:
 
 
 def fail(prog: str, error: Exception) -> None:
-    """Print a user error as one line and exit 2 (SystemExit passes Hydra's job logging silently)."""
+    """Print a user error as one line and exit 2 (SystemExit passes Hydra's job logging
+    silently)."""
     print(f"{prog}: error: {error}", file=sys.stderr)
     sys.exit(2)
 
 
-# OSErrors that come from the user's paths or the machine, not from a bug: errno -> (what, what to do)
+# OSErrors that come from the user's paths or the machine, not from a bug: errno -> (what, what to
+# do)
 _WRITE_ELSEWHERE = "choose a folder you can write to, or fix its permissions"
 _OS_ERRORS = {
     errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),
     errno.EPERM: ("operation not permitted", _WRITE_ELSEWHERE),
     errno.EROFS: ("read-only file system", "choose a folder on a writable disk"),
-    errno.ENOSPC: ("no space left on the device", "free some space or choose a folder on another disk"),
+    errno.ENOSPC: (
+        "no space left on the device",
+        "free some space or choose a folder on another disk",
+    ),
     errno.EDQUOT: ("disk quota exceeded", "free some space or choose a folder on another disk"),
     errno.ENOTDIR: ("a part of this path is a file, not a folder", "choose another path"),
     errno.EISDIR: ("is a folder, where a file is needed", "give a file"),
@@ -105,8 +116,8 @@ _FOLDERS = " (the run folder is hydra.run.dir=..., the data cache data.cache_dir
 
 
 def _override_naming(path: str) -> Optional[str]:
-    """The command-line `key=value` (or $GPTLAB_CACHE_DIR) that `path` comes from: its value is `path`
-    or a folder above it, else (a folder made on the way to it) a path below `path`."""
+    """The command-line `key=value` (or $GPTLAB_CACHE_DIR) that `path` comes from: its value is
+    `path` or a folder above it, else (a folder made on the way to it) a path below `path`."""
     target = Path(path).expanduser().absolute()
     words = [*sys.argv[1:], f"$GPTLAB_CACHE_DIR={os.environ.get('GPTLAB_CACHE_DIR', '')}"]
     found = []
@@ -122,7 +133,8 @@ def _override_naming(path: str) -> Optional[str]:
 
 
 def os_error_message(error: OSError) -> Optional[str]:
-    """One line for an OSError caused by a path or the machine (None: a bug, which keeps its traceback).
+    """One line for an OSError caused by a path or the machine (None: a bug, which keeps its
+    traceback).
 
     It names the path, the override it came from when there is one, and what to do.
     """
@@ -130,7 +142,9 @@ def os_error_message(error: OSError) -> Optional[str]:
         return None
     what, todo = _OS_ERRORS[error.errno]
     if error.filename is None:  # a write to an open file: the disk, not a path
-        return f"{error.strerror or what}; {todo}{_FOLDERS if error.errno in _SPACE_OR_RIGHTS else ''}"
+        return (
+            f"{error.strerror or what}; {todo}{_FOLDERS if error.errno in _SPACE_OR_RIGHTS else ''}"
+        )
     path = os.fsdecode(error.filename)
     source = _override_naming(path)
     if error.errno == errno.EEXIST and Path(path).exists() and not Path(path).is_dir():
@@ -170,11 +184,12 @@ def run_entry(main: Callable[[], Any], prog: str) -> None:
         sys.exit(130)
 
 
-# ---- text settings --------------------------------------------------------------------------------
+# ---- text settings -------------------------------------------------------------------------------
 
 
 def text_keys(schema: type, prefix: str = "") -> Dict[str, bool]:
-    """The text fields of a dataclass schema: `prefix + name` -> whether it may be null (Optional[str])."""
+    """The text fields of a dataclass schema: `prefix + name` -> whether it may be null
+    (Optional[str])."""
     hints = typing.get_type_hints(schema)
     keys = {}
     for f in dataclasses.fields(schema):
@@ -187,17 +202,19 @@ def text_keys(schema: type, prefix: str = "") -> Dict[str, bool]:
 
 def hydra_quote(text: str) -> str:
     """`text` as a quoted string of Hydra's override grammar, which reads back exactly as `text`."""
-    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)  # a quote, and backslashes before it
-    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)  # backslashes before the closing quote
+    # a quote, and backslashes before it
+    escaped = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", text)
+    # backslashes before the closing quote
+    escaped = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, escaped)
     return f"'{escaped}'"
 
 
 def quote_text(args: Sequence[str], keys: Mapping[str, bool]) -> List[str]:
     """Arguments with the value of each `key=value` of a text key quoted for Hydra.
 
-    Hydra reads an unquoted value as YAML-ish: `prompt=true` would be a bool, `prompt=Hello, world` a
-    sweep, `prompt=€` a parse error. A text setting takes the rest of its argument as it is instead
-    (`null` still means null where the key may be null).
+    Hydra reads an unquoted value as YAML-ish: `prompt=true` would be a bool, `prompt=Hello, world`
+    a sweep, `prompt=€` a parse error. A text setting takes the rest of its argument as it is
+    instead (`null` still means null where the key may be null).
     """
     out = []
     for arg in args:
@@ -219,15 +236,37 @@ def require(cfg: Any, key: str, what: str) -> None:
 
 # ---- mistyped words: the key that was meant ----------------------------------------------------
 
-# Hydra's own options (hydra._internal.utils.get_args_parser; tests/test_cli.py checks the list), and
-# those of them that take a value, which argparse also reads attached (-cjob)
+# Hydra's own options (hydra._internal.utils.get_args_parser; tests/test_cli.py checks the list),
+# and those of them that take a value, which argparse also reads attached (-cjob)
 HYDRA_OPTIONS = (
-    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
-    "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
-    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i",
-)  # fmt: skip
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--version",
+    "--cfg",
+    "-c",
+    "--resolve",
+    "--package",
+    "-p",
+    "--run",
+    "-r",
+    "--multirun",
+    "-m",
+    "--shell-completion",
+    "-sc",
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--experimental-rerun",
+    "--info",
+    "-i",
+)
 _VALUE_SHORT = ("-c", "-p", "-i")
-_HYDRA_USAGE = ("Only one of --run, --multirun", "Expecting one subcommand")  # Hydra's ValueErrors for its options
+# Hydra's ValueErrors for its options
+_HYDRA_USAGE = ("Only one of --run, --multirun", "Expecting one subcommand")
 _CLOSE_KEY, _CLOSE_NAME = 0.75, 0.7  # difflib ratios: a whole dotted key, one part of one
 
 
@@ -241,9 +280,12 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> List[str]:
     return keys
 
 
-def config_keys(config_name: str, overrides: Sequence[str] = ()) -> "tuple[List[str], Dict[str, List[str]]]":
-    """Every key of the config `python -m gptlab.<config_name> OVERRIDES` composes (hydra.* included), and
-    its config groups with their options. The overrides are dropped when they do not compose."""
+def config_keys(
+    config_name: str, overrides: Sequence[str] = ()
+) -> "tuple[List[str], Dict[str, List[str]]]":
+    """Every key of the config `python -m gptlab.<config_name> OVERRIDES` composes (hydra.*
+    included), and its config groups with their options. The overrides are dropped when they do not
+    compose."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -256,8 +298,12 @@ def config_keys(config_name: str, overrides: Sequence[str] = ()) -> "tuple[List[
     for attempt in (list(overrides), []) if overrides else ([],):
         GlobalHydra.instance().clear()  # a failed Hydra app leaves its own set
         try:
-            with initialize_config_dir(version_base="1.3", config_dir=str(CONF), job_name=config_name):
-                cfg = hydra_compose(config_name=config_name, overrides=attempt, return_hydra_config=True)
+            with initialize_config_dir(
+                version_base="1.3", config_dir=str(CONF), job_name=config_name
+            ):
+                cfg = hydra_compose(
+                    config_name=config_name, overrides=attempt, return_hydra_config=True
+                )
                 loader = GlobalHydra.instance().config_loader()
                 groups = [g for g in cfg.hydra.runtime.choices if not str(g).startswith("hydra/")]
                 options = {str(g): loader.get_group_options(str(g)) for g in groups}
@@ -269,14 +315,17 @@ def config_keys(config_name: str, overrides: Sequence[str] = ()) -> "tuple[List[
 
 
 def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[str]]) -> List[str]:
-    """The keys or config groups that `word` most likely means (none, one, or the few equally likely):
-    itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`), the closest whole key by
-    difflib (`train.max_step`), else a key whose last part holds it as a word (`steps` ->
-    `train.max_steps`) or is close to it. hydra.* keys are candidates only for a word that starts with
-    hydra; a section is never offered for a key below it."""
+    """The keys or config groups that `word` most likely means (none, one, or the few equally
+    likely): itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`), the closest
+    whole key by difflib (`train.max_step`), else a key whose last part holds it as a word (`steps`
+    -> `train.max_steps`) or is close to it. hydra.* keys are candidates only for a word that starts
+    with hydra; a section is never offered for a key below it."""
     word = word.replace("-", "_")
     keys = [
-        k for k in keys if (word.startswith("hydra.") or not k.startswith("hydra.")) and not word.startswith(f"{k}.")
+        k
+        for k in keys
+        if (word.startswith("hydra.") or not k.startswith("hydra."))
+        and not word.startswith(f"{k}.")
     ]
     if word in groups or word in keys:
         return [word]
@@ -292,7 +341,8 @@ def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[s
     def likeness(key: str) -> "tuple[float, int]":
         return difflib.SequenceMatcher(None, name, key.rpartition(".")[2]).ratio(), -len(key)
 
-    holding = [k for k in scope if {name, name.rstrip("s")} & set(k.rpartition(".")[2].split("_"))]  # heads: n_head
+    # heads: n_head
+    holding = [k for k in scope if {name, name.rstrip("s")} & set(k.rpartition(".")[2].split("_"))]
     best = max(holding or scope, key=likeness, default=None)
     return [best] if best is not None and (holding or likeness(best)[0] >= _CLOSE_NAME) else []
 
@@ -322,8 +372,9 @@ def _flags(args: Sequence[str]) -> List["tuple[str, str, str]"]:
 
 
 def flag_error(config_name: str, command_name: str, args: Sequence[str]) -> Optional[str]:
-    """One line for options that are not Hydra's (`--steps 3`), naming the key=value meant (`bench.steps=3`):
-    Hydra's argparse would print its usage instead. None when every option is Hydra's."""
+    """One line for options that are not Hydra's (`--steps 3`), naming the key=value meant
+    (`bench.steps=3`): Hydra's argparse would print its usage instead. None when every option is
+    Hydra's."""
     flags = _flags(args)
     if not flags:
         return None
@@ -359,8 +410,10 @@ def typo_error(error: BaseException, config_name: str, overrides: Sequence[str])
     others = [w for w in overrides if w != typed and "=" in w and not w.startswith("-")]
     near = nearest_keys(key, *config_keys(config_name, others))
     if near:
-        return f"{key}: no such key; did you mean {' or '.join(k + ('=' if value else '') + value for k in near)}?"
-    if getattr(error.__cause__, "object_type", None) is dict:  # a section without a schema: any key goes
+        suggestions = " or ".join(k + ("=" if value else "") + value for k in near)
+        return f"{key}: no such key; did you mean {suggestions}?"
+    # a section without a schema: any key goes
+    if getattr(error.__cause__, "object_type", None) is dict:
         return f"{key}: no such key; to add it to the free-form section, give +{key}={value}"
     command_name = _command_name(config_name)
     return f"{key}: no such key in gptlab.{command_name}'s config ({_help_line(command_name)})"
@@ -374,15 +427,15 @@ def _help_line(command_name: str) -> str:
     return f"python -m gptlab.{command_name} --help lists the keys"
 
 
-# ---- commands -------------------------------------------------------------------------------------
+# ---- commands ------------------------------------------------------------------------------------
 
 
 def hydra_words(module: Optional[ModuleType], args: Sequence[str]) -> List[str]:
     """A command's arguments as Hydra is to read them, by what its module declares.
 
     POSITIONAL: a key that a first argument without `=` (and not an option) is given to, so that
-    `python -m gptlab.compare TARGET` means `compare.target=TARGET`. TEXT_KEYS (see `text_keys`): keys
-    whose values are taken as they are typed (`quote_text`).
+    `python -m gptlab.compare TARGET` means `compare.target=TARGET`. TEXT_KEYS (see `text_keys`):
+    keys whose values are taken as they are typed (`quote_text`).
     """
     args = list(args)
     positional = getattr(module, "POSITIONAL", None)
@@ -394,8 +447,8 @@ def hydra_words(module: Optional[ModuleType], args: Sequence[str]) -> List[str]:
 def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
     """The config that `python -m gptlab.<config_name> OVERRIDES` composes, in this process.
 
-    The arguments are read as that command reads them (`hydra_words`). Hydra and OmegaConf errors are
-    raised as GptlabError with the one-line message.
+    The arguments are read as that command reads them (`hydra_words`). Hydra and OmegaConf errors
+    are raised as GptlabError with the one-line message.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -418,17 +471,23 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
 
 
 def command(
-    name: str, task: Callable[[Any], Any], argv: Optional[Sequence[str]] = None, *, config_name: Optional[str] = None
+    name: str,
+    task: Callable[[Any], Any],
+    argv: Optional[Sequence[str]] = None,
+    *,
+    config_name: Optional[str] = None,
 ) -> Any:
     """Run `task(cfg)` as `python -m gptlab.<name>`: a Hydra app on conf/<config_name or name>.yaml.
 
     argv None: the command line (sys.argv), every Hydra option included; user errors are printed as
-    `gptlab.<name>: error: <one line>` with exit code 2. argv a list of overrides: the same command in
-    this process (through Hydra's compose API); it returns what `task` returns and raises GptlabError.
-    The arguments are read as `hydra_words` says, by the POSITIONAL / TEXT_KEYS of the task's module.
+    `gptlab.<name>: error: <one line>` with exit code 2. argv a list of overrides: the same command
+    in this process (through Hydra's compose API); it returns what `task` returns and raises
+    GptlabError. The arguments are read as `hydra_words` says, by the POSITIONAL / TEXT_KEYS of the
+    task's module.
     """
     config_name = config_name or name
-    console.setup_logging()  # gptlab's console, unless Hydra's job logging (train, bench) replaces it
+    # gptlab's console, unless Hydra's job logging (train, bench) replaces it
+    console.setup_logging()
     if argv is not None:
         return task(compose(config_name, argv))
 
@@ -440,12 +499,14 @@ def command(
 
     prog = f"gptlab.{name}"
 
-    @functools.wraps(task)  # Hydra names the job after the task's module (hydra.job.name: bench, ...)
+    # Hydra names the job after the task's module (hydra.job.name: bench, ...)
+    @functools.wraps(task)
     def job(cfg: Any) -> Any:
         fresh = made_for_this_start()
         try:
             return task(cfg)
-        except SystemExit as e:  # exit code 2: a worker reported the user's error itself (distributed.spawn)
+        # exit code 2: a worker reported the user's error itself (distributed.spawn)
+        except SystemExit as e:
             if e.code == 2 and fresh is not None:
                 remove_failed_start(fresh)
             raise
@@ -456,7 +517,11 @@ def command(
             message = e if isinstance(e, GptlabError) else os_error_message(e)
             if message is not None and fresh is not None:
                 remove_failed_start(fresh)
-            if message is not None and HydraConfig.get().mode == RunMode.RUN and not _TRACEBACK["wanted"]:
+            if (
+                message is not None
+                and HydraConfig.get().mode == RunMode.RUN
+                and not _TRACEBACK["wanted"]
+            ):
                 fail(prog, message)
             raise
 
@@ -467,8 +532,8 @@ def command(
 
 
 def _start(app: Callable[[], Any], config_name: str, name: str) -> None:
-    """Run a command's Hydra app; options that are not Hydra's, mistyped keys and misused Hydra options
-    raise GptlabError, which run_entry prints as one line."""
+    """Run a command's Hydra app; options that are not Hydra's, mistyped keys and misused Hydra
+    options raise GptlabError, which run_entry prints as one line."""
     from hydra.errors import ConfigCompositionException
 
     flags = flag_error(config_name, name, sys.argv[1:])  # before Hydra's argparse prints its usage
@@ -487,7 +552,7 @@ def _start(app: Callable[[], Any], config_name: str, name: str) -> None:
         raise GptlabError(f"{e} (python -m gptlab.{name} --hydra-help)") from None
 
 
-# ---- the run folder of a start that failed --------------------------------------------------------
+# ---- the run folder of a start that failed -------------------------------------------------------
 
 
 def _log_files() -> List[Path]:
@@ -519,9 +584,9 @@ def made_for_this_start() -> Optional[Path]:
 
 
 def remove_failed_start(folder: Path) -> None:
-    """Remove what a start that failed left in `folder` (made_for_this_start): .hydra/, its log and the
-    run folder's lock, then the folder and the empty folders above it up to the working directory.
-    A folder that now holds anything else (records this start wrote) is kept whole."""
+    """Remove what a start that failed left in `folder` (made_for_this_start): .hydra/, its log and
+    the run folder's lock, then the folder and the empty folders above it up to the working
+    directory. A folder that now holds anything else (records this start wrote) is kept whole."""
     from hydra.core.hydra_config import HydraConfig
 
     from gptlab.records.layout import LOCK

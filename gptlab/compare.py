@@ -1,17 +1,20 @@
-"""python -m gptlab.compare TARGET [tracking.uri=...] [compare.out=PNG]: a sweep's runs side by side.
+"""python -m gptlab.compare TARGET [tracking.uri=...] [compare.out=PNG]: a sweep's runs side by
+side.
 
 TARGET is a sweep folder (outputs/sweeps/<date>_<time>; any folder of run folders works), an MLflow
-run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name (its
-runs, sweep parents left out). Prints a table of the runs (the overrides that differ between them,
-status, best val loss, tokens/s, MFU, wall time) sorted by best val loss, and writes a PNG of their
-validation loss against tokens (<sweep folder>/compare_val_loss.png, or outputs/compare/<target>.png).
+run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name
+(its runs, sweep parents left out). Prints a table of the runs (the overrides that differ between
+them, status, best val loss, tokens/s, MFU, wall time) sorted by best val loss, and writes a PNG of
+their validation loss against tokens (<sweep folder>/compare_val_loss.png, or
+outputs/compare/<target>.png).
 
 A sweep folder is read from its run folders (metrics.jsonl, results.json, .hydra/overrides.yaml),
 which are written whether or not MLflow was reachable; when it records an MLflow parent run
 (sweep.json), the jobs' statuses and errors come from MLflow.
 
-The root config is conf/compare.yaml: the training config (its `tracking` section names the store) and
-the command's own keys `compare.target` and `compare.out`; a first argument without `=` is the target.
+The root config is conf/compare.yaml: the training config (its `tracking` section names the store)
+and the command's own keys `compare.target` and `compare.out`; a first argument without `=` is the
+target.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from gptlab.records.store import (
 
 VAL_PNG = "compare_val_loss.png"
 
-log = logging.getLogger("gptlab.compare")  # not __name__: run as __main__, it would fall outside gptlab
+# not __name__: run as __main__, it would fall outside gptlab
+log = logging.getLogger("gptlab.compare")
 
 
 @dataclass
@@ -50,7 +54,8 @@ class CompareSettings:
     """The command's own keys (values in conf/compare.yaml)."""
 
     target: str  # a sweep folder, an MLflow (parent) run id, or an experiment name
-    out: Optional[str]  # the val-loss PNG; null: <sweep folder>/compare_val_loss.png or outputs/compare/<target>.png
+    # the val-loss PNG; null: <sweep folder>/compare_val_loss.png or outputs/compare/<target>.png
+    out: Optional[str]
 
 
 @dataclass
@@ -61,7 +66,8 @@ class CompareConfig(Config):
 
 
 ConfigStore.instance().store(name="gptlab_compare_schema", node=CompareConfig)
-# How the command reads its arguments (cli.hydra_words): TARGET is compare.target=TARGET, taken as typed.
+# How the command reads its arguments (cli.hydra_words): TARGET is compare.target=TARGET, taken as
+# typed.
 POSITIONAL = "compare.target"
 TEXT_KEYS = text_keys(CompareSettings, "compare.")
 
@@ -102,7 +108,11 @@ def _best(recorded: Any, curve: List[Tuple[float, float]]) -> Optional[float]:
 
 def _run_wall_s(run: Any) -> Optional[float]:
     """An MLflow run's seconds from start to end (None until it ends)."""
-    return (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time and run.info.start_time else None
+    return (
+        (run.info.end_time - run.info.start_time) / 1000
+        if run.info.end_time and run.info.start_time
+        else None
+    )
 
 
 # ---- reading runs ---------------------------------------------------------------------------
@@ -113,13 +123,20 @@ def from_folder(folder: Path) -> List[RunRecord]:
     run_dirs = layout.runs_in(folder)
     if not run_dirs:
         if layout.is_run_folder(folder):
-            raise GptlabError(f"{folder} is one run folder: give the sweep folder that holds it (or an experiment)")
+            raise GptlabError(
+                f"{folder} is one run folder: give the sweep folder that holds it (or an "
+                f"experiment)"
+            )
         raise GptlabError(f"{folder} holds no run folders (a sweep folder holds 0/, 1/, ...)")
     records = []
     for d in run_dirs:
         rows = read_metrics(d)
         results = read_results(d)
-        curve = [(r["tokens"], r["val_loss"]) for r in rows if r.get("val_loss") is not None and "tokens" in r]
+        curve = [
+            (r["tokens"], r["val_loss"])
+            for r in rows
+            if r.get("val_loss") is not None and "tokens" in r
+        ]
         records.append(
             RunRecord(
                 name=d.name,
@@ -157,12 +174,20 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
     for rec in records:
         run = by_dir.get(rec.run_dir)
         if run is not None:
-            rec.status, rec.error, rec.run_id = run.info.status, run.data.tags.get("error"), run.info.run_id
+            rec.status, rec.error, rec.run_id = (
+                run.info.status,
+                run.data.tags.get("error"),
+                run.info.run_id,
+            )
             if rec.wall_s is None:
                 rec.wall_s = _run_wall_s(run)
     # a job whose start failed leaves no folder behind: the sweep's record of it is all there is
     known = {rec.run_dir for rec in records}
-    records += [_record_from_run(client, r, job_names=True) for d, r in by_dir.items() if d and d not in known]
+    records += [
+        _record_from_run(client, r, job_names=True)
+        for d, r in by_dir.items()
+        if d and d not in known
+    ]
 
 
 def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
@@ -170,7 +195,9 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
     tokens_at = {p.step: p.value for p in client.get_metric_history(run.info.run_id, "tokens")}
     curve = [
         (tokens_at.get(p.step, float(p.step)), p.value)
-        for p in sorted(client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step)
+        for p in sorted(
+            client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step
+        )
     ]
     wall = _finite(m.get("summary/wall_s"))
     name = Path(tags["run_dir"]).name if job_names and "run_dir" in tags else run.info.run_name
@@ -216,7 +243,9 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
         exp = client.get_experiment_by_name(target)
         if exp is None:
             names = ", ".join(e.name for e in client.search_experiments()) or "none"
-            raise GptlabError(f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})")
+            raise GptlabError(
+                f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})"
+            )
         runs = [
             r
             for r in client.search_runs([exp.experiment_id], max_results=10000)
@@ -268,7 +297,8 @@ def table(records: List[RunRecord]) -> str:
 
     def fmt(cells):
         return "  ".join(
-            str(c).rjust(w) if h in right else str(c).ljust(w) for c, w, h in zip(cells, widths, head)
+            str(c).rjust(w) if h in right else str(c).ljust(w)
+            for c, w, h in zip(cells, widths, head)
         ).rstrip()
 
     lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
@@ -315,9 +345,15 @@ def run_compare(cfg: Any) -> None:
         records, title = from_folder(folder), str(folder)
         out = Path(out_setting) if out_setting else folder / VAL_PNG
     else:
-        records, title = from_mlflow(config.tracking.uri or local_uri(Path(config.paths.mlflow_db)), target)
+        records, title = from_mlflow(
+            config.tracking.uri or local_uri(Path(config.paths.mlflow_db)), target
+        )
         safe = re.sub(r"[^\w.-]+", "_", target)
-        out = Path(out_setting) if out_setting else Path(config.paths.outputs) / "compare" / f"{safe}.png"
+        out = (
+            Path(out_setting)
+            if out_setting
+            else Path(config.paths.outputs) / "compare" / f"{safe}.png"
+        )
     print(table(records), flush=True)
     try:
         plot_val_curves(records, out, title)

@@ -1,4 +1,5 @@
-"""The run's schema: one typed dataclass per section, composed into ``Config`` and registered with Hydra.
+"""The run's schema: one typed dataclass per section, composed into ``Config`` and registered with
+Hydra.
 
 The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
 here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
@@ -27,8 +28,10 @@ from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
 from gptlab.records.store import check_uri
 
-STRATEGIES = ("single", "ddp", "fsdp", "hsdp")  # parallelism.strategy (distributed.wrap_model reads it)
-SHARDED = ("fsdp", "hsdp")  # strategies whose weights, gradients and optimizer state are split over ranks
+# parallelism.strategy (distributed.wrap_model reads it)
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
+# strategies whose weights, gradients and optimizer state are split over ranks
+SHARDED = ("fsdp", "hsdp")
 
 
 @dataclass
@@ -47,7 +50,8 @@ class TrackingConfig:
 class TrainConfig:
     max_steps: int
     batch_size: int  # global sequences per optimizer step (all processes, all micro-steps)
-    # per process per forward (int); null: the hardware's choice; auto: the largest that fits (gptlab.plan)
+    # per process per forward (int); null: the hardware's choice; auto: the largest that fits
+    # (gptlab.plan)
     micro_batch_size: Any
     eval_every: int  # steps between evaluations (0: only at the end)
     eval_steps: int  # validation batches per evaluation
@@ -69,8 +73,10 @@ class HardwareConfig:
     nproc_per_node: int
     nodes: int
     precision: str  # fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler)
-    micro_batch_size: Optional[int]  # per-process sequences per forward; null: as large as the batch allows
-    peak_tflops: Optional[float]  # per device, bf16/fp16, for MFU; null: measure the CPU's matmul rate
+    # per-process sequences per forward; null: as large as the batch allows
+    micro_batch_size: Optional[int]
+    # per device, bf16/fp16, for MFU; null: measure the CPU's matmul rate
+    peak_tflops: Optional[float]
     tf32: bool  # TF32 tensor-core matmuls on Ampere and newer
     compile: bool  # torch.compile by default on this hardware
     attention_backend: str  # auto | flash | efficient | math
@@ -83,10 +89,13 @@ class HardwareConfig:
 @dataclass
 class ParallelismConfig:
     name: str
-    strategy: str  # single | ddp | fsdp | hsdp: how the model is wrapped across processes (distributed.wrap_model)
+    # single | ddp | fsdp | hsdp: how the model is wrapped across processes (distributed.wrap_model)
+    strategy: str
     activation_checkpointing: bool
-    reshard_after_forward: bool  # fsdp/hsdp: free gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
-    loss_chunk: Optional[int]  # tokens per chunk of LM head + loss; 0: whole; null: costs.loss_chunk's rule
+    # fsdp/hsdp: free gathered weights after forward (ZeRO-3) or keep them (ZeRO-2)
+    reshard_after_forward: bool
+    # tokens per chunk of LM head + loss; 0: whole; null: costs.loss_chunk's rule
+    loss_chunk: Optional[int]
     compile: Optional[bool]  # null: the hardware's default
     timeout_s: int  # a collective waiting longer than this ends the job
 
@@ -116,8 +125,13 @@ class Config:
 
     @property
     def compile(self) -> bool:
-        """torch.compile: the parallelism's choice when it makes one, else the hardware's default."""
-        return self.parallelism.compile if self.parallelism.compile is not None else self.hardware.compile
+        """torch.compile: the parallelism's choice when it makes one, else the hardware's
+        default."""
+        return (
+            self.parallelism.compile
+            if self.parallelism.compile is not None
+            else self.hardware.compile
+        )
 
     @property
     def micro_batch_size(self) -> int:
@@ -127,7 +141,9 @@ class Config:
         """
         setting = self.train.micro_batch_size
         if setting == "auto":
-            raise GptlabError("train.micro_batch_size=auto: resolve it with costs.resolve_micro_batch first")
+            raise GptlabError(
+                "train.micro_batch_size=auto: resolve it with costs.resolve_micro_batch first"
+            )
         per_rank = self.train.batch_size // self.world_size
         mb = setting or self.hardware.micro_batch_size or per_rank
         return min(mb, per_rank) if setting is None else mb
@@ -150,10 +166,12 @@ def _one_line(e: Exception) -> str:
 def to_config(cfg: DictConfig, schema: type = Config) -> Any:
     """Validate a composed DictConfig and convert it to the typed schema (raises GptlabError).
 
-    schema: Config, or a command's subclass of it that adds the command's own section (gptlab.bench).
+    schema: Config, or a command's subclass of it that adds the command's own section
+    (gptlab.bench).
     """
     try:
-        # Merge a plain copy: a DictConfig node already typed by Hydra would carry `+key=` extras along.
+        # Merge a plain copy: a DictConfig node already typed by Hydra would carry `+key=` extras
+        # along.
         plain = OmegaConf.to_container(cfg, resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
         config = OmegaConf.to_object(merged)
@@ -180,7 +198,11 @@ def validate(c: Config) -> None:
     _validate_model(c.model)
     _validate_optimizer(c.optimizer)
     _validate_processes(c)
-    _check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", f"must be in (0, 1), got {c.data.val_fraction}")
+    _check(
+        0.0 < c.data.val_fraction < 1.0,
+        "data.val_fraction",
+        f"must be in (0, 1), got {c.data.val_fraction}",
+    )
     _validate_train(c)
     _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")
     check_uri(c.tracking.uri)  # a mistyped store is one line now, not a run that goes unrecorded
@@ -200,7 +222,11 @@ def _validate_model(m: GPTConfig) -> None:
     _choice("model.pos_emb", m.pos_emb, ["learned", "sinusoidal", "rotary"])
     _choice("model.mlp", m.mlp, ["gelu", "swiglu"])
     if m.pos_emb == "rotary":
-        _check((m.n_embd // m.n_head) % 2 == 0, "model.n_embd", "rotary positions need an even head size")
+        _check(
+            (m.n_embd // m.n_head) % 2 == 0,
+            "model.n_embd",
+            "rotary positions need an even head size",
+        )
     _check(m.ffn_dim is None or m.ffn_dim > 0, "model.ffn_dim", "must be positive")
 
 
@@ -210,12 +236,18 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     _check(o.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     _check(o.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0")
     _check(o.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optimizer.betas", "must be two numbers in [0, 1)")
+    _check(
+        len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+        "optimizer.betas",
+        "must be two numbers in [0, 1)",
+    )
     _choice("optimizer.name", o.name, ["adamw", "muon"])
     _check(0.0 <= o.muon_momentum < 1.0, "optimizer.muon_momentum", "must be in [0, 1)")
     _check(o.muon_ns_steps >= 1, "optimizer.muon_ns_steps", "must be >= 1")
     _choice("optimizer.muon_ns_dtype", o.muon_ns_dtype, ["auto", "bf16", "fp32"])
-    _check(0.0 <= o.ema_decay < 1.0, "optimizer.ema_decay", "must be in [0, 1) (0: no weight average)")
+    _check(
+        0.0 <= o.ema_decay < 1.0, "optimizer.ema_decay", "must be in [0, 1) (0: no weight average)"
+    )
     _choice("optimizer.schedule", o.schedule, ["cosine", "linear", "constant"])
     _choice("optimizer.lr_scaling", o.lr_scaling, ["none", "sqrt", "linear"])
 
@@ -224,18 +256,25 @@ def _validate_processes(c: Config) -> None:
     h, p = c.hardware, c.parallelism
     _choice("hardware.device", h.device, ["cpu", "cuda"])
     _choice("hardware.precision", h.precision, ["fp32", "bf16", "fp16"])
-    _choice("hardware.attention_backend", h.attention_backend, ["auto", "flash", "efficient", "math"])
+    _choice(
+        "hardware.attention_backend", h.attention_backend, ["auto", "flash", "efficient", "math"]
+    )
     _check(h.nproc_per_node >= 1, "hardware.nproc_per_node", "must be >= 1")
     _check(h.nodes >= 1, "hardware.nodes", "must be >= 1")
     _choice("parallelism.strategy", p.strategy, list(STRATEGIES))
     _check(
         not (p.strategy in SHARDED and h.precision == "fp16"),
         "hardware.precision",
-        f"fp16 with parallelism.strategy={p.strategy}: each rank would skip steps on its own shard's "
+        f"fp16 with parallelism.strategy={p.strategy}: each rank would skip steps on its own "
+        f"shard's "
         "overflows; use bf16 (no loss scaling needed) or fp32",
     )
     _check(p.timeout_s > 0, "parallelism.timeout_s", "must be positive")
-    _check(p.loss_chunk is None or p.loss_chunk >= 0, "parallelism.loss_chunk", "must be >= 0 (0: no chunks) or null")
+    _check(
+        p.loss_chunk is None or p.loss_chunk >= 0,
+        "parallelism.loss_chunk",
+        "must be >= 0 (0: no chunks) or null",
+    )
 
 
 def _validate_train(c: Config) -> None:
@@ -248,9 +287,20 @@ def _validate_train(c: Config) -> None:
         f"{t.batch_size} sequences do not split over {c.world_size} processes",
     )
     _validate_micro_batch(c)
-    for key in ("eval_every", "eval_steps", "log_every", "checkpoint_every", "keep_checkpoints", "sample_tokens"):
+    for key in (
+        "eval_every",
+        "eval_steps",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "sample_tokens",
+    ):
         _check(getattr(t, key) >= 0, f"train.{key}", "must be >= 0")
-    _check(t.eval_batch_size is None or t.eval_batch_size > 0, "train.eval_batch_size", "must be positive")
+    _check(
+        t.eval_batch_size is None or t.eval_batch_size > 0,
+        "train.eval_batch_size",
+        "must be positive",
+    )
     _check(
         t.resume in ("auto", "never") or t.resume.endswith(".pt") or "/" in t.resume,
         "train.resume",
@@ -262,14 +312,17 @@ def _validate_micro_batch(c: Config) -> None:
     hw_mb = c.hardware.micro_batch_size
     if hw_mb is not None and not (_is_int(hw_mb) and hw_mb > 0):
         raise GptlabError(
-            f"hardware.micro_batch_size={hw_mb}: must be a positive integer or null (as large as the batch allows)"
+            f"hardware.micro_batch_size={hw_mb}: must be a positive integer or null (as large as "
+            f"the batch allows)"
         )
     setting = c.train.micro_batch_size
     if setting == "auto":
-        return  # the planner picks a divisor of the per-process batch that fits (costs.resolve_micro_batch)
+        # the planner picks a divisor of the per-process batch that fits (costs.resolve_micro_batch)
+        return
     if setting is not None and not (_is_int(setting) and setting > 0):
         raise GptlabError(
-            f"train.micro_batch_size={setting}: must be a positive integer, null (the hardware's choice) "
+            f"train.micro_batch_size={setting}: must be a positive integer, null (the hardware's "
+            f"choice) "
             f"or auto (the largest that fits)"
         )
     mb = c.micro_batch_size

@@ -69,7 +69,8 @@ def for_rank(rank: int) -> None:
 
 
 class quiet:
-    """Only warnings from gptlab while the block runs (gptlab.bench: its JSON line is its output)."""
+    """Only warnings from gptlab while the block runs (gptlab.bench: its JSON line is its
+    output)."""
 
     def __enter__(self) -> None:
         self.log = logging.getLogger(LOGGER)
@@ -91,7 +92,11 @@ def next_start(folder: Path, resume: str) -> str:
     from gptlab.records import layout
 
     found = latest(Path(folder))
-    where = f"resumes from {found} (step {step_of(found)})" if found else "begins at step 0 (no checkpoint yet)"
+    where = (
+        f"resumes from {found} (step {step_of(found)})"
+        if found
+        else "begins at step 0 (no checkpoint yet)"
+    )
     run_dir = Path(folder).parent
     if (run_dir.parent / layout.MULTIRUN).is_file():
         how = f"run the sweep again with hydra.sweep.dir={run_dir.parent}"
@@ -136,7 +141,9 @@ class Reporter:
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=self.max_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stderr
+            )
         self.say(summary)
         self.open_window()
 
@@ -148,7 +155,8 @@ class Reporter:
         self._tokens += tokens
 
     def close_window(self, step: int) -> Tuple[float, float]:
-        """End the timing window at a logging step: (seconds, tokens/s). The caller syncs the device."""
+        """End the timing window at a logging step: (seconds, tokens/s). The caller syncs the
+        device."""
         seconds = time.perf_counter() - self._t0
         self.train_time += seconds
         self.timings.append((step, seconds, self._tokens))
@@ -167,17 +175,25 @@ class Reporter:
         if not self.enabled:
             return
         eta = (self.max_steps - step) * self.train_time / max(1, step - self._start)
-        loss, lr, tok_s, mfu = figures["train_loss"], figures["lr"], figures["tokens_per_s"], figures["mfu"]
+        loss, lr, tok_s, mfu = (
+            figures["train_loss"],
+            figures["lr"],
+            figures["tokens_per_s"],
+            figures["mfu"],
+        )
         if self.bar is not None:
             self.bar.n = step
             figures = {"loss": f"{loss:.4f}", "best_val": f"{best_val:.4f}", "lr": f"{lr:.1e}"}
-            figures.update({"tok/s": f"{tok_s:,.0f}", "mfu": f"{100 * mfu:.1f}%", "eta": f"{eta:,.0f}s"})
+            figures.update(
+                {"tok/s": f"{tok_s:,.0f}", "mfu": f"{100 * mfu:.1f}%", "eta": f"{eta:,.0f}s"}
+            )
             self.bar.set_postfix(figures, refresh=False)
             self.bar.refresh()
             return
         val = f" | val {figures['val_loss']:.4f}" if figures.get("val_loss") is not None else ""
         self.log.info(
-            f"step {step}/{self.max_steps} | loss {loss:.4f}{val} | lr {lr:.2e} | {tok_s:,.0f} tok/s "
+            f"step {step}/{self.max_steps} | loss {loss:.4f}{val} | lr {lr:.2e} | {tok_s:,.0f} "
+            f"tok/s "
             f"| mfu {100 * mfu:.1f}% | eta {eta:,.0f}s"
         )
 

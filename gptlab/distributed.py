@@ -67,7 +67,8 @@ def role(hw: HardwareConfig) -> str:
 
             raise GptlabError(
                 f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
-                "(hydra/launcher=slurm_a100x8, or launch/sbatch_gptlab.sh) or torchrun on every node"
+                "(hydra/launcher=slurm_a100x8, or launch/sbatch_gptlab.sh) or torchrun on "
+                "every node"
             )
         check_gpus(hw, hw.nproc_per_node)
         return "parent"
@@ -76,7 +77,8 @@ def role(hw: HardwareConfig) -> str:
 
 
 def check_gpus(hw: HardwareConfig, needed: int) -> None:
-    """For hardware.device=cuda: at least `needed` GPUs are visible to this process (one per local rank)."""
+    """For hardware.device=cuda: at least `needed` GPUs are visible to this process (one per local
+    rank)."""
     if hw.device != "cuda":
         return
     from gptlab.errors import GptlabError
@@ -86,7 +88,8 @@ def check_gpus(hw: HardwareConfig, needed: int) -> None:
     visible = torch.cuda.device_count()
     if visible < needed:
         raise GptlabError(
-            f"hardware={hw.name} starts {needed} processes, one per GPU, but {visible} GPU(s) are visible "
+            f"hardware={hw.name} starts {needed} processes, one per GPU, but {visible} GPU(s) are "
+            f"visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
             f"set hardware.nproc_per_node={visible} or make the GPUs visible"
         )
@@ -105,7 +108,8 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     if world != expected:
         raise GptlabError(
             f"hardware={hw.name} asks for {expected} process(es) but this job has {world}: set "
-            f"hardware.nproc_per_node / hardware.nodes to match the launcher (torchrun --nproc_per_node, "
+            f"hardware.nproc_per_node / hardware.nodes to match the launcher (torchrun "
+            f"--nproc_per_node, "
             f"SLURM tasks)"
         )
     if hw.threads:
@@ -137,7 +141,9 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
             **alone,
         )
         # small CPU-side agreements (stop signals) go over gloo so they never sync the GPU stream
-        _CONTROL_GROUP = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+        _CONTROL_GROUP = (
+            dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+        )
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
@@ -160,8 +166,10 @@ def _free_port() -> int:
 
 
 # A spawned worker's exit codes besides its run's own (0, or 2 after a user error it printed):
-INTERRUPTED = 130  # KeyboardInterrupt: the launcher's Ctrl-C reached it before training (the shell's code)
-CRASHED = 70  # it raised: its traceback is on the console (sysexits' EX_SOFTWARE, not any SystemExit's code)
+# KeyboardInterrupt: the launcher's Ctrl-C reached it before training (the shell's code)
+INTERRUPTED = 130
+# it raised: its traceback is on the console (sysexits' EX_SOFTWARE, not any SystemExit's code)
+CRASHED = 70
 
 
 def _worker(local_rank: int, launch: tuple, fn, args) -> None:
@@ -208,7 +216,9 @@ def follow_launcher(launcher: int) -> None:
     launcher started it, gets Python's handler back.
     """
     if not _killed_with_parent():
-        threading.Thread(target=_watch_parent, args=(launcher,), name="gptlab-launcher-watch", daemon=True).start()
+        threading.Thread(
+            target=_watch_parent, args=(launcher,), name="gptlab-launcher-watch", daemon=True
+        ).start()
     if os.getppid() != launcher:
         os.kill(os.getpid(), signal.SIGKILL)
     with suppress(OSError):  # already a session leader: nothing to leave
@@ -217,7 +227,8 @@ def follow_launcher(launcher: int) -> None:
 
 
 def _killed_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent ends; False where there is no prctl."""
+    """Ask the kernel to SIGKILL this process when its parent ends; False where there is no
+    prctl."""
     import ctypes
 
     try:
@@ -257,10 +268,10 @@ def spawn(fn, nprocs: int, args: tuple) -> None:
 
     The first stop signal this launcher gets (SIGTERM, SIGUSR2, and Ctrl-C's SIGINT unless it was
     started with SIGINT ignored, as a shell's background job is) goes on to every worker, which stop
-    at the next step with a checkpoint; a second SIGINT or SIGTERM (stop_again) kills them and raises
-    KeyboardInterrupt here. When one worker fails, the others are killed at once and the failure is
-    raised: SystemExit(2) for a user error the worker printed itself, KeyboardInterrupt for a worker
-    interrupted before training, else one GptlabError naming the rank.
+    at the next step with a checkpoint; a second SIGINT or SIGTERM (stop_again) kills them and
+    raises KeyboardInterrupt here. When one worker fails, the others are killed at once and the
+    failure is raised: SystemExit(2) for a user error the worker printed itself, KeyboardInterrupt
+    for a worker interrupted before training, else one GptlabError naming the rank.
     """
     stops = _Forward()
     handled = [signal.SIGTERM, signal.SIGUSR2]
@@ -280,7 +291,8 @@ def spawn(fn, nprocs: int, args: tuple) -> None:
 
 
 def _start(nprocs: int, fn, args: tuple) -> list:
-    """The started workers (multiprocessing's spawn: fresh interpreters, safe with threads and CUDA).
+    """The started workers (multiprocessing's spawn: fresh interpreters, safe with threads and
+    CUDA).
 
     SIGINT is ignored while they start, so that they inherit it ignored until follow_launcher has
     taken them out of the terminal's reach: a Ctrl-C then reaches this launcher alone.
@@ -289,7 +301,10 @@ def _start(nprocs: int, fn, args: tuple) -> list:
 
     ctx = multiprocessing.get_context("spawn")
     launch = (nprocs, _free_port(), os.getpid())
-    workers = [ctx.Process(target=_worker, args=(i, launch, fn, args), name=f"rank {i}") for i in range(nprocs)]
+    workers = [
+        ctx.Process(target=_worker, args=(i, launch, fn, args), name=f"rank {i}")
+        for i in range(nprocs)
+    ]
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         for w in workers:
@@ -303,8 +318,9 @@ def _start(nprocs: int, fn, args: tuple) -> list:
 
 
 class _Forward:
-    """The launcher's stop-signal handler: the first signal is sent on to every live worker; a second
-    SIGINT or SIGTERM (stop_again) kills them and raises KeyboardInterrupt; other repeats ask nothing more."""
+    """The launcher's stop-signal handler: the first signal is sent on to every live worker; a
+    second SIGINT or SIGTERM (stop_again) kills them and raises KeyboardInterrupt; other repeats ask
+    nothing more."""
 
     def __init__(self) -> None:
         self.workers: list = []
@@ -324,7 +340,8 @@ class _Forward:
 
 
 def _wait(workers: list) -> Optional[int]:
-    """Wait until every worker has ended; when one fails, kill the others at once: its index (None: all ended well)."""
+    """Wait until every worker has ended; when one fails, kill the others at once: its index (None:
+    all ended well)."""
     from multiprocessing.connection import wait
 
     live = {w.sentinel: i for i, w in enumerate(workers)}
@@ -339,8 +356,8 @@ def _wait(workers: list) -> Optional[int]:
 
 
 def _kill(workers: list) -> None:
-    """SIGKILL the workers still running, and reap them. Not SIGTERM: a worker would take it for a stop
-    and try to save, with a peer gone, and say so in a traceback."""
+    """SIGKILL the workers still running, and reap them. Not SIGTERM: a worker would take it for a
+    stop and try to save, with a peer gone, and say so in a traceback."""
     for w in workers:
         if w.is_alive():
             w.kill()
@@ -349,18 +366,24 @@ def _kill(workers: list) -> None:
 
 
 def _failure(worker, rank: int, asked: Optional[str]) -> BaseException:
-    """What a worker's failed exit means here (asked: the stop signal the launcher forwarded, if any)."""
+    """What a worker's failed exit means here (asked: the stop signal the launcher forwarded, if
+    any)."""
     from gptlab.errors import GptlabError
 
     code = worker.exitcode
     if code == 2:
         return SystemExit(2)
     if code == INTERRUPTED or (asked is not None and code == -signal.Signals[asked]):
-        return KeyboardInterrupt()  # stopped before it could save: the caller says where the run stands
+        # stopped before it could save: the caller says where the run stands
+        return KeyboardInterrupt()
     if code == CRASHED:
         return GptlabError(f"worker rank {rank} failed (traceback above); all workers were stopped")
     try:
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code < 0
+            else f"exited with code {code}"
+        )
     except ValueError:
         how = f"was killed by signal {-code}"
     return GptlabError(f"worker rank {rank} (pid {worker.pid}) {how}; all workers were stopped")
@@ -371,7 +394,8 @@ GLOO_SETTLE_S = 0.2
 
 
 def teardown() -> None:
-    """Leave the process group; under gloo, then give its worker threads time to drop their last work.
+    """Leave the process group; under gloo, then give its worker threads time to drop their last
+    work.
 
     A process that ends through the interpreter's shutdown (torchrun, SLURM) would otherwise race
     those threads for the GIL as spawned workers did (see _exit_now); the sleep gives them the GIL
@@ -379,14 +403,18 @@ def teardown() -> None:
     """
     global _CONTROL_GROUP
     if dist.is_initialized():
-        gloo = dist.get_world_size() > 1 and (dist.get_backend() == "gloo" or _CONTROL_GROUP is not None)
+        gloo = dist.get_world_size() > 1 and (
+            dist.get_backend() == "gloo" or _CONTROL_GROUP is not None
+        )
         dist.destroy_process_group()
         if gloo:
             time.sleep(GLOO_SETTLE_S)
     _CONTROL_GROUP = None
 
 
-def wrap_model(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool) -> nn.Module:
+def wrap_model(
+    model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool
+) -> nn.Module:
     """checkpointing -> compile -> the strategy's data-parallel wrapper, in that fixed order.
 
     Unsharded (single, ddp): torch.compile of the whole model, then DDP around the compiled module
@@ -404,7 +432,8 @@ def wrap_model(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareCo
 
 
 def _replicate(model: nn.Module, d: Dist) -> nn.Module:
-    """A whole copy per process: alone, the model itself; with others, DDP keeps the copies in step."""
+    """A whole copy per process: alone, the model itself; with others, DDP keeps the copies in
+    step."""
     if d.world_size == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -417,11 +446,14 @@ _PARAM_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def mesh_shape(strategy: str, world_size: int, nodes: int) -> tuple:
-    """fsdp: one dimension, all ranks shard; hsdp: (nodes to replicate over, ranks per node to shard over)."""
+    """fsdp: one dimension, all ranks shard; hsdp: (nodes to replicate over, ranks per node to shard
+    over)."""
     return (nodes, world_size // nodes) if strategy == "hsdp" else (world_size,)
 
 
-def _shard(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool) -> nn.Module:
+def _shard(
+    model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool
+) -> nn.Module:
     """FSDP2 in place: every block is its own shard unit (gathered just before use), then the root
     (embeddings, final norm, head). Gradients reduce in fp32 whatever the compute dtype."""
     import warnings
@@ -432,24 +464,28 @@ def _shard(model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig
     shape = mesh_shape(par.strategy, d.world_size, hw.nodes)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh(d.device.type, shape, mesh_dim_names=names)
-    policy = MixedPrecisionPolicy(param_dtype=_PARAM_DTYPE[hw.precision], reduce_dtype=torch.float32)
-    # Blocks return their (k, v) and the root a slice of the padded logits: views FSDP warns about on
-    # every forward. Nothing modifies them in place, so the warning says nothing here.
+    policy = MixedPrecisionPolicy(
+        param_dtype=_PARAM_DTYPE[hw.precision], reduce_dtype=torch.float32
+    )
+    # Blocks return their (k, v) and the root a slice of the padded logits: views FSDP warns about
+    # on every forward. Nothing modifies them in place, so the warning says nothing here.
     warnings.filterwarnings("ignore", message=r".*FSDP2-wrapped module.*returned a view tensor")
     for block in model.h:
         if compile:
             block.compile()
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=par.reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=policy, reshard_after_forward=par.reshard_after_forward
+        )
     # the root's parameters are used last in forward and first in backward: keeping them is free
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
 
 
 def reshard(model: nn.Module) -> None:
-    """Free the gathered (unsharded) weights a fully_shard model still holds, so that its next forward
-    gathers the shards again: needed after the shards' values were replaced in place (the root keeps
-    its gathered weights after forward, as do blocks with reshard_after_forward=false). A no-op for
-    any other model."""
+    """Free the gathered (unsharded) weights a fully_shard model still holds, so that its next
+    forward gathers the shards again: needed after the shards' values were replaced in place (the
+    root keeps its gathered weights after forward, as do blocks with reshard_after_forward=false). A
+    no-op for any other model."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
@@ -507,7 +543,8 @@ USER_STOPS = ("SIGINT", "SIGTERM")
 
 
 def stop_again(first: str, since_s: float, name: str) -> bool:
-    """Whether stop signal `name`, `since_s` seconds after the first one (`first`), ends the run at once.
+    """Whether stop signal `name`, `since_s` seconds after the first one (`first`), ends the run at
+    once.
 
     A second SIGINT or SIGTERM does. SIGUSR2 neither does nor makes a later one do: it is a
     scheduler's warning, and the scheduler's SIGTERM that may follow must not cut the save short.

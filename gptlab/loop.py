@@ -25,14 +25,14 @@ if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
 
 
 class StopOnSignal:
-    """SIGTERM / SIGUSR2 (preemption, scancel, SLURM's time-limit warning) and SIGINT (Ctrl-C) ask the
-    loop to stop.
+    """SIGTERM / SIGUSR2 (preemption, scancel, SLURM's time-limit warning) and SIGINT (Ctrl-C) ask
+    the loop to stop.
 
     The handler only sets a flag; the loop checks it at the next step boundary, where every rank
     agrees to stop, rank 0 saves a checkpoint, and the run ends cleanly. A second SIGINT or SIGTERM
     (distributed.stop_again) raises KeyboardInterrupt at once, wherever the loop is. SIGINT is left
-    alone where it is ignored (a shell's background job: Ctrl-C is not for it). The previous handlers
-    come back afterwards (submitit's SIGUSR2 handler then requeues the job).
+    alone where it is ignored (a shell's background job: Ctrl-C is not for it). The previous
+    handlers come back afterwards (submitit's SIGUSR2 handler then requeues the job).
     """
 
     SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
@@ -105,9 +105,10 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 
 
 def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
-    """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of a
-    sharded one. Every rank then waits, so nobody races ahead of a slow save."""
-    # the loss average in progress, as every rank's sum averaged over ranks (a collective: all ranks)
+    """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of
+    a sharded one. Every rank then waits, so nobody races ahead of a slow save."""
+    # the loss average in progress, as every rank's sum averaged over ranks (a collective: all
+    # ranks)
     window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
     state = checkpoint.TrainingState.capture(
         run.stateful(),
@@ -122,13 +123,16 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         tokenizer=run.tokenizer.to_meta(),
         mlflow_run_id=run.tracker.run_id,
     )
-    checkpoint.save_state(run.checkpoint_dir, state, val, run.train.keep_checkpoints, run.dist.is_main)
+    checkpoint.save_state(
+        run.checkpoint_dir, state, val, run.train.keep_checkpoints, run.dist.is_main
+    )
     if run.dist.world_size > 1:
         torch.distributed.barrier()
 
 
 def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; adds the loss to loss_sum, returns the grad norm."""
+    """One optimizer step over this rank's micro-batches; adds the loss to loss_sum, returns the
+    grad norm."""
     model, opt, scaler, dev = run.model, run.optimizer, run.scaler, run.dist.device
     for group in opt.param_groups:
         group["lr"] = lr
@@ -182,17 +186,54 @@ def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
     return log, evaluate_now, t.save_checkpoints and (every or last or stopping)
 
 
+def start_progress(run: "Run") -> Progress:
+    """Where the loop starts: step 0, or the resumed checkpoint's step, tokens and loss window."""
+    window_sum, window_count = run.start_loss_window
+    loss_sum = torch.tensor(float(window_sum), device=run.dist.device)
+    p = Progress(run.start_step, run.start_tokens, run.start_best_val, loss_sum)
+    p.loss_count = int(window_count)
+    p.train_loss, p.last_val = run.start_losses  # a resumption at the last step logs none
+    return p
+
+
+def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tuple) -> None:
+    """A step that logs, evaluates or saves: its figures, the evaluation, the records, the save."""
+    do_log, do_eval, do_save = due_now
+    dev, report = run.dist.device, run.reporter
+    # The one host sync of a logging step: close the timing window before eval / save run.
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    _, tok_s = report.close_window(p.step)
+    figures = {
+        "lr": lr,
+        "tokens_per_s": tok_s,
+        "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops),
+    }
+    metrics: Dict[str, Any] = {"tokens": p.tokens}
+    if do_log:
+        loss = mean_train_loss(p)
+        metrics.update({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), **figures})
+    if do_eval:
+        p.last_val = metrics["val_loss"] = evaluate(run)
+        p.best_val = min(p.best_val, p.last_val)
+    if (do_log or do_eval) and p.step > run.logged_until_step:
+        run.tracker.log_metrics(p.step, metrics)
+        report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
+    if do_save:
+        save_checkpoint(run, p, p.last_val if do_eval else None)
+    if p.stopped_by is not None:
+        report.stopped(p.stopped_by, p.step, run.checkpoint_dir, run.train.resume)
+    report.open_window()  # evaluation, checkpointing and logging are not training throughput
+
+
 def train(run: "Run") -> Dict[str, Any]:
     """Run the training loop from run.start_step to train.max_steps; return the results dict.
 
     Stops early, with a checkpoint, when SIGTERM or SIGUSR2 arrives (results["stopped_by"]).
     """
-    t, dev, report = run.train, run.dist.device, run.reporter
+    t, report = run.train, run.reporter
     tokens_per_step = t.batch_size * run.block_size
-    window_sum, window_count = run.start_loss_window
-    p = Progress(run.start_step, run.start_tokens, run.start_best_val, torch.tensor(float(window_sum), device=dev))
-    p.loss_count = int(window_count)
-    p.train_loss, p.last_val = run.start_losses  # the checkpoint's: a resumption at the last step logs none
+    p = start_progress(run)
     wall0 = time.perf_counter()
     run.model.train()
     report.begin(p.step, run.summary)
@@ -202,34 +243,19 @@ def train(run: "Run") -> Dict[str, Any]:
             seed_step(t.seed, p.step, run.dist.rank)
             lr = run.lr_at(p.step)
             grad_norm = optimizer_step(run, lr, p.loss_sum)
-            p.step, p.tokens, p.loss_count = p.step + 1, p.tokens + tokens_per_step, p.loss_count + 1
+            p.step, p.tokens, p.loss_count = (
+                p.step + 1,
+                p.tokens + tokens_per_step,
+                p.loss_count + 1,
+            )
             report.trained(tokens_per_step)
-            # every rank must agree to stop at the same step, or the others would wait in a collective
+            # every rank stops at the same step, or the others would wait in a collective
             p.stopped_by = distributed.agree_on_signal(stop.received)
-            do_log, do_eval, do_save = due(t, p)
-            if not (do_log or do_eval or do_save):
+            due_now = due(t, p)
+            if any(due_now):
+                record_step(run, p, lr, grad_norm, due_now)
+            else:
                 report.tick(p.step)
-                continue
-            # The one host sync of a logging step: close the timing window before eval / save run.
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            _, tok_s = report.close_window(p.step)
-            figures = {"lr": lr, "tokens_per_s": tok_s, "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops)}
-            metrics: Dict[str, Any] = {"tokens": p.tokens}
-            if do_log:
-                loss = mean_train_loss(p)
-                metrics.update({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), **figures})
-            if do_eval:
-                p.last_val = metrics["val_loss"] = evaluate(run)
-                p.best_val = min(p.best_val, p.last_val)
-            if (do_log or do_eval) and p.step > run.logged_until_step:
-                run.tracker.log_metrics(p.step, metrics)
-                report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
-            if do_save:
-                save_checkpoint(run, p, p.last_val if do_eval else None)
-            if p.stopped_by is not None:
-                report.stopped(p.stopped_by, p.step, run.checkpoint_dir, t.resume)
-            report.open_window()  # evaluation, checkpointing and logging are not training throughput
     finally:
         stop.restore()
         report.close()
@@ -250,14 +276,16 @@ def mean_train_loss(p: Progress) -> float:
 
 
 def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
-    """The run's final figures (results.json); throughput counts this session's training time only."""
+    """The run's final figures (results.json); throughput counts this session's training time
+    only."""
     session_tokens, train_time = p.tokens - run.start_tokens, run.reporter.train_time
     tok_s = session_tokens / train_time if train_time > 0 else None
     return {
         "params": run.num_params,
         "steps": p.step,
         "tokens": p.tokens,
-        "tokens_this_session": session_tokens,  # 0: resumed at the final step (the losses are the checkpoint's)
+        # 0: resumed at the final step (the losses are the checkpoint's)
+        "tokens_this_session": session_tokens,
         "train_loss": p.train_loss,
         "val_loss": p.last_val,
         "best_val_loss": p.best_val if math.isfinite(p.best_val) else None,

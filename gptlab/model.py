@@ -57,7 +57,8 @@ class GPTConfig:
 
 
 def padded_vocab(vocab: int, multiple: int) -> int:
-    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls fast)."""
+    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls
+    fast)."""
     k = max(1, multiple)
     return (vocab + k - 1) // k * k
 
@@ -87,11 +88,12 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels (0, 1), (2, 3), ... of x (B, nh, T, hs) by position-dependent angles.
+    """Rotate pairs of channels (0, 1), (2, 3), ... of x (B, nh, T, hs) by position-dependent
+    angles.
 
     Each pair is a complex number multiplied by cos + i sin: one kernel each way, 2.4x faster on the
-    CPU than rotating the two halves of the pairs apart and stacking them (fwd + bwd, 16 x 4 x 64 x 32).
-    Under torch.compile, which generates no code for complex numbers, the same rotation in real
+    CPU than rotating the two halves of the pairs apart and stacking them (fwd + bwd, 16 x 4 x 64 x
+    32). Under torch.compile, which generates no code for complex numbers, the same rotation in real
     arithmetic, which it fuses into one kernel.
     """
     if torch.compiler.is_compiling():
@@ -120,9 +122,10 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         qkv = self.c_attn(x).view(B, T, 3 * self.n_head, self.head_dim)
         if rope is not None:
-            # q and k rotated together in their (B, T, heads, hs) layout: one kernel each way for both,
-            # on contiguous memory (the rotary model's step: 5.2 ms slower than learned positions at
-            # two threads with two rotations a layer on transposed views, about 2 ms with one)
+            # q and k rotated together in their (B, T, heads, hs) layout: one kernel each way for
+            # both, on contiguous memory (the rotary model's step: 5.2 ms slower than learned
+            # positions at two threads with two rotations a layer on transposed views, about 2 ms
+            # with one)
             cos, sin = rope
             qk = apply_rotary(qkv[:, :, : 2 * self.n_head], cos[:, None], sin[:, None])
             q, k = qk.transpose(1, 2).split(self.n_head, dim=1)
@@ -132,9 +135,9 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)
-        # A layer's cache is never empty (GPT.forward passes None for an empty cache list), so with one
-        # the T new queries sit after the cached keys: one new query may see every key and needs no
-        # mask; several need the causal mask shifted by the cached length.
+        # A layer's cache is never empty (GPT.forward passes None for an empty cache list), so with
+        # one the T new queries sit after the cached keys: one new query may see every key and needs
+        # no mask; several need the causal mask shifted by the cached length.
         if cache is None:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
@@ -198,20 +201,25 @@ class ChunkedHeadLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int):
-        n = x.shape[0]  # x (N, C): the final LayerNorm's output; weight (padded vocab, C); targets (N,)
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int
+    ):
+        # x (N, C): the final LayerNorm's output; weight (padded vocab, C); targets (N,)
+        n = x.shape[0]
         w = weight[:vocab]
         grad_x = torch.empty_like(x)
         grad_w = torch.zeros_like(weight, dtype=torch.float32)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for s in range(0, n, chunk):
             xc, tc = x[s : s + chunk], targets[s : s + chunk]
-            logits = (xc @ w.t()).float()  # (chunk, vocab); computed in the compute dtype under autocast
+            # (chunk, vocab); computed in the compute dtype under autocast
+            logits = (xc @ w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
             g = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
             g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-            # the head's backward matmuls, in the dtype autocast gives the forward's (as autograd would)
+            # the head's backward matmuls, in the dtype autocast gives the forward's (as autograd
+            # would)
             grad_x[s : s + chunk] = g.to(w.dtype) @ w
             grad_w[:vocab] += g.t().to(xc.dtype) @ xc
         ctx.save_for_backward(grad_x, grad_w)
@@ -229,10 +237,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.vocab_size is None:
-            raise ValueError("GPTConfig.vocab_size is null: set it from the tokenizer before building")
+            raise ValueError(
+                "GPTConfig.vocab_size is null: set it from the tokenizer before building"
+            )
         self.config = cfg
-        self.activation_checkpointing = False  # switched on by distributed.wrap_model for large models
-        self.loss_chunk = 0  # tokens per chunk of head + loss when training (ChunkedHeadLoss); 0: whole
+        # switched on by distributed.wrap_model for large models
+        self.activation_checkpointing = False
+        # tokens per chunk of head + loss when training (ChunkedHeadLoss); 0: whole
+        self.loss_chunk = 0
         V, C = cfg.padded_vocab_size, cfg.n_embd
         self.wte = nn.Embedding(V, C)
         if cfg.pos_emb == "learned":
@@ -284,7 +296,9 @@ class GPT(nn.Module):
         B, T = idx.shape
         past = cache[0][0].size(2) if cache else 0
         if past + T > self.config.block_size:
-            raise ValueError(f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence of {past + T} tokens exceeds block_size {self.config.block_size}"
+            )
         x = self.wte(idx)  # (B, T, C)
         rope = None
         if self.config.pos_emb == "learned":
@@ -305,9 +319,16 @@ class GPT(nn.Module):
             if cache is not None:
                 new_cache.append(kv)
         x = self.ln_f(x)
-        if targets is not None and self.loss_chunk and cache is None:  # the loss only: logits are None
+        # the loss only: logits are None
+        if targets is not None and self.loss_chunk and cache is None:
             flat = x.reshape(-1, x.size(-1))
-            args = (flat, self.lm_head.weight, targets.reshape(-1), self.config.vocab_size, self.loss_chunk)
+            args = (
+                flat,
+                self.lm_head.weight,
+                targets.reshape(-1),
+                self.config.vocab_size,
+                self.loss_chunk,
+            )
             return None, ChunkedHeadLoss.apply(*args)
         # The head is padded for fast matmuls; the padded ids are never real tokens, so drop them.
         logits = self.lm_head(x)[..., : self.config.vocab_size]

@@ -1,4 +1,5 @@
-"""Optimizer: parameter groups, AdamW, Muon, the weight average, and the learning-rate schedule lr_at(step)."""
+"""Optimizer: parameter groups, AdamW, Muon, the weight average, and the learning-rate schedule
+lr_at(step)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ class OptimizerConfig:
     fused: Optional[bool]  # null: fused kernels where the device supports them
     muon_momentum: float  # name=muon: Nesterov momentum of the orthogonalised matrix updates
     muon_ns_steps: int  # name=muon: Newton-Schulz iterations per update
-    muon_ns_dtype: str  # name=muon: auto (bf16 where bf16 matmuls are native, else fp32) | bf16 | fp32
-    ema_decay: float  # > 0: evaluate, sample and export an exponential moving average of the weights
+    # name=muon: auto (bf16 where bf16 matmuls are native, else fp32) | bf16 | fp32
+    muon_ns_dtype: str
+    # > 0: evaluate, sample and export an exponential moving average of the weights
+    ema_decay: float
 
 
 def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:
     """The peak lr after the data-parallel scaling rule (sqrt as in the 1B reference run)."""
-    factor = {"none": 1.0, "sqrt": math.sqrt(world_size), "linear": float(world_size)}[cfg.lr_scaling]
+    factor = {"none": 1.0, "sqrt": math.sqrt(world_size), "linear": float(world_size)}[
+        cfg.lr_scaling
+    ]
     return cfg.lr * factor
 
 
@@ -56,7 +61,9 @@ def lr_at(step: int, peak: float, cfg: OptimizerConfig, total_steps: int) -> flo
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
 
 
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str
+) -> torch.optim.Optimizer:
     """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only; name=muon: Muon on the
     blocks' matrices, AdamW on the rest, with the same decay rule."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -72,21 +79,35 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
         taken = {id(p) for p in matrices}
         groups = [
             {"params": matrices, "weight_decay": cfg.weight_decay, "muon": True},
-            {"params": [p for p in decay if id(p) not in taken], "weight_decay": cfg.weight_decay, "muon": False},
+            {
+                "params": [p for p in decay if id(p) not in taken],
+                "weight_decay": cfg.weight_decay,
+                "muon": False,
+            },
             {"params": no_decay, "weight_decay": 0.0, "muon": False},
         ]
         optimizer: torch.optim.Optimizer = Muon(
-            groups, lr, tuple(cfg.betas), cfg.eps, cfg.muon_momentum, cfg.muon_ns_steps, fused, cfg.muon_ns_dtype
+            groups,
+            lr,
+            tuple(cfg.betas),
+            cfg.eps,
+            cfg.muon_momentum,
+            cfg.muon_ns_steps,
+            fused,
+            cfg.muon_ns_dtype,
         )
     else:
         groups = [
             {"params": decay, "weight_decay": cfg.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+        optimizer = torch.optim.AdamW(
+            groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
+        )
     if cfg.ema_decay > 0:
         WeightAverage(cfg.ema_decay).attach(optimizer)
-    else:  # resumed from a run that averaged: its average would stand still, and be evaluated and saved
+    # resumed from a run that averaged: its average would stand still, and be evaluated and saved
+    else:
         optimizer.register_load_state_dict_post_hook(drop_average)
     return optimizer
 
@@ -97,15 +118,17 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
 # it is saved, resharded and restored with the moments (a sharded run keeps the average of its own
 # shard), and a resumed run goes on averaging exactly where it stopped.
 AVERAGE = "ema"
-UPDATES = "ema_updates"  # per parameter, beside its average: how many updates it has had (the first included)
+# per parameter, beside its average: how many updates it has had (the first included)
+UPDATES = "ema_updates"
 
 
 class WeightAverage:
-    """Keeps an exponential moving average of an optimizer's parameters, through the optimizer's hooks:
-    after each step, average = d * average + (1 - d) * weights, the first step starting the average at
-    the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short run (or the
-    start of a long one) averages over its last few steps instead of lagging behind at its initial
-    weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at 0.998).
+    """Keeps an exponential moving average of an optimizer's parameters, through the optimizer's
+    hooks: after each step, average = d * average + (1 - d) * weights, the first step starting the
+    average at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short
+    run (or the start of a long one) averages over its last few steps instead of lagging behind at
+    its initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at
+    0.998).
 
     n is saved as per-parameter state (UPDATES) with the average, and counted here in Python too, so
     a step reads no device value; loading a state has the next step read the loaded count, once."""
@@ -137,7 +160,8 @@ class WeightAverage:
                 counts.append(state[UPDATES])
             else:  # a new average (or one without its count): it starts at these weights, update 1
                 state[AVERAGE] = p.detach().clone()
-                # shape (1,), not a 0-d tensor: torch's state-dict helpers reshard it like the average
+                # shape (1,), not a 0-d tensor: torch's state-dict helpers reshard it like the
+                # average
                 state[UPDATES] = torch.ones(1, dtype=torch.float32, device=p.device)
         if started:
             torch._foreach_lerp_(started, weights, 1.0 - d)
@@ -171,8 +195,9 @@ def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def load_average(model: nn.Module, optimizer_state: Optional[Dict[str, Any]]) -> bool:
-    """Copy a saved optimizer state's weight average (keyed by parameter name, as checkpoints hold it)
-    into model's parameters; True if there was one. Tied parameters take it under any of their names."""
+    """Copy a saved optimizer state's weight average (keyed by parameter name, as checkpoints hold
+    it) into model's parameters; True if there was one. Tied parameters take it under any of their
+    names."""
     saved = (optimizer_state or {}).get("state", {})
     found = False
     with torch.no_grad():
@@ -184,7 +209,8 @@ def load_average(model: nn.Module, optimizer_state: Optional[Dict[str, Any]]) ->
     return found
 
 
-NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
+# a quintic Newton-Schulz iteration tuned to converge in ~5 steps
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
@@ -197,7 +223,8 @@ def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
         x = x.unsqueeze(0)
     for _ in range(steps):
         gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b * gram + c * gram @ gram, one kernel
+        # b * gram + c * gram @ gram, one kernel
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         # a * x + poly @ x as (a I + poly) @ x: baddbmm would first copy all of x into its output (a
         # fifth of the iteration's time on the CPU); the identity term touches only the small gram.
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -208,13 +235,16 @@ def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
 def fast_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls are native here (CUDA; a CPU with AVX-512-BF16 or AMX).
 
-    Not oneDNN's "bf16 supported", which is true on any AVX-512 CPU: without the bf16 instructions it
-    emulates them, and a Newton-Schulz iteration runs 3-4x slower than in fp32 (measured on an AVX-512
-    Xeon without either: a (8, 128, 512) stack, 4 steps, 23.5 ms in bf16 against 6.9 ms in fp32).
+    Not oneDNN's "bf16 supported", which is true on any AVX-512 CPU: without the bf16 instructions
+    it emulates them, and a Newton-Schulz iteration runs 3-4x slower than in fp32 (measured on an
+    AVX-512 Xeon without either: a (8, 128, 512) stack, 4 steps, 23.5 ms in bf16 against 6.9 ms in
+    fp32).
     """
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return device.type == "cpu" and bool(
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    )
 
 
 def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
@@ -225,16 +255,26 @@ def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised by
-    Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere), scaled
-    by 0.2 * sqrt(max(rows, cols)) so that its RMS matches AdamW's. That lets both kinds share one lr,
-    one weight decay and one schedule. Groups with muon=False take torch's AdamW step (fused: its fused
-    kernel, as build_optimizer chooses for AdamW)."""
+    """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised
+    by Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere),
+    scaled by 0.2 * sqrt(max(rows, cols)) so that its RMS matches AdamW's. That lets both kinds
+    share one lr, one weight decay and one schedule. Groups with muon=False take torch's AdamW step
+    (fused: its fused kernel, as build_optimizer chooses for AdamW)."""
 
     def __init__(
-        self, groups, lr: float, betas, eps: float, momentum: float, ns_steps: int, fused: bool, ns_dtype: str = "auto"
+        self,
+        groups,
+        lr: float,
+        betas,
+        eps: float,
+        momentum: float,
+        ns_steps: int,
+        fused: bool,
+        ns_dtype: str = "auto",
     ):
-        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps, fused=fused)
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, momentum=momentum, ns_steps=ns_steps, fused=fused
+        )
         super().__init__(groups, defaults)
         self.ns_dtype = ns_dtype  # not a group default: a choice of arithmetic, not state to save
 
@@ -255,8 +295,8 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
         updates = torch._foreach_lerp(grads, bufs, group["momentum"])  # Nesterov
         # One batched iteration per matrix shape, each matrix turned wide (rows <= cols): a block's
-        # c_fc (4C, C) and its MLP c_proj (C, 4C) share one (2 n_layer, C, 4C) stack. Under FSDP each
-        # rank holds a shard of rows (a DTensor): the whole update is gathered, and every rank
+        # c_fc (4C, C) and its MLP c_proj (C, 4C) share one (2 n_layer, C, 4C) stack. Under FSDP
+        # each rank holds a shard of rows (a DTensor): the whole update is gathered, and every rank
         # orthogonalises every matrix and keeps its own rows, so the step equals one process's.
         by_shape: dict = {}
         for u, p in zip(updates, params):
@@ -277,7 +317,9 @@ class Muon(torch.optim.Optimizer):
             for j, (_, p, tall) in enumerate(members):
                 o = ortho[j].mT if tall else ortho[j]
                 if isinstance(p, DTensor):  # this rank's rows, sliced here: no communication
-                    o = distribute_tensor(o.contiguous(), p.device_mesh, p.placements, src_data_rank=None)
+                    o = distribute_tensor(
+                        o.contiguous(), p.device_mesh, p.placements, src_data_rank=None
+                    )
                 p.add_(o, alpha=alpha)
 
     def _adamw(self, group, params):

@@ -18,7 +18,8 @@ from gptlab.data import prepare_data
 
 
 def run_prepare(cfg: DictConfig) -> Dict[str, Any]:
-    """Prepare the data section's shards and print one JSON line. cfg: composed from conf/prepare.yaml."""
+    """Prepare the data section's shards and print one JSON line. cfg: composed from
+    conf/prepare.yaml."""
     config = to_config(cfg)
     data = prepare_data(config.data)
     m = data.meta

@@ -53,8 +53,10 @@ class Run:
     # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
     # are not logged again: an exact resume recomputes the same values
     logged_until_step: int = 0
-    start_loss_window: Tuple[float, int] = (0.0, 0)  # the train-loss average in progress (TrainingState)
-    start_losses: Tuple[float, Optional[float]] = (math.nan, None)  # the checkpoint's last train and val loss
+    # the train-loss average in progress (TrainingState)
+    start_loss_window: Tuple[float, int] = (0.0, 0)
+    # the checkpoint's last train and val loss
+    start_losses: Tuple[float, Optional[float]] = (math.nan, None)
     derived: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -73,17 +75,20 @@ class Run:
 
     @contextlib.contextmanager
     def evaluated_weights(self) -> Iterator[None]:
-        """Inside, the model holds the weights a run evaluates, samples and exports: the weight average
-        with optimizer.ema_decay > 0 (the training weights come back afterwards), else the weights."""
+        """Inside, the model holds the weights a run evaluates, samples and exports: the weight
+        average with optimizer.ema_decay > 0 (the training weights come back afterwards), else the
+        weights."""
         with averaged_weights(self.optimizer) as swapped:
             try:
                 yield
-            finally:  # a sharded model's gathered copies of the average must not reach the next step
+            # a sharded model's gathered copies of the average must not reach the next step
+            finally:
                 if swapped:
                     distributed.reshard(self.raw_model)
 
     def close(self, status: str) -> None:
-        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process group."""
+        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process
+        group."""
         self.tracker.finish(status)
         runfolder.unlock(self.run_dir)
         distributed.teardown()

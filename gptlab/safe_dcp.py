@@ -3,11 +3,11 @@
 Stock DCP (torch 2.13) unpickles a checkpoint's ``.metadata`` with plain ``pickle.load`` and its
 non-tensor entries (the optimizer's lr, betas, ...) with ``torch.load(weights_only=False)``: a
 crafted checkpoint would run code on load. Here ``.metadata`` goes through an unpickler that admits
-only DCP's own metadata classes, sizes, dtypes, layouts and paths, and every non-tensor entry through
-``torch.load(weights_only=True)``; tensors were read that way already. The same guarantee as
+only DCP's own metadata classes, sizes, dtypes, layouts and paths, and every non-tensor entry
+through ``torch.load(weights_only=True)``; tensors were read that way already. The same guarantee as
 checkpoint.load's for a single-file checkpoint. An entry that does not read back (random bytes from
-a bad disk block, a crafted pickle) is named (``UnreadableEntry``), told apart from a live object that
-the entries do not fit. A torch-only leaf: checkpoint.py uses it.
+a bad disk block, a crafted pickle) is named (``UnreadableEntry``), told apart from a live object
+that the entries do not fit. A torch-only leaf: checkpoint.py uses it.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 METADATA = ".metadata"
 
-# DCP's metadata classes (Metadata, *StorageMetadata, TensorProperties, MetadataIndex, StorageMeta, ...)
+# DCP's metadata classes (Metadata, *StorageMetadata, TensorProperties, MetadataIndex, StorageMeta,
+# ...)
 _ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.strided is pickled as _get_layout("torch.strided")
+    # torch.strided is pickled as _get_layout("torch.strided")
+    ("torch.serialization", "_get_layout"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
@@ -47,7 +49,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint's metadata never needs")
+        raise pickle.UnpicklingError(
+            f"it refers to {module}.{name}, which a checkpoint's metadata never needs"
+        )
 
 
 def read_metadata(folder: Path) -> Metadata:
@@ -72,12 +76,16 @@ def missing_data(folder: Path, metadata: Metadata) -> List[str]:
     return short
 
 
-# torch.load's advice around its refusal (load with weights_only=False, file an issue, read the docs)
-_TORCH_ADVICE = re.compile(r"weights_only|Weights only load failed|file an issue|trusted source|documentation of torch")
+# torch.load's advice around its refusal (load with weights_only=False, file an issue, read the
+# docs)
+_TORCH_ADVICE = re.compile(
+    r"weights_only|Weights only load failed|file an issue|trusted source|documentation of torch"
+)
 
 
 def would_run(e: BaseException) -> Optional[str]:
-    """The callable a crafted pickle names, from torch.load(weights_only=True)'s refusal (None: not that)."""
+    """The callable a crafted pickle names, from torch.load(weights_only=True)'s refusal (None: not
+    that)."""
     blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
     return blocked.group(1) if blocked else None
 
@@ -85,14 +93,21 @@ def would_run(e: BaseException) -> Optional[str]:
 def load_error(e: BaseException) -> str:
     """Why torch.load(weights_only=True) refused something, in a few words and never with torch's
     advice to load it unsafely: the code a crafted pickle would run, the OS's error, else "corrupt"
-    and torch's first own sentence (or the unpickler's, which may be as terse as "pop from empty list")."""
+    and torch's first own sentence (or the unpickler's, which may be as terse as "pop from empty
+    list")."""
     text, blocked = str(e), would_run(e)
     if blocked:
         return f"unsafe: loading it would run {blocked}"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
-    kept = [s for s in re.split(r"(?<=\.)\s+|\n", text) if s.strip() and not _TORCH_ADVICE.search(s)]
-    detail = kept[0].strip().rstrip(".") if kept else ("cut short" if isinstance(e, EOFError) else type(e).__name__)
+    kept = [
+        s for s in re.split(r"(?<=\.)\s+|\n", text) if s.strip() and not _TORCH_ADVICE.search(s)
+    ]
+    detail = (
+        kept[0].strip().rstrip(".")
+        if kept
+        else ("cut short" if isinstance(e, EOFError) else type(e).__name__)
+    )
     return f"corrupt: {detail}"
 
 
@@ -110,7 +125,8 @@ def _safe_load(data: io.BytesIO) -> Any:
 
 
 class UnreadableEntry(Exception):
-    """An entry of a DCP folder that does not read back as what its metadata says (damaged or crafted).
+    """An entry of a DCP folder that does not read back as what its metadata says (damaged or
+    crafted).
 
     Picklable from its args: DCP gathers every rank's failure to every rank."""
 
@@ -135,20 +151,25 @@ class SafeReader(FileSystemReader):
             with _quiet():
                 return super().read_data(plan, planner)
         except Exception:
-            # only after a failure, each entry again until the culprit: a read that succeeds costs nothing more
+            # only after a failure, each entry again until the culprit: a read that succeeds costs
+            # nothing more
             bad = self._first_unreadable(plan.items, getattr(planner, "metadata", None))
             if bad is None:
                 raise  # every entry reads back whole: the live objects do not fit them
             raise bad from None
 
-    def _first_unreadable(self, items: List[Any], metadata: Optional[Metadata]) -> Optional[UnreadableEntry]:
+    def _first_unreadable(
+        self, items: List[Any], metadata: Optional[Metadata]
+    ) -> Optional[UnreadableEntry]:
         for item in items:
             info = self.storage_data[item.storage_index]
             try:
                 with open(Path(self.path) / info.relative_path, "rb") as f:
                     f.seek(info.offset)
                     raw = io.BytesIO(f.read(info.length))
-                stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), raw)
+                stream = self.transforms.transform_load_stream(
+                    item, info.transform_descriptors or (), raw
+                )
                 why = _mismatch(_safe_load(io.BytesIO(stream.read(-1))), item, metadata)
             except Exception as e:  # noqa: BLE001 - whatever fails to read back names the entry
                 why = load_error(e)
@@ -158,7 +179,8 @@ class SafeReader(FileSystemReader):
 
 
 def _mismatch(value: Any, item: Any, metadata: Optional[Metadata]) -> Optional[str]:
-    """How a tensor entry that loaded differs from what its own metadata says it holds (None: it agrees)."""
+    """How a tensor entry that loaded differs from what its own metadata says it holds (None: it
+    agrees)."""
     if item.type == LoadItemType.BYTE_IO:
         return None
     if not isinstance(value, torch.Tensor):
@@ -166,10 +188,18 @@ def _mismatch(value: Any, item: Any, metadata: Optional[Metadata]) -> Optional[s
     md = metadata.state_dict_metadata.get(item.storage_index.fqn) if metadata else None
     if not isinstance(md, TensorStorageMetadata):
         return None
-    chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(item.storage_index.offset)), None)
-    saved, dtype = tuple(chunk.sizes) if chunk is not None else tuple(value.shape), md.properties.dtype
+    chunk = next(
+        (c for c in md.chunks if tuple(c.offsets) == tuple(item.storage_index.offset)), None
+    )
+    saved, dtype = (
+        tuple(chunk.sizes) if chunk is not None else tuple(value.shape),
+        md.properties.dtype,
+    )
     if tuple(value.shape) != saved or value.dtype != dtype:
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)} where a {dtype} one of shape {saved} was saved"
+        return (
+            f"a {value.dtype} tensor of shape {tuple(value.shape)} where a {dtype} one of shape "
+            f"{saved} was saved"
+        )
     return None
 
 
@@ -196,10 +226,10 @@ class _SafeWholePlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 
 @contextlib.contextmanager
 def _failures() -> Iterator[None]:
-    """DCP's own failure (CheckpointException) is a BaseException carrying each rank's traceback, and
-    every rank gets every rank's: an entry some rank could not read becomes UnreadableEntry (the lowest
-    rank's) on every rank; anything else a RuntimeError with the first line of each distinct cause (a
-    key the checkpoint lacks, a shape that differs)."""
+    """DCP's own failure (CheckpointException) is a BaseException carrying each rank's traceback,
+    and every rank gets every rank's: an entry some rank could not read becomes UnreadableEntry (the
+    lowest rank's) on every rank; anything else a RuntimeError with the first line of each distinct
+    cause (a key the checkpoint lacks, a shape that differs)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -215,7 +245,8 @@ def _failures() -> Iterator[None]:
 
 
 def load_into(state_dict: Dict[str, Any], folder: Path) -> None:
-    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely (failures: _failures)."""
+    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely (failures:
+    _failures)."""
     import torch.distributed.checkpoint as dcp
 
     with _failures():
@@ -228,6 +259,10 @@ def load_whole(folder: Path, keys: List[str]) -> Dict[str, Any]:
 
     state: Dict[str, Any] = {}
     with _failures(), _quiet():  # quiet: DCP's notice that it loads in one process is no news here
-        _load_state_dict(state, storage_reader=SafeReader(str(folder)), planner=_SafeWholePlanner(keys=set(keys)),
-                         no_dist=True)  # fmt: skip
+        _load_state_dict(
+            state,
+            storage_reader=SafeReader(str(folder)),
+            planner=_SafeWholePlanner(keys=set(keys)),
+            no_dist=True,
+        )
     return state

@@ -1,8 +1,8 @@
 """SLURM, in one module: a task's identity and environment, the rendezvous port, the job's record
-in the run folder (slurm.json), and reading what went wrong with a job (srun's lines, the controller).
+in the run folder (slurm.json, written and read here), and what went wrong with a job (srun's
+lines, the controller's state), with the submitit job watcher that asks the controller.
 
-Where it touches submitit's internals (its job watcher), it does so in ``install_watcher`` alone,
-checked against submitit 1.5.4.
+submitit's private attributes are touched in ControllerCheckedWatcher alone.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +25,12 @@ from gptlab.records import layout
 log = logging.getLogger(__name__)
 
 
+# ------------------------------------------------------------------ who this task is
+
+
 def first_task() -> bool:
-    """With several SLURM tasks per node every task runs the whole job: only the first one records."""
+    """Whether this is a job's first task: with several tasks every one runs the whole job, and
+    only the first one records."""
     return os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0"
 
 
@@ -34,12 +39,18 @@ def slurm_task() -> bool:
     return "SLURM_PROCID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ
 
 
+def _step_nodes() -> list:
+    return slurm_hostnames(
+        os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
+    )
+
+
 def export_env() -> None:
-    """Turn a SLURM task's identity into torch.distributed's env:// variables, for any nodes x tasks.
+    """Turn a SLURM task's identity into torch.distributed's env:// variables (any nodes x tasks).
 
     The master is the first node of the step (SLURM gives it rank 0); the port is
-    `rendezvous_port(job id)` unless MASTER_PORT is set. Rank 0 checks that it can listen on that port
-    before any rank waits for it.
+    `rendezvous_port(job id)` unless MASTER_PORT is set. Rank 0 checks that it can listen on that
+    port before any rank waits for it.
     """
     port = int(os.environ.get("MASTER_PORT") or rendezvous_port(int(os.environ["SLURM_JOB_ID"])))
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
@@ -47,12 +58,11 @@ def export_env() -> None:
 
         env = submitit.helpers.TorchDistributedEnvironment()  # rank, local rank, world, first node
         env.master_addr = os.environ.get("MASTER_ADDR", env.master_addr)
-        env.master_port = port  # submitit's own pick is random in 20000-60000: it may be an ephemeral port
+        env.master_port = port  # submitit's own pick is random, and may be an ephemeral port
         # keep every GPU visible: the device is picked from the local rank in setup
         env.export(set_cuda_visible_devices=False, overwrite=True)
     else:  # srun without submitit (launch/sbatch_gptlab.sh)
-        nodes = slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"])
-        os.environ.setdefault("MASTER_ADDR", nodes[0])
+        os.environ.setdefault("MASTER_ADDR", _step_nodes()[0])
         os.environ.update(
             MASTER_PORT=str(port),
             RANK=os.environ["SLURM_PROCID"],
@@ -65,11 +75,13 @@ def export_env() -> None:
 
 def slurm_hostnames(nodelist: str) -> list:
     """A SLURM node list (`gptlab-n[1-2]`) as host names, in SLURM's order."""
-    import subprocess
-
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
     return out.stdout.split()
 
+
+# ------------------------------------------------------------------ the rendezvous port
 
 EPHEMERAL_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 
@@ -87,10 +99,10 @@ def ephemeral_ports(path: str = EPHEMERAL_PORTS_FILE) -> tuple:
 def rendezvous_port(job_id: int, ephemeral: Optional[tuple] = None) -> int:
     """The port rank 0 listens on for the rendezvous of SLURM job `job_id`.
 
-    A function of the job id alone, so every node computes the same port and a requeued job gets it
-    again; and outside the node's ephemeral range (ephemeral: (first, last), default: read from
-    /proc), so that no outgoing connection of this machine (a previous job's gloo sockets sitting in
-    TIME_WAIT on an ephemeral port) already holds it. It is the larger of the free stretches of
+    A function of the job id alone, so every node computes the same port and a requeued job gets
+    it again; and outside the node's ephemeral range (ephemeral: (first, last), default: read from
+    /proc), so that no outgoing connection of this machine (a previous job's gloo sockets sitting
+    in TIME_WAIT on an ephemeral port) already holds it. It is the larger of the free stretches of
     20000-65535 on either side of that range (with Linux's default: 20000-32767).
     """
     first, last = ephemeral or ephemeral_ports()
@@ -99,7 +111,8 @@ def rendezvous_port(job_id: int, ephemeral: Optional[tuple] = None) -> int:
     start, stop = max(stretches, key=lambda s: s[1] - s[0])
     if stop - start < 1000:
         raise GptlabError(
-            f"the ephemeral port range {first}-{last} ({EPHEMERAL_PORTS_FILE}) leaves no room for a "
+            f"the ephemeral port range {first}-{last} ({EPHEMERAL_PORTS_FILE}) leaves no room "
+            f"for a "
             "rendezvous port in 20000-65535; set MASTER_PORT to a port that no connection uses"
         )
     return start + job_id % (stop - start)
@@ -112,24 +125,28 @@ def check_rendezvous_port(port: int) -> None:
     task exits non-zero (SystemExit: Hydra's job runner catches exceptions only, and would turn the
     error into a finished task), so that SLURM's kill-on-bad-exit ends the whole job at once.
     """
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore: TIME_WAIT is no obstacle
+        # as torch's TCPStore does: a port left in TIME_WAIT is no obstacle
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError as e:
             first, last = ephemeral_ports()
             message = (
-                f"rank 0 cannot listen on the rendezvous port {port} on {socket.gethostname()} ({e.strerror}); "
-                f"set MASTER_PORT to a free port outside {first}-{last} (this node's ephemeral ports)"
+                f"rank 0 cannot listen on the rendezvous port {port} on {socket.gethostname()} "
+                f"({e.strerror}); set MASTER_PORT to a free port outside {first}-{last} "
+                "(this node's ephemeral ports)"
             )
             print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
 
+# ------------------------------------------------------------------ the job's record (slurm.json)
+
+
 def slurm_job_info() -> Optional[dict]:
-    """For a SLURM task (started by submitit or by srun): its job id, nodes, and where its output goes."""
+    """For a SLURM task (started by submitit or by srun): its job id, nodes, and where its output
+    goes."""
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import submitit
 
@@ -143,25 +160,39 @@ def slurm_job_info() -> Optional[dict]:
         }
     if not slurm_task():
         return None
-    import subprocess
-
     job_id = os.environ["SLURM_JOB_ID"]
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+    ).stdout
     fields = dict(word.partition("=")[::2] for word in shown.split() if "=" in word)
     return {
         "job_id": job_id,
-        "nodes": slurm_hostnames(os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]),
+        "nodes": _step_nodes(),
         "stdout": fields.get("StdOut", ""),
         "stderr": fields.get("StdErr", ""),
     }
 
+
+def write_job_record(run_dir: Path) -> None:
+    """A SLURM job's logs live in submitit's folder: say where, in slurm.json and the log."""
+    job = slurm_job_info()
+    if job is not None:
+        (Path(run_dir) / layout.SLURM).write_text(json.dumps(job, indent=1) + "\n")
+        log.info(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
+
+
+def read_job_record(run_dir: Path) -> Optional[dict]:
+    """slurm.json of a run folder a SLURM job ran (None for any other)."""
+    return layout.read_json(Path(run_dir) / layout.SLURM)
+
+
+# ------------------------------------------------------------------ what went wrong
 
 # srun's own line for a task that ended badly, e.g. `srun: error: gptlab-n2: task 1: Killed` or
 # `srun: error: node7: tasks 8-15: Exited with exit code 1` (task numbers are global ranks)
 _SRUN_BAD_EXIT = re.compile(
     r"^srun: error: (?P<node>[^\s:]+): (?P<kind>tasks?) (?P<tasks>[0-9][0-9,-]*): (?P<what>.+)$"
 )
-
 
 # slurmstepd's line when a requeue (submitit's, after SIGUSR2) stops the running job: srun then
 # reports the tasks it stopped, ending with rank 0 (which requeued the job)
@@ -184,8 +215,7 @@ def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
             continue
         if requeued:
             if re.split(r"[-,]", m["tasks"])[0] == "0":
-                # rank 0 asked for the requeue and is the last to go (it exits 255, submitit's code,
-                # or slurmstepd terminates it first): what comes next is the job's next start
+                # rank 0 asked for the requeue and goes last: what follows is the job's next start
                 requeued = False
             continue
         ranks = "ranks" if m["kind"] == "tasks" else "rank"
@@ -194,14 +224,15 @@ def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
 
 
 def job_failures(job_folder: Path) -> List[str]:
-    """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job). srun writes to the
-    batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`."""
+    """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job). srun writes to
+    the batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`."""
     found: List[str] = []
     for err in sorted(Path(job_folder).glob("*_0_log.err")) if Path(job_folder).is_dir() else []:
         try:
-            found += [f for f in srun_failures(err.read_text(errors="replace"))[0] if f not in found]
+            text = err.read_text(errors="replace")
         except OSError:
             continue
+        found += [f for f in srun_failures(text)[0] if f not in found]
     return found
 
 
@@ -225,61 +256,63 @@ LIVE_STATES = frozenset(
 
 
 def controller_state(job_id: str) -> Optional[str]:
-    """A job's state in SLURM's controller (`scontrol show job`), or None where the controller cannot
-    say: it has forgotten the job (MinJobAge after the end), does not answer, or there is no scontrol."""
+    """A job's state in SLURM's controller (`scontrol show job`), or None where the controller
+    cannot say: it has forgotten the job (MinJobAge after the end), does not answer, or there is no
+    scontrol."""
     try:
-        r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"\bJobState=(\S+)", r.stdout) if r.returncode == 0 else None
     return match.group(1) if match else None
 
 
+# ------------------------------------------------------------------ the submitit job watcher
+
+
 class ControllerCheckedWatcher(SlurmInfoWatcher):
     """submitit's job watcher, which believes accounting (sacct) that a job ended only when SLURM's
     controller agrees.
 
-    submitit reads job states from sacct and takes the first ended state it reads as final: the
-    launcher then waits 15 s for the job's result file, and fails the sweep without it. Accounting is
-    fed by the controller after the fact, and a job that was requeued (SIGUSR2, preemption) can read
-    there as ended while the controller has it pending or running again: seen once in CI, a 2-node
-    job requeued by SIGUSR2 read FAILED and its sweep failed before the job's next start could end.
-    While the controller says the job lives, it is not done, and sacct is asked again.
+    submitit takes the first ended state sacct reports as final, and the launcher then fails the
+    sweep if the job's result file does not appear soon after. Accounting is fed by the controller
+    after the fact: a requeued job (SIGUSR2, preemption) can read there as ended while the
+    controller has it pending or running again. While the controller says the job lives, it is not
+    done, and sacct is asked again.
+
+    The only code of gptlab that uses submitit's private attributes (InfoWatcher's _delay_s,
+    _finished and _info_dict), checked against submitit 1.5.4.
     """
+
+    @classmethod
+    def replacing(cls, stock: SlurmInfoWatcher) -> "ControllerCheckedWatcher":
+        """One that polls as often as `stock` does."""
+        return cls(delay_s=stock._delay_s)
 
     def is_done(self, job_id: str, mode: str = "standard") -> bool:
         if not super().is_done(job_id, mode=mode):
             return False
-        state = controller_state(job_id)
-        if state not in LIVE_STATES:
-            return True  # the controller agrees, or no longer knows the job: accounting's word stands
+        if controller_state(job_id) not in LIVE_STATES:
+            return (
+                True  # the controller agrees, or no longer knows the job: accounting's word stands
+            )
         self._finished.discard(job_id)
         self._info_dict.pop(job_id, None)  # ask sacct again at the next update
         return False
 
 
-def write_job_record(run_dir: Path) -> None:
-    """A SLURM job's logs live in submitit's folder: say where, in slurm.json and the log."""
-    job = slurm_job_info()
-    if job is not None:
-        (Path(run_dir) / layout.SLURM).write_text(json.dumps(job, indent=1) + "\n")
-        log.info(f"SLURM job {job['job_id']} on {','.join(job['nodes'])}; logs: {job['stdout']}")
-
-
-def read_job_record(run_dir: Path) -> Optional[dict]:
-    """slurm.json of a run folder a SLURM job ran (None for any other)."""
-    return layout.read_json(Path(run_dir) / layout.SLURM)
-
-
 def install_watcher() -> Optional[SlurmInfoWatcher]:
-    """Make submitit's jobs wait through ControllerCheckedWatcher; the watcher it replaced (to put
+    """Make submitit's jobs wait through ControllerCheckedWatcher: the watcher it replaced (to put
     back with restore_watcher), or None when it is installed already."""
     if isinstance(SlurmJob.watcher, ControllerCheckedWatcher):
         return None
     stock = SlurmJob.watcher  # a class attribute: every job of the launcher waits through it
-    SlurmJob.watcher = ControllerCheckedWatcher(delay_s=stock._delay_s)
+    SlurmJob.watcher = ControllerCheckedWatcher.replacing(stock)
     return stock
 
 
 def restore_watcher(stock: SlurmInfoWatcher) -> None:
+    """Put back the watcher install_watcher replaced."""
     SlurmJob.watcher = stock

@@ -1,19 +1,22 @@
-"""A sweep (`python -m gptlab.train -m ...`, any launcher) as one MLflow parent run with a child per job.
+"""A sweep (`python -m gptlab.train -m ...`, any launcher) as one MLflow parent run with a child per
+job.
 
 A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
 
 - when the multirun starts (in the launching process, before any job): create the store once (a
   fresh SQLite file migrated by many jobs at once races), then the parent run (params: the sweep's
   overrides; tags: the sweep folder, the launcher), and write its id to `<sweep folder>/sweep.json`;
-- each job's tracker (gptlab/records/tracker.py) finds sweep.json above its run folder and creates its run
+- each job's tracker (gptlab/records/tracker.py) finds sweep.json above its run folder and creates
+its run
   as a child of the parent; a job that raises marks its run FAILED with the error as a tag;
 - a job that failed before it had a run (a bad override, missing data) gets a FAILED child here;
 - when the sweep ends: the parent is FINISHED, or FAILED if a job failed; if the launcher raised (a
   failed job is re-raised once all jobs ended) the parent is marked FAILED at exit. A SLURM job one
-  of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and node
-  that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error` tag.
-  While a SLURM sweep runs, the launcher waits for its jobs through ControllerCheckedWatcher: a job
-  that accounting (sacct) reads as ended is only done once SLURM's controller agrees (a requeued job).
+  of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and
+  node that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error`
+  tag. While a SLURM sweep runs, the launcher waits for its jobs through ControllerCheckedWatcher: a
+  job that accounting (sacct) reads as ended is only done once SLURM's controller agrees (a requeued
+  job).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ log = logging.getLogger(__name__)
 
 
 class SweepCallback(Callback):
-    """Records a multirun as an MLflow parent run (records/parent.py); the jobs' trackers nest under it."""
+    """Records a multirun as an MLflow parent run (records/parent.py); the jobs' trackers nest under
+    it."""
 
     def __init__(self) -> None:
         self.parent: Optional[Dict[str, Any]] = None
@@ -66,11 +70,13 @@ class SweepCallback(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         uri = t.uri or local_uri(Path(str(config.paths.mlflow_db)))
         try:
-            check_reachable(uri)  # a server that is down: one look, not MLflow's retries of each call
+            # a server that is down: one look, not MLflow's retries of each call
+            check_reachable(uri)
             overrides = [str(o) for o in config.hydra.overrides.task]
             launcher = str(config.hydra.runtime.choices.get("hydra/launcher") or "basic")
             sweep = identity.sweep_identity(config, overrides, launcher, sweep_dir)
-            client = mlflow_client(uri)  # for SQLite: creates and migrates the store, once, before any job
+            # for SQLite: creates and migrates the store, once, before any job
+            client = mlflow_client(uri)
             run = parent.create(client, uri, sweep)
             self.parent = {**sweep, "uri": uri, "parent_run_id": run.info.run_id,
                            "experiment_id": run.info.experiment_id}  # fmt: skip
@@ -82,8 +88,10 @@ class SweepCallback(Callback):
             log.info(f"MLflow sweep run {run.info.run_id} ({sweep['run_name']}) in {uri}")
         except Exception as e:  # noqa: BLE001 - the jobs still run and record their own runs
             log.warning(
-                f"no MLflow parent run for this sweep: {store_failure(uri, e)}; the sweep goes on unrecorded in "
-                f"MLflow (each run folder keeps everything); record it later with: {sync_command(sweep_dir)}"
+                f"no MLflow parent run for this sweep: {store_failure(uri, e)}; the sweep goes on "
+                f"unrecorded in "
+                f"MLflow (each run folder keeps everything); record it later with: "
+                f"{sync_command(sweep_dir)}"
             )
             self.parent = None
 
@@ -92,7 +100,8 @@ class SweepCallback(Callback):
         atexit.unregister(self._end)
 
     def _end(self, stopped: bool) -> None:
-        """Close the parent run: FAILED if a job failed or the sweep stopped early, else FINISHED."""
+        """Close the parent run: FAILED if a job failed or the sweep stopped early, else
+        FINISHED."""
         if self.parent is None or self.ended:
             return
         self.ended = True
@@ -100,10 +109,14 @@ class SweepCallback(Callback):
         try:
             parent.end(mlflow_client(p["uri"]), p["experiment_id"], p["parent_run_id"], stopped)
         except Exception as e:  # noqa: BLE001
-            log.warning(f"could not close the sweep's MLflow parent run {p['parent_run_id']}: {error_text(e)}")
+            log.warning(
+                f"could not close the sweep's MLflow parent run {p['parent_run_id']}: "
+                f"{error_text(e)}"
+            )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        """A job that failed before its tracker made a run still shows up, FAILED, under the parent."""
+        """A job that failed before its tracker made a run still shows up, FAILED, under the
+        parent."""
         if job_return.status != JobStatus.FAILED or not slurm.first_task():
             return
         try:
@@ -125,9 +138,9 @@ class SubmissionReporter(Callback):
     which rank on which node ended a job that lost a task.
 
     hydra-submitit-launcher submits silently and then waits for the whole sweep; this watches
-    submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job, and
-    each task that srun reports as dead (killed, or exited non-zero: srun's kill-on-bad-exit then ends
-    the job's other tasks, and submitit's own error names neither the rank nor the node).
+    submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job,
+    and each task that srun reports as dead (killed, or exited non-zero: srun's kill-on-bad-exit
+    then ends the job's other tasks, and submitit's own error names neither the rank nor the node).
     """
 
     def __init__(self, poll_s: float = 1.0) -> None:
@@ -152,7 +165,8 @@ class SubmissionReporter(Callback):
         self._thread = threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True)
         self._thread.start()
         self._stock_watcher = slurm.install_watcher()  # put back at the end
-        # a failed job makes the launcher raise, and on_multirun_end never comes: the last look at exit
+        # a failed job makes the launcher raise, and on_multirun_end never comes: the last look at
+        # exit
         atexit.register(self._finish)
 
     def _watch(self, folder: Path, stop: Any) -> None:
@@ -164,7 +178,8 @@ class SubmissionReporter(Callback):
                 if job_id not in seen:
                     seen.add(job_id)
                     log.info(
-                        f"submitted SLURM job {job_id}; logs: {folder}/{job_id}*/{job_id}*_log.{{out,err}} "
+                        f"submitted SLURM job {job_id}; logs: "
+                        f"{folder}/{job_id}*/{job_id}*_log.{{out,err}} "
                         f"(squeue -j {job_id})"
                     )
             self._report_failures(folder, reported)
@@ -183,7 +198,8 @@ class SubmissionReporter(Callback):
                     chunk = f.read()
             except OSError:
                 continue
-            complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+            # a line still being written waits for the next look
+            complete = chunk[: chunk.rfind(b"\n") + 1]
             failures, requeued = slurm.srun_failures(complete.decode(errors="replace"), requeued)
             reported[err] = (offset + len(complete), seen, requeued)
             for failure in failures:

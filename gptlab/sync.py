@@ -1,36 +1,37 @@
-"""python -m gptlab.sync [FOLDER ...] [tracking.uri=...]: record run folders in MLflow, completing what is missing.
+"""python -m gptlab.sync [FOLDER ...] [tracking.uri=...]: record run folders in MLflow, completing
+what is missing.
 
-The run folder is the truth and is always written; MLflow is not, when a run could not reach its store
-(an offline compute node, a server that was down, a SQLite file that was locked). This records such
-folders later, and completes partly recorded ones. It is idempotent: what the store already holds is
-not sent again, so a second sync adds nothing and says so.
+The run folder is the truth and is always written; MLflow is not, when a run could not reach its
+store (an offline compute node, a server that was down, a SQLite file that was locked). This records
+such folders later, and completes partly recorded ones. It is idempotent: what the store already
+holds is not sent again, so a second sync adds nothing and says so.
 
-FOLDER: a run folder, or a folder of run folders (a sweep folder, outputs/runs); several may be given.
-None: every run folder under outputs/runs and outputs/sweeps. A run folder holds metrics.jsonl or
-config_resolved.yaml. The store: `tracking.uri` when given, else the one the run was configured with
-(its sweep's, for a sweep's job), else the local store outputs/mlflow.db (of the current folder: run
-it from where you trained).
+FOLDER: a run folder, or a folder of run folders (a sweep folder, outputs/runs); several may be
+given. None: every run folder under outputs/runs and outputs/sweeps. A run folder holds
+metrics.jsonl or config_resolved.yaml. The store: `tracking.uri` when given, else the one the run
+was configured with (its sweep's, for a sweep's job), else the local store outputs/mlflow.db (of the
+current folder: run it from where you trained).
 
-Which MLflow run a folder is: results.json's `mlflow_run_id` when the store has that run; else the run
-tagged `run_dir=<the folder>`; else a new run, named and tagged as gptlab.train names and tags it (plus
-`recorded_by=gptlab.sync`), a sweep's job nested under the sweep's parent run (found by sweep.json's id
-or its `sweep_dir` tag, else created from sweep.json, or from Hydra's multirun.yaml when the sweep
-could not write sweep.json). A run deleted in MLflow is left deleted.
+Which MLflow run a folder is: results.json's `mlflow_run_id` when the store has that run; else the
+run tagged `run_dir=<the folder>`; else a new run, named and tagged as gptlab.train names and tags
+it (plus `recorded_by=gptlab.sync`), a sweep's job nested under the sweep's parent run (found by
+sweep.json's id or its `sweep_dir` tag, else created from sweep.json, or from Hydra's multirun.yaml
+when the sweep could not write sweep.json). A run deleted in MLflow is left deleted.
 
-What is completed: the metric points whose (name, step) the run lacks (metrics.jsonl, and results.json
-as summary/*), params not logged yet (a param cannot change; the derived.* figures come from
-derived.json), artifacts missing or of another size (config_resolved.yaml,
+What is completed: the metric points whose (name, step) the run lacks (metrics.jsonl, and
+results.json as summary/*), params not logged yet (a param cannot change; the derived.* figures come
+from derived.json), artifacts missing or of another size (config_resolved.yaml,
 results.json, samples.txt, loss.png, bench.json), tags missing, and the status: FINISHED when
 results.json holds the results, KILLED when it says the run was stopped (`stopped_by`). A folder
 without results.json (a run still going, or one that died) leaves the status as it is (RUNNING for a
 new record): sync again once it has ended. Folders of runs with tracking.mlflow=false are skipped.
 Timestamps are approximate: spread by step between the folder's first and last writes.
 
-Prints one line per folder, `<folder>: up to date` or `<folder>: recorded as run <id> (N metric points,
-M params, K artifacts)`. A folder that cannot be recorded (its store does not answer, or fails midway)
-is one line on stderr, `gptlab.sync: error: <folder>: not recorded: <store and why>; <what to do>`; the
-folders after it are still tried (a store that could not be opened is not asked again), and the exit
-code is 2 once all were tried (0 when every folder was recorded or up to date).
+Prints one line per folder, `<folder>: up to date` or `<folder>: recorded as run <id> (N metric
+points, M params, K artifacts)`. A folder that cannot be recorded (its store does not answer, or
+fails midway) is one line on stderr, `gptlab.sync: error: <folder>: not recorded: <store and why>;
+<what to do>`; the folders after it are still tried (a store that could not be opened is not asked
+again), and the exit code is 2 once all were tried (0 when every folder was recorded or up to date).
 
 The root config is conf/sync.yaml: the training config (its `tracking.uri` names the store) and the
 command's own key `sync.folders`; the words without `=` are the folders (`sync.folders=[a,b]`).
@@ -73,7 +74,18 @@ SYNC_TAG = "recorded_by"  # on the runs (and sweep parents) that sync created
 AGAIN = "then run gptlab.sync again (it sends only what the store lacks)"
 # Hydra's options that take the next word as their value (--info takes one only when it is a topic)
 VALUE_OPTIONS = {
-    *("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd"),
+    *(
+        "--cfg",
+        "-c",
+        "--package",
+        "-p",
+        "--config-path",
+        "-cp",
+        "--config-name",
+        "-cn",
+        "--config-dir",
+        "-cd",
+    ),
     "--experimental-rerun",
 }
 INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
@@ -83,7 +95,8 @@ INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchp
 class SyncSettings:
     """The command's own keys (values in conf/sync.yaml)."""
 
-    folders: List[str]  # run folders or folders of them; empty: every run folder under outputs/runs, outputs/sweeps
+    # run folders or folders of them; empty: every run folder under outputs/runs, outputs/sweeps
+    folders: List[str]
 
 
 @dataclass
@@ -94,28 +107,35 @@ class SyncConfig(Config):
 
 
 ConfigStore.instance().store(name="gptlab_sync_schema", node=SyncConfig)
-POSITIONAL_LIST = "sync.folders"  # the words without `=` (main() gathers them: `sync.folders=[a,b]`)
+# the words without `=` (main() gathers them: `sync.folders=[a,b]`)
+POSITIONAL_LIST = "sync.folders"
 
 
 def gather_words(args: Sequence[str], key: str = POSITIONAL_LIST) -> List[str]:
-    """The arguments with every bare word (no `=`, not an option nor an option's value) gathered into
-    one `key=[...]` override, each word quoted so Hydra takes it as typed."""
+    """The arguments with every bare word (no `=`, not an option nor an option's value) gathered
+    into one `key=[...]` override, each word quoted so Hydra takes it as typed."""
     words: List[str] = []
+    options: List[str] = []  # first: argparse takes no override after an option that follows one
     out: List[str] = []
     takes_value = False
     for i, arg in enumerate(args):
-        if takes_value or arg.startswith("-") or "=" in arg:
-            out.append(arg)
+        if takes_value or arg.startswith("-"):
+            options.append(arg)
             nxt = args[i + 1] if i + 1 < len(args) else ""
-            takes_value = not takes_value and (arg in VALUE_OPTIONS or (arg in ("--info", "-i") and nxt in INFO_TOPICS))
+            takes_value = not takes_value and (
+                arg in VALUE_OPTIONS or (arg in ("--info", "-i") and nxt in INFO_TOPICS)
+            )
+        elif "=" in arg:
+            out.append(arg)
         else:
             words.append(arg)
     if words and any(arg.partition("=")[0].lstrip("+~") == key for arg in out):
         raise GptlabError(f"give the folders as words or as {key}=[...], not both")
-    return out + ([f"{key}=[{','.join(hydra_quote(w) for w in words)}]"] if words else [])
+    folders = [f"{key}=[{','.join(hydra_quote(w) for w in words)}]"] if words else []
+    return options + out + folders
 
 
-# ---- the folders ----------------------------------------------------------------------------------
+# ---- the folders ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -125,11 +145,13 @@ class RunFolder:
     path: Path  # absolute
     config: Dict[str, Any]  # the resolved config
     results: Dict[str, Any]  # results.json ({} until the run ends)
-    sweep: Optional[Dict[str, Any]]  # sweep.json (or what multirun.yaml says) of the sweep holding it
+    # sweep.json (or what multirun.yaml says) of the sweep holding it
+    sweep: Optional[Dict[str, Any]]
 
 
 def runs_under(folder: Path) -> List[Path]:
-    """The run folders that began recording in folder and one level deeper (outputs/sweeps/<sweep>/<job>)."""
+    """The run folders that began recording in folder and one level deeper
+    (outputs/sweeps/<sweep>/<job>)."""
     return [d for d in layout.runs_in(folder, depth=2) if layout.started(d)]
 
 
@@ -142,7 +164,8 @@ def find_folders(names: Sequence[str], outputs: Path = DEFAULT_OUTPUTS) -> List[
         if not found:
             raise GptlabError(
                 "no run folders under outputs/runs or outputs/sweeps "
-                "(run from the folder holding outputs/, or name the folders: python -m gptlab.sync FOLDER ...)"
+                "(run from the folder holding outputs/, or name the folders: python -m gptlab.sync "
+                "FOLDER ...)"
             )
         return [d.resolve() for d in found]
     out: List[Path] = []
@@ -152,13 +175,16 @@ def find_folders(names: Sequence[str], outputs: Path = DEFAULT_OUTPUTS) -> List[
             raise GptlabError(f"{name}: no such folder")
         inner = [folder] if layout.started(folder) else runs_under(folder)
         if not inner:
-            raise GptlabError(f"{name}: not a run folder (it has no {' or '.join(layout.STARTED)}) and holds none")
+            raise GptlabError(
+                f"{name}: not a run folder (it has no {' or '.join(layout.STARTED)}) and holds none"
+            )
         out += [d.resolve() for d in inner if d.resolve() not in out]
     return out
 
 
 def read_folder(path: Path) -> Optional[RunFolder]:
-    """The run folder's config, results and sweep; None when it has no config to record the run by."""
+    """The run folder's config, results and sweep; None when it has no config to record the run
+    by."""
     config = layout.read_config(path)
     if config is None:
         return None
@@ -167,18 +193,20 @@ def read_folder(path: Path) -> Optional[RunFolder]:
 
 
 def target_uri(folder: RunFolder, given: Optional[str]) -> str:
-    """The store: the one given, else the run's own (its sweep's, as the tracker does), else the local one."""
+    """The store: the one given, else the run's own (its sweep's, as the tracker does), else the
+    local one."""
     own = (folder.config.get("tracking") or {}).get("uri")
     sweep_uri = (folder.sweep or {}).get("uri")
     if given:
         return given
     if sweep_uri and own in (None, sweep_uri):
         return sweep_uri
-    db = (folder.config.get("paths") or {}).get("mlflow_db")  # a folder from before paths: the default
+    # a folder from before paths: the default
+    db = (folder.config.get("paths") or {}).get("mlflow_db")
     return own or (local_uri(Path(db)) if db else default_uri())
 
 
-# ---- what the folder holds, as MLflow records it -----------------------------------------------------
+# ---- what the folder holds, as MLflow records it -------------------------------------------------
 
 
 def folder_identity(folder: RunFolder) -> identity.RunIdentity:
@@ -190,8 +218,8 @@ def folder_identity(folder: RunFolder) -> identity.RunIdentity:
 
 
 def folder_params(folder: RunFolder) -> Dict[str, Any]:
-    """The resolved config, flattened, and the derived.* figures (derived.json; a folder written before
-    it existed has only derived.params, from results.json)."""
+    """The resolved config, flattened, and the derived.* figures (derived.json; a folder written
+    before it existed has only derived.params, from results.json)."""
     params = flatten(folder.config)
     with contextlib.suppress(OSError, ValueError):
         derived = json.loads((folder.path / layout.DERIVED).read_text())
@@ -202,7 +230,8 @@ def folder_params(folder: RunFolder) -> Dict[str, Any]:
 
 
 def folder_points(folder: RunFolder) -> Dict[Tuple[str, int], float]:
-    """(MLflow metric name, step) -> value: metrics.jsonl's rows, then results.json's summary/* at its last step."""
+    """(MLflow metric name, step) -> value: metrics.jsonl's rows, then results.json's summary/* at
+    its last step."""
     points: Dict[Tuple[str, int], float] = {}
     for row in read_metrics(folder.path):
         if isinstance(row, dict) and isinstance(row.get("step"), int):
@@ -221,16 +250,20 @@ def _mtime_ms(path: Path) -> Optional[int]:
 
 
 def span_ms(path: Path) -> Tuple[int, int]:
-    """(first, last) write of the run folder in ms: when the run started and when it last recorded."""
+    """(first, last) write of the run folder in ms: when the run started and when it last
+    recorded."""
     hydra = path / layout.HYDRA
-    first = [_mtime_ms(p) for p in (hydra / "config.yaml", hydra / "overrides.yaml", path / layout.CONFIG)]
+    first = [
+        _mtime_ms(p)
+        for p in (hydra / "config.yaml", hydra / "overrides.yaml", path / layout.CONFIG)
+    ]
     last = [_mtime_ms(path / n) for n in (layout.RESULTS, layout.METRICS)]
     now = int(time.time() * 1000)
     start = min([t for t in first if t is not None], default=now)
     return start, max([t for t in last if t is not None] + [start])
 
 
-# ---- one store ------------------------------------------------------------------------------------
+# ---- one store -----------------------------------------------------------------------------------
 
 
 def _not_found(e: Exception) -> bool:
@@ -261,19 +294,23 @@ class Store:
 
     uri: str
     client: Any
-    parents: Dict[str, Tuple[str, str]] = field(default_factory=dict)  # sweep_dir -> (run id, experiment id)
+    # sweep_dir -> (run id, experiment id)
+    parents: Dict[str, Tuple[str, str]] = field(default_factory=dict)
     ours: Set[str] = field(default_factory=set)  # parents that sync made
-    touched: Set[str] = field(default_factory=set)  # parents a child of which this sync recorded something of
+    # parents a child of which this sync recorded something of
+    touched: Set[str] = field(default_factory=set)
 
     @classmethod
     def open(cls, uri: str) -> "Store":
         try:
             check_reachable(uri)
-            client = mlflow_client(uri)  # a SQLite store is created here (under its lock) when it is new
+            # a SQLite store is created here (under its lock) when it is new
+            client = mlflow_client(uri)
             client.search_experiments(max_results=1)
         except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
             raise GptlabError(
-                f"MLflow {store_failure(uri, e)}; start it (or name another store with tracking.uri=...), {AGAIN}"
+                f"MLflow {store_failure(uri, e)}; start it (or name another store with "
+                f"tracking.uri=...), {AGAIN}"
             ) from None
         return cls(uri, client)
 
@@ -295,20 +332,28 @@ class Store:
 
         ids = [e.experiment_id for e in self.client.search_experiments(view_type=ViewType.ALL)]
         runs = self.client.search_runs(
-            ids, filter_string, run_view_type=ViewType.ALL, max_results=100, order_by=["attributes.start_time DESC"]
+            ids,
+            filter_string,
+            run_view_type=ViewType.ALL,
+            max_results=100,
+            order_by=["attributes.start_time DESC"],
         )
         return next((r for r in runs if r.info.run_id not in skip), None) if ids else None
 
     def find_run(self, folder: RunFolder) -> Any:
         """The folder's run: results.json's run when this store has it, else the run tagged with the
-        folder, but none of the earlier runs moved aside into previous/<time>/ (they had the same tag)."""
-        earlier = [read_results(p).get("mlflow_run_id") for p in sorted((folder.path / PREVIOUS).glob("*"))]
+        folder, but none of the earlier runs moved aside into previous/<time>/ (they had the same
+        tag)."""
+        earlier = [
+            read_results(p).get("mlflow_run_id") for p in sorted((folder.path / PREVIOUS).glob("*"))
+        ]
         return self.get_run(folder.results.get("mlflow_run_id")) or self.search_one(
             f"tags.run_dir = {_quoted(str(folder.path))}", skip=[i for i in earlier if i]
         )
 
     def parent(self, sweep: Dict[str, Any]) -> Tuple[str, str]:
-        """(run id, experiment id) of the sweep's parent run in this store, made from sweep.json if missing."""
+        """(run id, experiment id) of the sweep's parent run in this store, made from sweep.json if
+        missing."""
         key = sweep["sweep_dir"]
         if key not in self.parents:
             run = self.get_run(sweep.get("parent_run_id")) or self.search_one(
@@ -337,19 +382,24 @@ class Store:
                 print(f"{sweep_dir}: sweep run {run_id} ended from its jobs' records", flush=True)
 
 
-# ---- one folder -----------------------------------------------------------------------------------
+# ---- one folder ----------------------------------------------------------------------------------
 
 
 def create_run(store: Store, folder: RunFolder) -> Any:
-    """A new run for the folder, named, tagged and placed as gptlab.train would have (nested in its sweep)."""
+    """A new run for the folder, named, tagged and placed as gptlab.train would have (nested in its
+    sweep)."""
     ident = folder_identity(folder)
     tags = {**ident.tags, SYNC_TAG: "gptlab.sync"}
     if folder.sweep is not None:
         parent_id, experiment_id = store.parent(folder.sweep)
         tags.update(parent.child_tags(folder.sweep, parent_id))
     else:
-        experiment_id = get_or_create_experiment(store.client, ident.experiment, artifact_root(store.uri))
-    run = store.client.create_run(experiment_id, run_name=ident.name, tags=tags, start_time=span_ms(folder.path)[0])
+        experiment_id = get_or_create_experiment(
+            store.client, ident.experiment, artifact_root(store.uri)
+        )
+    run = store.client.create_run(
+        experiment_id, run_name=ident.name, tags=tags, start_time=span_ms(folder.path)[0]
+    )
     return store.client.get_run(run.info.run_id)
 
 
@@ -364,14 +414,18 @@ def send_metrics(client: Any, run_id: str, folder: RunFolder) -> int:
     missing = sorted((k, v) for k, v in points.items() if k not in have)
     start, end = span_ms(folder.path)
     last = max([step for (_, step) in points] + [1])
-    metrics = [Metric(name, v, start + (end - start) * max(step, 0) // last, step) for (name, step), v in missing]
+    metrics = [
+        Metric(name, v, start + (end - start) * max(step, 0) // last, step)
+        for (name, step), v in missing
+    ]
     for i in range(0, len(metrics), 1000):
         client.log_batch(run_id, metrics=metrics[i : i + 1000])
     return len(metrics)
 
 
 def send_artifacts(client: Any, run_id: str, path: Path) -> int:
-    """The folder's artifacts the run lacks, or has in another size (a results.json rewritten by a resume)."""
+    """The folder's artifacts the run lacks, or has in another size (a results.json rewritten by a
+    resume)."""
     have = {a.path: a.file_size for a in client.list_artifacts(run_id)}
     sent = 0
     for name in layout.ARTIFACTS:
@@ -382,18 +436,22 @@ def send_artifacts(client: Any, run_id: str, path: Path) -> int:
 
 
 def send_status(client: Any, run: Any, folder: RunFolder) -> Optional[str]:
-    """FINISHED (or KILLED, when the run was stopped) once results.json holds the results; None: unchanged."""
+    """FINISHED (or KILLED, when the run was stopped) once results.json holds the results; None:
+    unchanged."""
     if not folder.results:
         return None
     status = "KILLED" if folder.results.get("stopped_by") else "FINISHED"
     if run.info.status == status:
         return None
-    client.set_terminated(run.info.run_id, status=status, end_time=_mtime_ms(folder.path / layout.RESULTS))
+    client.set_terminated(
+        run.info.run_id, status=status, end_time=_mtime_ms(folder.path / layout.RESULTS)
+    )
     return status
 
 
 def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
-    """Send what the run lacks of the folder: metric points, params, artifacts, tags and the status."""
+    """Send what the run lacks of the folder: metric points, params, artifacts, tags and the
+    status."""
     client, run_id = store.client, run.info.run_id
     params = {k: v for k, v in folder_params(folder).items() if k not in run.data.params}
     log_params(client, run_id, params)
@@ -433,13 +491,15 @@ class NotRecorded(GptlabError):
 
 
 def sync(paths: Sequence[Path], uri: Optional[str] = None) -> List[str]:
-    """Record the run folders (each in its store: uri, else its own); the lines printed, one per folder.
+    """Record the run folders (each in its store: uri, else its own); the lines printed, one per
+    folder.
 
     A folder that cannot be recorded (its store does not answer, or fails midway) is one line on
     stderr, `gptlab.sync: error: <folder>: not recorded: ...`, and the folders after it are still
     tried; then NotRecorded is raised, naming how many were not.
     """
-    stores: Dict[str, Any] = {}  # uri -> its Store, or the error of a store that could not be opened
+    # uri -> its Store, or the error of a store that could not be opened
+    stores: Dict[str, Any] = {}
     lines, failed = [], 0
     try:
         for path in paths:
@@ -479,11 +539,14 @@ def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
     try:
         return sync_folder(stores[target], folder)
     except Exception as e:  # noqa: BLE001 - the store failed midway: one line, and sync again later
-        raise GptlabError(f"MLflow {store_failure(target, e)} (it failed midway); {AGAIN}") from None
+        raise GptlabError(
+            f"MLflow {store_failure(target, e)} (it failed midway); {AGAIN}"
+        ) from None
 
 
 def run_sync(cfg: Any) -> List[str]:
-    """Record the folders of sync.folders (all under outputs/ when empty). cfg: composed from conf/sync.yaml."""
+    """Record the folders of sync.folders (all under outputs/ when empty). cfg: composed from
+    conf/sync.yaml."""
     config = to_config(cfg, SyncConfig)
     return sync(find_folders(config.sync.folders, Path(config.paths.outputs)), config.tracking.uri)
 
@@ -500,8 +563,9 @@ def sync_command_line(cfg: Any) -> List[str]:
 def main(argv: Optional[List[str]] = None) -> Any:
     """python -m gptlab.sync [FOLDER ...] [overrides]: a Hydra app on conf/sync.yaml.
 
-    The words without `=` are the folders (sync.folders=[...]). argv: the same arguments, to run it in
-    this process (errors raise GptlabError, folders not recorded NotRecorded); it returns the lines printed.
+    The words without `=` are the folders (sync.folders=[...]). argv: the same arguments, to run it
+    in this process (errors raise GptlabError, folders not recorded NotRecorded); it returns the
+    lines printed.
     """
     if argv is not None:
         return command("sync", run_sync, gather_words(argv))

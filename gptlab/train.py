@@ -1,4 +1,5 @@
-"""python -m gptlab.train [overrides]: compose the config, build the run, train, record the results."""
+"""python -m gptlab.train [overrides]: compose the config, build the run, train, record the
+results."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from gptlab.errors import GptlabError
 from gptlab.loop import train
 from gptlab.records import layout, runfolder
 
-log = logging.getLogger("gptlab.train")  # not __name__: run as __main__, it would fall outside gptlab
+# not __name__: run as __main__, it would fall outside gptlab
+log = logging.getLogger("gptlab.train")
 
 
 def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
@@ -35,11 +37,13 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     config = to_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     done = runfolder.finished(Path(run_dir), resolved)
-    if done is not None:  # the same command again after the run finished: nothing to do, nothing changed
+    # the same command again after the run finished: nothing to do, nothing changed
+    if done is not None:
         best = done.get("best_val_loss")
         log.info(
             f"{run_dir} holds this run, finished at step {done['steps']} (best val loss "
-            f"{best if best is None else f'{best:.4f}'}): nothing to do. train.max_steps=N continues it; "
+            f"{best if best is None else f'{best:.4f}'}): nothing to do. train.max_steps=N "
+            f"continues it; "
             "train.resume=never starts it over (the files are moved aside)"
         )
         return done
@@ -68,19 +72,26 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         raise
     finally:
         run.close(status)
-        if status == "KILLED" and results.get("stopped_by") == "SIGUSR2" and callable(signal.getsignal(signal.SIGUSR2)):
-            # our handler is gone again: re-deliver so the job's own handler (submitit's) requeues it
+        if (
+            status == "KILLED"
+            and results.get("stopped_by") == "SIGUSR2"
+            and callable(signal.getsignal(signal.SIGUSR2))
+        ):
+            # our handler is gone again: re-deliver so the job's own handler (submitit's) requeues
+            # it
             os.kill(os.getpid(), signal.SIGUSR2)
 
 
 def _worker(resolved: Dict[str, Any], run_dir: str) -> None:
     """One locally spawned rank: the same run, with RANK / WORLD_SIZE set by distributed.spawn."""
-    console.setup_logging(Path(run_dir) / layout.LOG)  # a fresh process: Hydra configured nothing here
+    # a fresh process: Hydra configured nothing here
+    console.setup_logging(Path(run_dir) / layout.LOG)
     console.local_bars()
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir))
     except (GptlabError, OSError) as e:
-        # a path or the machine (disk full, permissions) is the user's to fix too; other OSErrors are bugs
+        # a path or the machine (disk full, permissions) is the user's to fix too; other OSErrors
+        # are bugs
         message = str(e) if isinstance(e, GptlabError) else os_error_message(e)
         if message is None:
             raise
@@ -109,15 +120,24 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
     try:
         results = run_training(cfg, run_dir)
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(console.next_start(run_dir / layout.CHECKPOINTS, cfg.train.resume)) from None
-    if results.get("stopped_by") and hc.mode == RunMode.MULTIRUN and hc.launcher._target_ == BASIC_LAUNCHER:
-        log.info(f"{results['stopped_by']}: the sweep stops here; the jobs after this one did not start")
+        raise KeyboardInterrupt(
+            console.next_start(run_dir / layout.CHECKPOINTS, cfg.train.resume)
+        ) from None
+    if (
+        results.get("stopped_by")
+        and hc.mode == RunMode.MULTIRUN
+        and hc.launcher._target_ == BASIC_LAUNCHER
+    ):
+        log.info(
+            f"{results['stopped_by']}: the sweep stops here; the jobs after this one did not start"
+        )
         raise SystemExit(0)
     return results
 
 
 def main() -> None:
-    """python -m gptlab.train [overrides]: a Hydra app on conf/config.yaml (cli.command's grammar)."""
+    """python -m gptlab.train [overrides]: a Hydra app on conf/config.yaml (cli.command's
+    grammar)."""
     command("train", train_job, config_name="config")
 
 

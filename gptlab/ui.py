@@ -1,19 +1,22 @@
-"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...] [ui.*=...]: the MLflow UI on the runs' store.
+"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...] [ui.*=...]: the MLflow UI on the
+runs' store.
 
-Starts `mlflow server` on the store the runs used (the default local store outputs/mlflow.db with its
-artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when free),
-waits until it answers, and prints the URL of the experiment's runs table (MLflow 3 otherwise opens an
-experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the server already
-runs: the URL is printed and nothing is started. The console gets gptlab's lines only: the server's
-own output goes to `mlflow-ui.log` beside a SQLite store's database (else to the system's temporary
-folder), and a server that exits is one line naming its exit code, its last line and that log.
+Starts `mlflow server` on the store the runs used (the default local store outputs/mlflow.db with
+its artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when
+free), waits until it answers, and prints the URL of the experiment's runs table (MLflow 3 otherwise
+opens an experiment on its GenAI overview). Ctrl-C stops it. With `tracking.uri=http://...` the
+server already runs: the URL is printed and nothing is started. The console gets gptlab's lines
+only: the server's own output goes to `mlflow-ui.log` beside a SQLite store's database (else to the
+system's temporary folder), and a server that exits is one line naming its exit code, its last
+line and that log.
 
-On a cluster node, `ui.host=0.0.0.0` serves on every address. MLflow rejects requests whose Host header
-or page origin it does not know; gptlab.ui tells it this machine's names and addresses (`ui.allowed_hosts`
-and `ui.cors_allowed_origins` for others, such as a proxy's name).
+On a cluster node, `ui.host=0.0.0.0` serves on every address. MLflow rejects requests whose Host
+header or page origin it does not know; gptlab.ui tells it this machine's names and addresses
+(`ui.allowed_hosts` and `ui.cors_allowed_origins` for others, such as a proxy's name).
 
-The root config is conf/ui.yaml: the training config (its `tracking` section, as the runs saw it) and
-the command's own keys `ui.host`, `ui.port`, `ui.workers`, `ui.allowed_hosts`, `ui.cors_allowed_origins`.
+The root config is conf/ui.yaml: the training config (its `tracking` section, as the runs saw it)
+and the command's own keys `ui.host`, `ui.port`, `ui.workers`, `ui.allowed_hosts`,
+`ui.cors_allowed_origins`.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ class UIConfig(Config):
 
 
 ConfigStore.instance().store(name="gptlab_ui_schema", node=UIConfig)
-TEXT_KEYS = text_keys(UISettings, "ui.")  # ui.host=..., ui.allowed_hosts=a,b:* are text as typed (cli.hydra_words)
+# ui.host=..., ui.allowed_hosts=a,b:* are text as typed (cli.hydra_words)
+TEXT_KEYS = text_keys(UISettings, "ui.")
 
 
 def store_uri(uri: Optional[str], default_db: Path = DEFAULT_OUTPUTS / "mlflow.db") -> str:
@@ -90,19 +94,26 @@ def find_experiment(uri: str, name: Optional[str]) -> Tuple[str, str]:
         exp = client.get_experiment_by_name(name)
         if exp is None:
             names = ", ".join(e.name for e in client.search_experiments()) or "none"
-            raise GptlabError(f"tracking.experiment={name}: no such experiment in {uri} (there are: {names})")
+            raise GptlabError(
+                f"tracking.experiment={name}: no such experiment in {uri} (there are: {names})"
+            )
         return exp.experiment_id, exp.name
-    exps = [e for e in client.search_experiments() if e.name != "Default"] or client.search_experiments()
+    exps = [
+        e for e in client.search_experiments() if e.name != "Default"
+    ] or client.search_experiments()
     if not exps:
         raise GptlabError(f"{uri} holds no experiment yet")
-    newest = client.search_runs([e.experiment_id for e in exps], order_by=["attributes.start_time DESC"], max_results=1)
+    newest = client.search_runs(
+        [e.experiment_id for e in exps], order_by=["attributes.start_time DESC"], max_results=1
+    )
     exp = client.get_experiment(newest[0].info.experiment_id) if newest else exps[0]
     return exp.experiment_id, exp.name
 
 
 def port_is_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: TIME_WAIT is free
+        # as the server will: TIME_WAIT is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -135,8 +146,8 @@ def machine_names(host: str, shown: str) -> List[str]:
 def network_access(host: str, port: int, shown: str) -> Tuple[Optional[str], Optional[str]]:
     """(--allowed-hosts, --cors-allowed-origins) for serving on `host`.
 
-    MLflow answers only Host headers of localhost and private IPs, and its UI's own POST requests are
-    refused (403, "Request error" in the page) from any origin but localhost. Serving on another
+    MLflow answers only Host headers of localhost and private IPs, and its UI's own POST requests
+    are refused (403, "Request error" in the page) from any origin but localhost. Serving on another
     address, accept this machine's names and addresses as both, keeping MLflow's default hosts."""
     if host in LOOPBACK:
         return None, None
@@ -184,7 +195,12 @@ def server_command(
         str(workers),
     ]
     if (artifacts := artifact_root(uri)) is not None:
-        cmd += ["--default-artifact-root", artifacts.as_uri(), "--artifacts-destination", str(artifacts)]
+        cmd += [
+            "--default-artifact-root",
+            artifacts.as_uri(),
+            "--artifacts-destination",
+            str(artifacts),
+        ]
     if allowed_hosts:
         cmd += ["--allowed-hosts", allowed_hosts]
     if allowed_origins:
@@ -193,10 +209,13 @@ def server_command(
 
 
 def server_env() -> dict:
-    """MLflow's background job runner (a dozen processes, for GenAI judges) is not needed for runs."""
+    """MLflow's background job runner (a dozen processes, for GenAI judges) is not needed for
+    runs."""
     return {
         **os.environ,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get(
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"
+        ),
     }
 
 
@@ -204,11 +223,15 @@ LOG_NAME = "mlflow-ui.log"
 
 
 def server_log(uri: str, port: int) -> Path:
-    """Where the server's own output goes: beside a SQLite store's database (outputs/mlflow-ui.log by
-    default), else in the system's temporary folder. Its notices (security middleware, deprecations)
-    are not gptlab's lines; its errors are read back from here (`last_line`)."""
+    """Where the server's own output goes: beside a SQLite store's database (outputs/mlflow-ui.log
+    by default), else in the system's temporary folder. Its notices (security middleware,
+    deprecations) are not gptlab's lines; its errors are read back from here (`last_line`)."""
     db = sqlite_path(uri)
-    return db.parent / LOG_NAME if db is not None else Path(tempfile.gettempdir()) / f"gptlab-ui-{port}.log"
+    return (
+        db.parent / LOG_NAME
+        if db is not None
+        else Path(tempfile.gettempdir()) / f"gptlab-ui-{port}.log"
+    )
 
 
 def last_line(log: Path, start: int) -> str:
@@ -217,7 +240,9 @@ def last_line(log: Path, start: int) -> str:
     try:
         with open(log, "rb") as f:
             f.seek(start)
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+            lines = [
+                ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()
+            ]
     except OSError:
         return "(its log cannot be read)"
     return lines[-1][:300] if lines else "(it wrote nothing)"
@@ -225,7 +250,10 @@ def last_line(log: Path, start: int) -> str:
 
 def server_ended(proc: subprocess.Popen, log: Path, start: int, when: str) -> GptlabError:
     """The one line for a server that exited: its code, its last line, and where the rest is."""
-    return GptlabError(f"mlflow server exited with code {proc.returncode} {when}: {last_line(log, start)} (log: {log})")
+    return GptlabError(
+        f"mlflow server exited with code {proc.returncode} {when}: {last_line(log, start)} (log: "
+        f"{log})"
+    )
 
 
 def wait_until_up(proc: subprocess.Popen, url: str, timeout: float, log: Path, start: int) -> None:
@@ -242,7 +270,8 @@ def wait_until_up(proc: subprocess.Popen, url: str, timeout: float, log: Path, s
 
 
 def start_server(cmd: List[str], log: Path) -> Tuple[subprocess.Popen, int]:
-    """(the server, where its output starts in log): in a process group of its own, appending to log."""
+    """(the server, where its output starts in log): in a process group of its own, appending to
+    log."""
     with open(log, "ab") as out:  # the server keeps its own copy of the file open
         start = out.tell()
         proc = subprocess.Popen(
@@ -272,22 +301,30 @@ def stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_ui(cfg: Any) -> None:
-    """Serve (or point at) the runs' store until Ctrl-C. cfg: composed from conf/ui.yaml."""
-    config = to_config(cfg, UIConfig)
-    tracking, ui = config.tracking, config.ui
-    uri = store_uri(tracking.uri, Path(config.paths.mlflow_db))
+def open_store(tracking: Any, default_db: Path) -> Tuple[str, str, str]:
+    """(uri, experiment id, experiment name) of the store the UI shows, or a one-line error."""
+    uri = store_uri(tracking.uri, default_db)
     if uri.startswith(("http://", "https://")):
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
         except OSError as e:
-            raise GptlabError(f"tracking.uri={uri}: the tracking server does not answer ({short_reason(e)})") from None
+            raise GptlabError(
+                f"tracking.uri={uri}: the tracking server does not answer ({short_reason(e)})"
+            ) from None
     try:
         exp_id, exp_name = find_experiment(uri, tracking.experiment)
     except GptlabError:
         raise
-    except Exception as e:  # noqa: BLE001 - a store that cannot be read (not a database, a server that fails)
+    except Exception as e:  # noqa: BLE001 - a store that cannot be read (not a database, a failing server)
         raise GptlabError(f"MLflow {store_failure(uri, e)}") from None
+    return uri, exp_id, exp_name
+
+
+def run_ui(cfg: Any) -> None:
+    """Serve (or point at) the runs' store until Ctrl-C. cfg: composed from conf/ui.yaml."""
+    config = to_config(cfg, UIConfig)
+    ui = config.ui
+    uri, exp_id, exp_name = open_store(config.tracking, Path(config.paths.mlflow_db))
     if uri.startswith(("http://", "https://")):
         print(
             f"experiment {exp_name!r} on the running server {uri}:\n  {runs_url(uri, exp_id)}\n"
@@ -297,11 +334,20 @@ def run_ui(cfg: Any) -> None:
         return
     port = ui.port or free_port(ui.host if ui.host not in ("0.0.0.0", "::") else "0.0.0.0")
     if ui.port and not port_is_free(ui.host, port):
-        raise GptlabError(f"ui.port={port}: already in use on {ui.host}; pick another or leave it out")
+        raise GptlabError(
+            f"ui.port={port}: already in use on {ui.host}; pick another or leave it out"
+        )
     shown = socket.gethostname() if ui.host in ("0.0.0.0", "::") else ui.host
     local = f"http://{'127.0.0.1' if ui.host in ('0.0.0.0', '::') else ui.host}:{port}"
     hosts, origins = network_access(ui.host, port, shown)
-    cmd = server_command(uri, ui.host, port, ui.workers, ui.allowed_hosts or hosts, ui.cors_allowed_origins or origins)
+    cmd = server_command(
+        uri,
+        ui.host,
+        port,
+        ui.workers,
+        ui.allowed_hosts or hosts,
+        ui.cors_allowed_origins or origins,
+    )
     log = server_log(uri, port)
     proc, start = start_server(cmd, log)
 

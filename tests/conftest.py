@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo process group of one, in memory: enough for DDP, fully_shard and DCP in this process."""
+    """A gloo process group of one, in memory: enough for DDP, fully_shard and DCP in this
+    process."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -47,7 +48,8 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":  # make test asks first, before it starts the services: one line and exit 2
+# make test asks first, before it starts the services: one line and exit 2
+if __name__ == "__main__":
     try:
         print(find_shakespeare())
     except pytest.fail.Exception as e:

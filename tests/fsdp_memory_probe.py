@@ -23,7 +23,10 @@ def measure(overrides):
     """test_plan's measurement, with the model sharded as a run would shard it."""
     cfg = resolve_micro_batch(to_config(compose_config(overrides)))
     d = distributed.setup(cfg.hardware, cfg.parallelism)
-    shard = lambda model: distributed.wrap_model(model, d, cfg.parallelism, cfg.hardware, compile=False)  # noqa: E731
+
+    def shard(model):
+        return distributed.wrap_model(model, d, cfg.parallelism, cfg.hardware, compile=False)
+
     return measured_peak_bytes(cfg, cfg.parallelism.activation_checkpointing, wrap=shard)
 
 

@@ -25,13 +25,17 @@ from gptlab.errors import GptlabError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-SHARED_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"  # this repository's CI copy
+# this repository's CI copy
+SHARED_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 # gptlab's own cache (downloads), read before conftest's _isolated_cache points it elsewhere
 GPTLAB_CACHE = cache_root(None)
 
 
 def find_shakespeare(
-    env: Mapping[str, str] = os.environ, shared: Path = SHARED_SHAKESPEARE, cache: Path = GPTLAB_CACHE, data=None
+    env: Mapping[str, str] = os.environ,
+    shared: Path = SHARED_SHAKESPEARE,
+    cache: Path = GPTLAB_CACHE,
+    data=None,
 ) -> Path:
     """Tiny Shakespeare, found as `make train` finds it: $GPTLAB_SHAKESPEARE (the offline override),
     else ../shared/data/tinyshakespeare.txt, else gptlab's own download in its cache
@@ -51,7 +55,8 @@ def find_shakespeare(
     data = dataclasses.replace(data or typed("data"), path=None)
     try:
         return shakespeare_file(data, cache)
-    except GptlabError as e:  # offline, or a bad download: its reason without gptlab's data.path= advice
+    # offline, or a bad download: its reason without gptlab's data.path= advice
+    except GptlabError as e:
         reason = str(e).split(";")[0]
     pytest.fail(f"Tiny Shakespeare is not at {shared}, and {reason}; {how}", pytrace=False)
 
@@ -96,14 +101,16 @@ def nano_overrides(data_path: Path, *extra: str) -> List[str]:
 
 
 def overwrite_entry(folder: Path, prefix: str, content: Optional[bytes] = None) -> Tuple[str, str]:
-    """In a sharded checkpoint, overwrite the saved entry first by name of those starting with prefix, in
-    place, keeping every file's size (random bytes: a bad disk block; or content, padded with zeros):
-    (the entry's name, the shard file holding it)."""
+    """In a sharded checkpoint, overwrite the saved entry first by name of those starting with
+    prefix, in place, keeping every file's size (random bytes: a bad disk block; or content, padded
+    with zeros): (the entry's name, the shard file holding it)."""
     from gptlab.safe_dcp import read_metadata
 
     # storage_data: where each entry's bytes are (file, offset, length)
     stored = read_metadata(folder).storage_data.items()
-    index, info = min(((i, s) for i, s in stored if i.fqn.startswith(prefix)), key=lambda item: item[0].fqn)
+    index, info = min(
+        ((i, s) for i, s in stored if i.fqn.startswith(prefix)), key=lambda item: item[0].fqn
+    )
     data = os.urandom(info.length) if content is None else content.ljust(info.length, b"\0")
     assert len(data) == info.length, "the content does not fit in the entry"
     with open(folder / info.relative_path, "r+b") as f:
@@ -119,15 +126,23 @@ def cli_env(env_extra=None) -> Dict[str, str]:
     return env
 
 
-def run_cli(args: List[str], cwd: Path, timeout: float = 300, env_extra=None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: List[str], cwd: Path, timeout: float = 300, env_extra=None
+) -> subprocess.CompletedProcess:
     """Run `python -m <args>` as a user would, from cwd."""
     return subprocess.run(
-        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(env_extra), capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=cli_env(env_extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False) -> subprocess.Popen:
-    """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start several)."""
+    """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start
+    several)."""
     return subprocess.Popen(
         [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,

@@ -1,5 +1,6 @@
-"""The team tracking server in tests: launch/mlflow_server.sh (mlflow server on PostgreSQL) driven from
-Python, and the session's server that .ci/setup.d/mlflow_server.sh starts (GPTLAB_TEST_MLFLOW_URI).
+"""The team tracking server in tests: launch/mlflow_server.sh (mlflow server on PostgreSQL) driven
+from Python, and the session's server that .ci/setup.d/mlflow_server.sh starts
+(GPTLAB_TEST_MLFLOW_URI).
 
 Without what a test needs, the test is skipped, except in CI (CI=true), where that is a failure.
 """
@@ -33,10 +34,13 @@ def need(problem: str) -> None:
 
 
 def session_server_uri() -> Optional[str]:
-    """The session's team server (http://127.0.0.1:PORT), or None when this session has none (fails under CI)."""
+    """The session's team server (http://127.0.0.1:PORT), or None when this session has none
+    (fails under CI)."""
     uri = os.environ.get(SESSION_URI)
     if not uri and os.environ.get("CI") == "true":
-        pytest.fail(f"{SESSION_URI} is not set: .ci/setup.d/mlflow_server.sh starts the team server for CI")
+        pytest.fail(
+            f"{SESSION_URI} is not set: .ci/setup.d/mlflow_server.sh starts the team server for CI"
+        )
     return uri
 
 
@@ -48,19 +52,25 @@ def free_port() -> int:
 
 def live_pids(pgid: Optional[int] = None, parent: Optional[int] = None) -> List[int]:
     """Live (not zombie) processes of a process group, or a process's children."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,pgid=,stat="], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["ps", "-e", "-o", "pid=,ppid=,pgid=,stat="], capture_output=True, text=True
+    ).stdout
     found = []
     for line in out.splitlines():
         pid, ppid, group, stat = line.split()[:4]
         if stat.startswith("Z"):
             continue
-        if (pgid is not None and int(group) == pgid) or (parent is not None and int(ppid) == parent):
+        if (pgid is not None and int(group) == pgid) or (
+            parent is not None and int(ppid) == parent
+        ):
             found.append(int(pid))
     return found
 
 
 def alive(pid: int) -> bool:
-    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True
+    ).stdout.strip()
     return bool(out) and not out.startswith("Z")
 
 
@@ -73,7 +83,8 @@ class ScriptServer:
 
     @classmethod
     def fresh(cls) -> "ScriptServer":
-        # under /var/tmp: the postgres user must enter the folder (pytest's tmp_path is closed to it)
+        # under /var/tmp: the postgres user must enter the folder (pytest's tmp_path is closed to
+        # it)
         return cls(Path("/var/tmp") / f"gptlab-test-mlflow-{uuid.uuid4().hex[:8]}", free_port())
 
     @property
@@ -81,11 +92,19 @@ class ScriptServer:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> Dict[str, str]:
-        return {**os.environ, "GPTLAB_MLFLOW_DIR": str(self.state), "GPTLAB_MLFLOW_PORT": str(self.port)}
+        return {
+            **os.environ,
+            "GPTLAB_MLFLOW_DIR": str(self.state),
+            "GPTLAB_MLFLOW_PORT": str(self.port),
+        }
 
     def run(self, command: str, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["bash", str(SCRIPT), command], env=self.env(), capture_output=True, text=True, timeout=timeout
+            ["bash", str(SCRIPT), command],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
 
     def up(self) -> str:
@@ -105,9 +124,12 @@ class ScriptServer:
         return int((self.state / "pgdata" / "postmaster.pid").read_text().split()[0])
 
     def pids(self) -> List[int]:
-        """Every live process of the server: mlflow's group (the server, its workers) and PostgreSQL's."""
+        """Every live process of the server: mlflow's group (the server, its workers) and
+        PostgreSQL's."""
         server, pg = self.server_pid(), self.postmaster_pid()
-        return sorted({*live_pids(pgid=server), *([pg] if alive(pg) else []), *live_pids(parent=pg)})
+        return sorted(
+            {*live_pids(pgid=server), *([pg] if alive(pg) else []), *live_pids(parent=pg)}
+        )
 
     def signal(self, sig: int) -> None:
         """sig to the mlflow server and all its workers (its process group)."""
@@ -123,7 +145,10 @@ class ScriptServer:
             return None
         if os.geteuid() == 0 and shutil.which("apt-get"):
             return None  # the script installs PostgreSQL
-        return "PostgreSQL is not installed, and launch/mlflow_server.sh installs it only as root with apt-get"
+        return (
+            "PostgreSQL is not installed, and launch/mlflow_server.sh installs it only as root "
+            "with apt-get"
+        )
 
 
 def stop_group(pgid: int) -> None:

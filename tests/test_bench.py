@@ -39,8 +39,13 @@ def tiny(shakespeare):
 
 
 def test_flags():
-    cfg = bench_config(compose("bench", ["bench.steps=4", "model=gpt_nano", "bench.warmup=0", "bench.mlflow=true"]))
-    assert dict(cfg.bench) == {"warmup": 0, "steps": 4, "mlflow": True} and cfg.model.name == "gpt_nano"
+    cfg = bench_config(
+        compose("bench", ["bench.steps=4", "model=gpt_nano", "bench.warmup=0", "bench.mlflow=true"])
+    )
+    assert (
+        dict(cfg.bench) == {"warmup": 0, "steps": 4, "mlflow": True}
+        and cfg.model.name == "gpt_nano"
+    )
     assert cfg.train.max_steps == 4 and cfg.tracking.mlflow is True and cfg.train.log_every == 1
     with pytest.raises(GptlabError, match="bench.steps"):
         compose("bench", ["bench.steps=x"])
@@ -50,7 +55,13 @@ def test_flags():
 
 def test_bench_in_process(shakespeare, tmp_path, capsys):
     cfg = compose(
-        "bench", [*tiny(shakespeare), "parallelism.activation_checkpointing=true", "bench.warmup=1", "bench.steps=3"]
+        "bench",
+        [
+            *tiny(shakespeare),
+            "parallelism.activation_checkpointing=true",
+            "bench.warmup=1",
+            "bench.steps=3",
+        ],
     )
     result = run_bench(cfg, tmp_path)
     line = capsys.readouterr().out.strip().splitlines()
@@ -64,7 +75,13 @@ def test_bench_in_process(shakespeare, tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_cli_prints_one_json_line(shakespeare, tmp_path):
     out = run_cli(
-        ["gptlab.bench", "bench.warmup=1", "bench.steps=2", *tiny(shakespeare), f"hydra.run.dir={tmp_path / 'run'}"],
+        [
+            "gptlab.bench",
+            "bench.warmup=1",
+            "bench.steps=2",
+            *tiny(shakespeare),
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
         cwd=REPO,
         timeout=240,
     )
@@ -72,12 +89,18 @@ def test_bench_cli_prints_one_json_line(shakespeare, tmp_path):
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1, out.stdout
     result = json.loads(lines[0])
-    assert result.keys() >= KEYS and result["timed_steps"] == 2 and result["peak_mem_source"] == "peak_rss"
+    assert (
+        result.keys() >= KEYS
+        and result["timed_steps"] == 2
+        and result["peak_mem_source"] == "peak_rss"
+    )
 
 
 @pytest.mark.slow
 def test_bench_cli_user_error_is_one_line(tmp_path):
-    out = run_cli(["gptlab.bench", "model.n_embd=33", f"hydra.run.dir={tmp_path}"], cwd=REPO, timeout=120)
+    out = run_cli(
+        ["gptlab.bench", "model.n_embd=33", f"hydra.run.dir={tmp_path}"], cwd=REPO, timeout=120
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "model.n_embd" in out.stderr
 
@@ -91,8 +114,8 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
 
     shrink = (
         "model.n_layer=1 model.n_embd=32 model.n_head=2 model.block_size=32 model.ffn_dim=null "
-        "train.batch_size=2 train.micro_batch_size=2 hardware.compile=false hardware.precision=fp32 "
-        "optimizer.fused=false"
+        "train.batch_size=2 train.micro_batch_size=2 hardware.compile=false "
+        "hardware.precision=fp32 optimizer.fused=false"
     )
     env = {
         **os.environ,
@@ -121,6 +144,7 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         assert run["bench"]["model"] == model and run["plan"]["model"] == model
         assert run["measured_vs_plan"]["plan_mem_bytes"] > 0
     assert report["runs"]["gpt1b"]["bench"]["activation_checkpointing"] is True
-    assert report["runs"]["gpt2_124m_fsdp"]["bench"]["strategy"] == "fsdp"  # a world of one is valid
+    # a world of one is valid
+    assert report["runs"]["gpt2_124m_fsdp"]["bench"]["strategy"] == "fsdp"
     chunked = report["chunked_loss"]
     assert chunked["chunked"]["peak_step_bytes"] < chunked["whole"]["peak_step_bytes"]

@@ -1,5 +1,5 @@
-"""`python -m gptlab.ui` over a store that a real gptlab sweep wrote, and the page it serves rendered by
-a real headless Chromium.
+"""`python -m gptlab.ui` over a store that a real gptlab sweep wrote, and the page it serves
+rendered by a real headless Chromium.
 
 gptlab.ui starts a real `mlflow server` on a free loopback port, in a process group of its own, and
 prints the runs view's URL. Chromium loads that URL (the sweep's jobs folded under the parent run),
@@ -62,7 +62,11 @@ def kill_group(pgid: int) -> None:
 
 
 def text_of(dom: str) -> str:
-    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)))
+    return re.sub(
+        r"\s+",
+        " ",
+        re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)),
+    )
 
 
 def start_ui(cwd: Path, port: int):
@@ -112,15 +116,25 @@ def test_ui_serves_the_sweep_and_chromium_shows_the_parent_and_its_children(swee
             dom = render(exe, url, tmp_path / "profile1")
             text = text_of(dom)
             assert "4 matching runs" in text, text[-2000:]
-            assert f'href="#/experiments/{exp}/runs/{parent_id}"' in dom and info["run_name"] in text
+            assert (
+                f'href="#/experiments/{exp}/runs/{parent_id}"' in dom and info["run_name"] in text
+            )
             assert "Model training" in text  # the training view, not the GenAI one
             assert not any(f'/runs/{k.info.run_id}"' in dom for k in kids)  # folded
 
             # Sorted by best val loss: every job listed; and the screenshot.
             shot = tmp_path / "mlflow_runs.png"
-            dom = render(exe, sorted_url, tmp_path / "profile2", f"--screenshot={shot}", "--window-size=1400,900")
+            dom = render(
+                exe,
+                sorted_url,
+                tmp_path / "profile2",
+                f"--screenshot={shot}",
+                "--window-size=1400,900",
+            )
             for run in [*kids, client.get_run(parent_id)]:
-                assert f'href="#/experiments/{exp}/runs/{run.info.run_id}"' in dom, run.info.run_name
+                assert f'href="#/experiments/{exp}/runs/{run.info.run_id}"' in dom, (
+                    run.info.run_name
+                )
             assert "4 matching runs" in text_of(dom)
             assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
             shutil.copy(shot, cwd / "mlflow_runs.png")  # next to the sweep's outputs/
@@ -140,7 +154,10 @@ def test_ui_serves_the_sweep_and_chromium_shows_the_parent_and_its_children(swee
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
     if exe is None:
-        message = "gptlab.ui checked; the browser part needs chromium (.ci/setup.d/chromium.sh installs it)"
+        message = (
+            "gptlab.ui checked; the browser part needs chromium "
+            "(.ci/setup.d/chromium.sh installs it)"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message + ", and CI must run it")
         pytest.skip(message)

@@ -24,4 +24,6 @@ def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, 
             tmp_path / f"run{bound}",
         )
         assert results["expected_met"] is met
-        assert client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()
+        assert (
+            client.get_run(results["mlflow_run_id"]).data.tags["expected_met"] == str(met).lower()
+        )

@@ -23,7 +23,9 @@ from gptlab.train import run_training
 
 
 def test_save_is_atomic_and_load_round_trips(tmp_path):
-    path = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 7), {"step": 7, "w": torch.arange(3)})
+    path = checkpoint.save(
+        checkpoint.checkpoint_path(tmp_path, 7), {"step": 7, "w": torch.arange(3)}
+    )
     assert path.name == "ckpt_00000007.pt" and [p.name for p in tmp_path.iterdir()] == [path.name]
     state = checkpoint.load(path)
     assert state["step"] == 7 and state["w"].tolist() == [0, 1, 2]
@@ -42,15 +44,22 @@ def test_corrupt_checkpoint_is_named_and_auto_falls_back(tmp_path):
 
 
 def test_pruning_keeps_the_newest_and_the_best(tmp_path):
-    paths = [checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3, 4)]
+    paths = [
+        checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3, 4)
+    ]
     checkpoint.mark_best(tmp_path, paths[0], 1.23)
     checkpoint.prune(tmp_path, keep=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [paths[0].name, paths[2].name, paths[3].name]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        paths[0].name,
+        paths[2].name,
+        paths[3].name,
+    ]
     assert checkpoint.best(tmp_path) == paths[0]
 
 
 def test_training_state_round_trips_every_stateful_object_and_names_a_missing_field(tmp_path):
-    """One module owns what a checkpoint holds: capture -> save -> load -> restore, field by field."""
+    """One module owns what a checkpoint holds: capture -> save -> load -> restore, field by
+    field."""
 
     class Box:  # any object with state_dict / load_state_dict
         def __init__(self, value):
@@ -72,7 +81,9 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
 
     model, opt = model_and_optimizer(1)
     objects = {"model": model, "optimizer": opt, "scaler": Box(2), "loader": Box(3)}
-    fields = dict(config={"a": 1}, model_config={"n_layer": 2}, tokenizer={"kind": "char"}, mlflow_run_id=None)
+    fields = dict(
+        config={"a": 1}, model_config={"n_layer": 2}, tokenizer={"kind": "char"}, mlflow_run_id=None
+    )
     torch.manual_seed(123)
     state = checkpoint.TrainingState.capture(
         objects, step=9, tokens=90, best_val_loss=1.5, loss_window=(2.5, 3), **fields
@@ -85,7 +96,12 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
     fresh = {"model": fresh_model, "optimizer": fresh_opt, "scaler": Box(-1), "loader": Box(-1)}
     path_found, _ = checkpoint.load_latest_good(tmp_path)
     loaded = checkpoint.TrainingState.load(path_found)
-    assert (loaded.step, loaded.tokens, loaded.best_val_loss, loaded.config) == (9, 90, 1.5, {"a": 1})
+    assert (loaded.step, loaded.tokens, loaded.best_val_loss, loaded.config) == (
+        9,
+        90,
+        1.5,
+        {"a": 1},
+    )
     assert tuple(loaded.loss_window) == (2.5, 3)
     loaded.restore(fresh)
     assert (fresh["scaler"].value, fresh["loader"].value) == (2, 3)
@@ -94,15 +110,23 @@ def test_training_state_round_trips_every_stateful_object_and_names_a_missing_fi
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(torch.rand(3), expected_draw)  # the random generators continue exactly
     saved = checkpoint.read_model(path)
-    assert (saved.step, saved.model_config, saved.tokenizer) == (9, {"n_layer": 2}, {"kind": "char"})
+    assert (saved.step, saved.model_config, saved.tokenizer) == (
+        9,
+        {"n_layer": 2},
+        {"kind": "char"},
+    )
 
     raw = checkpoint.load(path)
     assert json.loads((tmp_path / "best.json").read_text())["val_loss"] == 1.5
-    # every field but a sharded checkpoint's folder, which exists only in memory (save adds the version)
+    # every field but a sharded checkpoint's folder, which exists only in memory (save adds the
+    # version)
     names = {f.name for f in dataclasses.fields(checkpoint.TrainingState)} - {"shards"}
     assert raw.keys() == names and raw["format_version"] == checkpoint.FORMAT_VERSION
     del raw["loader"], raw["rng"]
-    checkpoint.save(checkpoint.checkpoint_path(tmp_path, 10), {k: v for k, v in raw.items() if k != "format_version"})
+    checkpoint.save(
+        checkpoint.checkpoint_path(tmp_path, 10),
+        {k: v for k, v in raw.items() if k != "format_version"},
+    )
     bad = checkpoint.checkpoint_path(tmp_path, 10)
     with pytest.raises(GptlabError) as e:
         checkpoint.TrainingState.load(bad)
@@ -155,25 +179,35 @@ def logged_val_losses(run_dir: Path):
     "extra",
     [
         [],
-        ["data.sampling=sequential"],  # the sequential loader's (epoch, position) and shuffled order
+        # the sequential loader's (epoch, position) and shuffled order
+        ["data.sampling=sequential"],
         ["hardware.precision=fp16"],  # the GradScaler's scale and growth tracker
         ["optimizer=muon"],  # Muon's momentum buffers beside AdamW's moments and step counts
-        ["optimizer.ema_decay=0.9"],  # the weight average, kept in the optimizer state, and evaluated
+        # the weight average, kept in the optimizer state, and evaluated
+        ["optimizer.ema_decay=0.9"],
     ],
     ids=["random", "sequential", "fp16", "muon", "ema"],
 )
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), straight)
-    first = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", *extra)), split)
+    run_training(
+        compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), straight
+    )
+    first = run_training(
+        compose_config(resume_overrides(shakespeare, "train.max_steps=10", *extra)), split
+    )
     assert first["steps"] == 10
-    second = run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), split)
+    second = run_training(
+        compose_config(resume_overrides(shakespeare, "train.max_steps=20", *extra)), split
+    )
     assert second["steps"] == 20 and second["tokens"] == 20 * 8 * 32
     a, b = final_params(straight), final_params(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert logged_losses(straight) == logged_losses(split)  # includes the dropout draws after resume
+    # includes the dropout draws after resume
+    assert logged_losses(straight) == logged_losses(split)
     saved = checkpoint.load(checkpoint.latest(split / "checkpoints"))
-    if "hardware.precision=fp16" in extra:  # the scaler was on, and its state went through the checkpoint
+    # the scaler was on, and its state went through the checkpoint
+    if "hardware.precision=fp16" in extra:
         assert saved["scaler"]["scale"] > 0 and saved["scaler"]["_growth_tracker"] == 20 % 2000
     if "optimizer=muon" in extra:
         kinds = {frozenset(v) for v in saved["optimizer"]["state"].values()}
@@ -188,34 +222,51 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
         assert logged_val_losses(straight) == logged_val_losses(split) and logged_val_losses(split)
 
 
-def test_resuming_an_averaging_run_without_the_average_evaluates_and_saves_the_weights(tmp_path, shakespeare):
-    """ema_decay=0 warm-started from an averaging run's checkpoint: its average is dropped, so evaluation
-    sees the weights and the next checkpoint (what sample and export read) holds no stale average."""
+def test_resuming_an_averaging_run_without_the_average_evaluates_and_saves_the_weights(
+    tmp_path, shakespeare
+):
+    """ema_decay=0 warm-started from an averaging run's checkpoint: its average is dropped, so
+    evaluation sees the weights and the next checkpoint (what sample and export read) holds no stale
+    average."""
     run = tmp_path / "run"
-    run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10", "optimizer.ema_decay=0.9")), run)
+    run_training(
+        compose_config(
+            resume_overrides(shakespeare, "train.max_steps=10", "optimizer.ema_decay=0.9")
+        ),
+        run,
+    )
     first = checkpoint.load(checkpoint.latest(run / "checkpoints"))
     assert all("ema" in v for v in first["optimizer"]["state"].values())
     path = checkpoint.latest(run / "checkpoints")
     warm = tmp_path / "warm"  # another config: a new folder, warm-started from that checkpoint
-    overrides = resume_overrides(shakespeare, "train.max_steps=20", "optimizer.ema_decay=0", f"train.resume={path}")
+    overrides = resume_overrides(
+        shakespeare, "train.max_steps=20", "optimizer.ema_decay=0", f"train.resume={path}"
+    )
     results = run_training(compose_config(overrides), warm)
     second = checkpoint.load(checkpoint.latest(warm / "checkpoints"))
-    assert second["step"] == 20 and all("ema" not in v for v in second["optimizer"]["state"].values())
+    assert second["step"] == 20 and all(
+        "ema" not in v for v in second["optimizer"]["state"].values()
+    )
     assert second["optimizer"]["state"]  # the moments came along
     assert results["val_loss"] == logged_val_losses(warm)[20]
 
 
-def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(tmp_path, shakespeare):
+def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(
+    tmp_path, shakespeare
+):
     run_dir = tmp_path / "r"
     run_training(compose_config(resume_overrides(shakespeare, "train.max_steps=10")), run_dir)
     first = logged_losses(run_dir)
-    # the same folder and the same run, finished: auto would say so and train nothing; never starts over
+    # the same folder and the same run, finished: auto would say so and train nothing; never starts
+    # over
     again = run_training(
-        compose_config(resume_overrides(shakespeare, "train.max_steps=12", "train.resume=never")), run_dir
+        compose_config(resume_overrides(shakespeare, "train.max_steps=12", "train.resume=never")),
+        run_dir,
     )
     assert again["steps"] == 12 and again["tokens"] == 12 * 8 * 32
     fresh = logged_losses(run_dir)
-    assert sorted(fresh) == list(range(1, 13)) and {s: fresh[s] for s in first} == first  # from step 1 again
+    # from step 1 again
+    assert sorted(fresh) == list(range(1, 13)) and {s: fresh[s] for s in first} == first
     (previous,) = list((run_dir / "previous").iterdir())
     assert logged_losses(previous) == first
     ckpt = checkpoint.latest(previous / "checkpoints")
@@ -227,8 +278,11 @@ def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_tha
     assert sorted(logged_losses(tmp_path / "from_path")) == [11, 12]  # continued from step 10
 
 
-def test_a_run_resumed_at_its_final_step_reports_the_checkpoints_losses_and_no_tokens_trained(tmp_path, shakespeare):
-    """Issue 27 case 7: killed after its final checkpoint, before results.json; the rerun has no step left."""
+def test_a_run_resumed_at_its_final_step_reports_the_checkpoints_losses_and_no_tokens_trained(
+    tmp_path, shakespeare
+):
+    """Issue 27 case 7: killed after its final checkpoint, before results.json; the rerun has no
+    step left."""
     run_dir = tmp_path / "r"
     overrides = resume_overrides(shakespeare, "train.max_steps=20")
     first = run_training(compose_config(overrides), run_dir)
@@ -240,10 +294,16 @@ def test_a_run_resumed_at_its_final_step_reports_the_checkpoints_losses_and_no_t
     assert saved["val_loss"] == first["val_loss"] == logged_val_losses(run_dir)[20]
     assert saved == again and saved["steps"] == 20 and saved["tokens"] == first["tokens"]
     assert saved["best_val_loss"] == first["best_val_loss"]
-    assert saved["tokens_this_session"] == 0 and saved["tokens_per_s"] is None  # this resumption trained nothing
-    # a checkpoint from before the losses were saved still resumes (its results then have none to give)
+    # this resumption trained nothing
+    assert saved["tokens_this_session"] == 0 and saved["tokens_per_s"] is None
+    # a checkpoint from before the losses were saved still resumes (its results then have none to
+    # give)
     path = checkpoint.latest(run_dir / "checkpoints")
-    old = {k: v for k, v in checkpoint.load(path).items() if k not in ("train_loss", "val_loss", "format_version")}
+    old = {
+        k: v
+        for k, v in checkpoint.load(path).items()
+        if k not in ("train_loss", "val_loss", "format_version")
+    }
     checkpoint.save(path, old)
     (run_dir / "results.json").unlink()
     run_training(compose_config(overrides), run_dir)
@@ -259,9 +319,16 @@ def cli(args, cwd):
 def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, shakespeare):
     base = [*resume_overrides(shakespeare), "model.dropout=0.0", "train.micro_batch_size=4"]
     straight, split, moved = tmp_path / "straight", tmp_path / "split", tmp_path / "moved"
-    assert cli([*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={straight}"], tmp_path).returncode == 0
+    assert (
+        cli(
+            [*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={straight}"], tmp_path
+        ).returncode
+        == 0
+    )
     for run_dir in (split, moved):
-        r = cli([*base, "hardware=cpu_x2", "train.max_steps=10", f"hydra.run.dir={run_dir}"], tmp_path)
+        r = cli(
+            [*base, "hardware=cpu_x2", "train.max_steps=10", f"hydra.run.dir={run_dir}"], tmp_path
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     r = cli([*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={split}"], tmp_path)
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-2000:]
@@ -274,7 +341,9 @@ def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, s
     assert logged_losses(split) == ref
     moved_losses = logged_losses(moved)
     assert sorted(moved_losses) == list(range(1, 21))
-    assert [moved_losses[s] for s in range(11, 21)] == pytest.approx([ref[s] for s in range(11, 21)], abs=1e-5)
+    assert [moved_losses[s] for s in range(11, 21)] == pytest.approx(
+        [ref[s] for s in range(11, 21)], abs=1e-5
+    )
     # the windows drawn over the whole run are those of the uninterrupted run: step s's global batch
     # is a function of (seed, s) only, and the resumed run continued at step 11
     assert json.loads((moved / "results.json").read_text())["tokens"] == 20 * 8 * 32
@@ -311,7 +380,9 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
     try:
         deadline = time.time() + 120
         while not marker.exists():
-            assert proc.poll() is None and time.time() < deadline, "never reached the second checkpoint"
+            assert proc.poll() is None and time.time() < deadline, (
+                "never reached the second checkpoint"
+            )
             time.sleep(0.1)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -319,7 +390,9 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
         if proc.poll() is None:
             proc.kill()
     # the half-written file never took a checkpoint's name; the step-5 checkpoint is intact
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir / "checkpoints")] == ["ckpt_00000005.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir / "checkpoints")] == [
+        "ckpt_00000005.pt"
+    ]
     assert checkpoint.load(run_dir / "checkpoints" / "ckpt_00000005.pt")["step"] == 5
     assert list((run_dir / "checkpoints").glob(".ckpt_*.tmp*"))  # the killed save's temporary file
     results = run_training(compose_config(overrides), run_dir)  # resume=auto
@@ -335,11 +408,17 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
 
 
 @pytest.mark.slow
-def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(tmp_path, shakespeare):
+def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
+    tmp_path, shakespeare
+):
     run_dir = tmp_path / "run"
     args = [
         *nano_overrides(
-            shakespeare, "train.max_steps=100000", "train.log_every=1", "train.sample_tokens=0", "tracking.mlflow=true"
+            shakespeare,
+            "train.max_steps=100000",
+            "train.log_every=1",
+            "train.sample_tokens=0",
+            "tracking.mlflow=true",
         ),
         f"hydra.run.dir={run_dir}",
     ]
@@ -374,7 +453,8 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
     assert client.get_run(finished["mlflow_run_id"]).info.status == "FINISHED"
 
 
-# ------------------------------------------------------------------ sharded (DCP) checkpoints, in-process
+# ------------------------------------------------------------------ sharded (DCP) checkpoints, in-
+# process
 
 
 class _Box:
@@ -409,45 +489,65 @@ def _save_sharded(folder, step, seed=1):
     model, opt = _tiny(seed, shard=True)
     objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box(step)}
     state = checkpoint.TrainingState.capture(
-        objects, step=step, tokens=step * 10, best_val_loss=1.0, config={}, model_config={}, tokenizer={},
-        mlflow_run_id=None,
+        objects, step=step, tokens=step * 10, best_val_loss=1.0, config={}, model_config={},
+        tokenizer={}, mlflow_run_id=None,
     )  # fmt: skip
     assert state.sharded
     return checkpoint.save_state(folder, state, val_loss=None, keep=5), model
 
 
-def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unsharded_model(tmp_path, one_rank_group):
+def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unsharded_model(
+    tmp_path, one_rank_group
+):
     path, model = _save_sharded(tmp_path, 3)
     assert path.name == "ckpt_00000003" and path.is_dir() and not checkpoint.unfinished(tmp_path)
     assert {".metadata", "state.pt", "__0_0.distcp"} == {f.name for f in path.iterdir()}
     assert checkpoint.find(str(tmp_path)) == path and checkpoint.find(str(path)) == path
     state = checkpoint.TrainingState.load(path)
     assert (state.step, state.model, state.shards) == (3, None, path)
-    plain, plain_opt = _tiny(2, shard=False)  # another init, unsharded: the checkpoint reshards into it
+    # another init, unsharded: the checkpoint reshards into it
+    plain, plain_opt = _tiny(2, shard=False)
     loader = _Box()
     state.restore({"model": plain, "optimizer": plain_opt, "scaler": _Box(), "loader": loader})
     assert loader.value == 3
     whole = {k: v.full_tensor() for k, v in model.state_dict().items()}
     assert all(torch.equal(plain.state_dict()[k], whole[k]) for k in whole)
     assert plain_opt.state_dict()["state"][0]["step"] == 1
-    bigger = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2))
-    objects = {"model": bigger, "optimizer": torch.optim.AdamW(bigger.parameters()), "scaler": _Box(), "loader": _Box()}
+    bigger = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.Linear(8, 2), torch.nn.Linear(2, 2)
+    )
+    objects = {
+        "model": bigger,
+        "optimizer": torch.optim.AdamW(bigger.parameters()),
+        "scaler": _Box(),
+        "loader": _Box(),
+    }
     with pytest.raises(
         GptlabError,
-        match=r"does not fit this model and optimizer: Missing key in checkpoint state_dict: model.2.weight.$",
+        match=(
+            r"does not fit this model and optimizer: "
+            r"Missing key in checkpoint state_dict: model.2.weight.$"
+        ),
     ) as e:
         state.restore(objects)  # DCP's own error is a BaseException with a traceback per rank
     assert "\n" not in str(e.value)
     consolidated = checkpoint.read_model(path).model  # sample / export: whole tensors, one process
-    assert consolidated.keys() == whole.keys() and all(torch.equal(consolidated[k], whole[k]) for k in whole)
+    assert consolidated.keys() == whole.keys() and all(
+        torch.equal(consolidated[k], whole[k]) for k in whole
+    )
 
 
-def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_one_used(tmp_path, one_rank_group):
+def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_one_used(
+    tmp_path, one_rank_group
+):
     first, _ = _save_sharded(tmp_path, 5)
     second, _ = _save_sharded(tmp_path, 10)
     shard = second / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # a cut copy
-    with pytest.raises(GptlabError, match=r"ckpt_00000010 is incomplete: shard file\(s\) __0_0.distcp missing or cut"):
+    with pytest.raises(
+        GptlabError,
+        match=r"ckpt_00000010 is incomplete: shard file\(s\) __0_0.distcp missing or cut",
+    ):
         checkpoint.load(second)
     notes = []
     found, _ = checkpoint.load_latest_good(tmp_path, warn=notes.append)
@@ -466,20 +566,24 @@ def test_an_incomplete_or_unsafe_sharded_checkpoint_is_named_and_the_previous_on
     Exploit.marker = marker
     evil = tmp_path / "ckpt_00000020" / ".metadata"
     evil.write_bytes(pickle.dumps(Exploit()))
-    with pytest.raises(GptlabError, match=r"unreadable or unsafe metadata: it refers to posix.system"):
+    with pytest.raises(
+        GptlabError, match=r"unreadable or unsafe metadata: it refers to posix.system"
+    ):
         checkpoint.load(evil.parent)
     assert not marker.exists()
 
 
-def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mismatch(tmp_path, one_rank_group):
-    """An entry that does not read back as what its own metadata says (random bytes, a pickle that would
-    run code, another object or shape in its place) is UnreadableCheckpoint naming the entry, in restore
-    and in the consolidating reader; torch's advice to load unsafely is never quoted."""
+def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mismatch(
+    tmp_path, one_rank_group
+):
+    """An entry that does not read back as what its own metadata says (random bytes, a pickle that
+    would run code, another object or shape in its place) is UnreadableCheckpoint naming the entry,
+    in restore and in the consolidating reader; torch's advice to load unsafely is never quoted."""
 
     def restore(path):
         model, opt = _tiny(2, shard=False)
-        checkpoint.TrainingState.load(path).restore({"model": model, "optimizer": opt, "scaler": _Box(),
-                                                     "loader": _Box()})  # fmt: skip
+        objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box()}
+        checkpoint.TrainingState.load(path).restore(objects)
 
     def saved(obj):
         buffer = io.BytesIO()
@@ -492,8 +596,9 @@ def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mis
         "optimizer.param_groups.": (pickle.dumps(Exploit(), protocol=2),
                                     r"\(unsafe: loading it would run posix.system\)"),
         "model.0.weight": (saved({"not": "a tensor"}), r"\(a dict where a tensor was saved\)"),
-        "model.0.bias": (saved(torch.zeros(3)), r"\(a torch.float32 tensor of shape \(3,\) where a torch.float32 one "
-                                                 r"of shape \(8,\) was saved\)"),
+        "model.0.bias": (saved(torch.zeros(3)), r"\(a torch.float32 tensor of shape \(3,\) where "
+                                                 r"a torch.float32 one of shape \(8,\) was "
+                                                 r"saved\)"),
     }  # fmt: skip
     for step, (prefix, (content, cause)) in enumerate(cases.items(), start=1):
         path, _ = _save_sharded(tmp_path / str(step), step)
@@ -521,10 +626,16 @@ def test_torchs_refusal_is_told_in_a_few_words_without_its_advice_to_load_unsafe
     garbage = b"\x80\x02\xff" + bytes(64)  # a pickle's header, then no opcode pickle knows
     assert "weights_only" in str(refusal(garbage))  # what torch itself says: load it unsafely
     assert load_error(refusal(garbage)) == "corrupt: Unsupported operand 255"
-    assert load_error(refusal(pickle.dumps(Exploit(), protocol=2))) == "unsafe: loading it would run posix.system"
+    assert (
+        load_error(refusal(pickle.dumps(Exploit(), protocol=2)))
+        == "unsafe: loading it would run posix.system"
+    )
     assert load_error(refusal(b"")) == "corrupt: cut short"
     zip_cut = load_error(refusal(b"PK\x03\x04" + bytes(64)))
-    assert zip_cut.startswith("corrupt: PytorchStreamReader failed reading zip archive") and "\n" not in zip_cut
+    assert (
+        zip_cut.startswith("corrupt: PytorchStreamReader failed reading zip archive")
+        and "\n" not in zip_cut
+    )
     assert load_error(OSError(5, "Input/output error")) == "Input/output error"
 
 
@@ -533,13 +644,19 @@ def test_checkpoint_names_and_steps(tmp_path):
     assert checkpoint.step_of(Path("ckpt_00000012")) == 12  # a sharded checkpoint's folder
     assert checkpoint.step_of(Path(".ckpt_00000015.partial")) == 15  # an unfinished sharded save
     # anything else sorts before step 0, so an unfinished save is compared against "no checkpoint"
-    assert [checkpoint.step_of(Path(n)) for n in ("best.json", "ckpt_7.pt", "ckpt_00000007.pt.tmp1")] == [-1] * 3
+    assert [
+        checkpoint.step_of(Path(n)) for n in ("best.json", "ckpt_7.pt", "ckpt_00000007.pt.tmp1")
+    ] == [-1] * 3
     assert checkpoint.latest(tmp_path) is None and checkpoint.latest(tmp_path / "absent") is None
-    assert checkpoint.list_checkpoints(tmp_path / "absent") == [] and checkpoint.unfinished(tmp_path / "absent") == []
+    assert (
+        checkpoint.list_checkpoints(tmp_path / "absent") == []
+        and checkpoint.unfinished(tmp_path / "absent") == []
+    )
 
 
 def test_removing_a_checkpoint_someone_already_deleted_is_not_an_error(tmp_path):
-    """Pruning lists, then deletes: a checkpoint a user removed by hand in between is simply gone."""
+    """Pruning lists, then deletes: a checkpoint a user removed by hand in between is simply
+    gone."""
     checkpoint._remove(tmp_path / "ckpt_00000001.pt")
     checkpoint._remove(tmp_path / "ckpt_00000002")
     kept = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 3), {"step": 3})
@@ -550,7 +667,9 @@ def test_removing_a_checkpoint_someone_already_deleted_is_not_an_error(tmp_path)
 
 
 @pytest.mark.parametrize("present", ["state.pt", ".metadata", None])
-def test_a_folder_without_both_state_and_metadata_is_not_taken_for_a_sharded_checkpoint(tmp_path, present):
+def test_a_folder_without_both_state_and_metadata_is_not_taken_for_a_sharded_checkpoint(
+    tmp_path, present
+):
     folder = tmp_path / "ckpt_00000005"
     folder.mkdir()
     if present:
@@ -558,26 +677,32 @@ def test_a_folder_without_both_state_and_metadata_is_not_taken_for_a_sharded_che
     with pytest.raises(GptlabError) as e:
         checkpoint.load(folder)
     assert str(e.value) == (
-        f"checkpoint {folder} is a folder but not a sharded checkpoint (no state.pt and .metadata): "
-        "give ckpt_<step>.pt or a sharded ckpt_<step>/"
+        f"checkpoint {folder} is a folder but not a sharded checkpoint "
+        "(no state.pt and .metadata): give ckpt_<step>.pt or a sharded ckpt_<step>/"
     )
 
 
-def test_an_incomplete_sharded_checkpoint_names_every_missing_shard(tmp_path, one_rank_group, monkeypatch):
+def test_an_incomplete_sharded_checkpoint_names_every_missing_shard(
+    tmp_path, one_rank_group, monkeypatch
+):
     path, _ = _save_sharded(tmp_path, 5)
     monkeypatch.setattr(checkpoint, "missing_data", lambda *_: ["__0_0.distcp", "__1_0.distcp"])
     with pytest.raises(GptlabError) as e:
         checkpoint.load(path)
     names = "__0_0.distcp, __1_0.distcp"
-    assert str(e.value) == f"checkpoint {path} is incomplete: shard file(s) {names} missing or cut short"
+    assert (
+        str(e.value)
+        == f"checkpoint {path} is incomplete: shard file(s) {names} missing or cut short"
+    )
 
 
-def test_a_sharded_save_makes_its_folders_clears_a_killed_saves_leftovers_and_replaces_the_same_step(
+def test_a_sharded_save_makes_its_folders_clears_killed_leftovers_and_replaces_the_same_step(
     tmp_path, one_rank_group
 ):
-    """A new run's checkpoints/ (parents too) is created; a killed save's .partial folder (maybe with
-    another world size's shards) is cleared first; saving the same step again (a stop at a checkpoint
-    step) replaces the folder whole, even past a stale .replaced from a save killed in that rename."""
+    """A new run's checkpoints/ (parents too) is created; a killed save's .partial folder (maybe
+    with another world size's shards) is cleared first; saving the same step again (a stop at a
+    checkpoint step) replaces the folder whole, even past a stale .replaced from a save killed in
+    that rename."""
     folder = tmp_path / "run" / "checkpoints"
     _save_sharded(folder, 1)  # into folders that do not exist yet
     stale = folder / ".ckpt_00000003.partial"
@@ -591,7 +716,10 @@ def test_a_sharded_save_makes_its_folders_clears_a_killed_saves_leftovers_and_re
     old.mkdir()
     (old / "junk").write_bytes(b"x")
     again, _ = _save_sharded(folder, 3, seed=2)
-    assert again == path and sorted(f.name for f in folder.iterdir()) == ["ckpt_00000001", "ckpt_00000003"]
+    assert again == path and sorted(f.name for f in folder.iterdir()) == [
+        "ckpt_00000001",
+        "ckpt_00000003",
+    ]
     second = checkpoint.read_model(path).model  # the second save's weights, consolidated
     assert second.keys() == first.keys() and not torch.equal(second["0.weight"], first["0.weight"])
     _save_sharded(folder, 3, seed=2)  # and once more with no stale folder in the way
@@ -601,25 +729,33 @@ def test_a_sharded_save_makes_its_folders_clears_a_killed_saves_leftovers_and_re
 def test_best_json_names_the_checkpoint_and_its_val_loss(tmp_path):
     path = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 4), {"step": 4})
     checkpoint.mark_best(tmp_path, path, 1.625)
-    assert json.loads((tmp_path / "best.json").read_text()) == {"checkpoint": "ckpt_00000004.pt", "val_loss": 1.625}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.json", "ckpt_00000004.pt"]  # no temporary left
+    assert json.loads((tmp_path / "best.json").read_text()) == {
+        "checkpoint": "ckpt_00000004.pt",
+        "val_loss": 1.625,
+    }
+    # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.json", "ckpt_00000004.pt"]
     assert checkpoint.best(tmp_path) == path
     path.unlink()
     assert checkpoint.best(tmp_path) is None  # a marker naming a deleted checkpoint names nothing
 
 
-def test_an_unfinished_sharded_save_is_named_only_when_newer_than_the_checkpoint_used(tmp_path, caplog):
+def test_an_unfinished_sharded_save_is_named_only_when_newer_than_the_checkpoint_used(
+    tmp_path, caplog
+):
     def notes():
         caplog.clear()
         with caplog.at_level("WARNING", logger="gptlab.checkpoint"):
-            found = checkpoint.load_latest_good(tmp_path)  # warnings go to gptlab.checkpoint's logger
+            # warnings go to gptlab.checkpoint's logger
+            found = checkpoint.load_latest_good(tmp_path)
         return found, [r.getMessage() for r in caplog.records if r.name == "gptlab.checkpoint"]
 
     (tmp_path / ".ckpt_00000001.partial").mkdir()
-    assert notes() == (None, [f"warning: {tmp_path}/.ckpt_00000001.partial is a sharded save that did not finish "
-                              "(the job stopped during it); skipped"])  # fmt: skip
+    assert notes() == (None, [f"warning: {tmp_path}/.ckpt_00000001.partial is a sharded save that "
+                              "did not finish (the job stopped during it); skipped"])  # fmt: skip
     good = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 5), {"step": 5})
-    (tmp_path / ".ckpt_00000005.partial").mkdir()  # the same step saved again, killed: step 5 is whole
+    # the same step saved again, killed: step 5 is whole
+    (tmp_path / ".ckpt_00000005.partial").mkdir()
     found, said = notes()
     assert found[0] == good and said == []
     (tmp_path / ".ckpt_00000006.partial").mkdir()
@@ -630,17 +766,27 @@ def test_an_unfinished_sharded_save_is_named_only_when_newer_than_the_checkpoint
 def _v1_state(model, opt, step):
     """A format-1 checkpoint's state: the model by name, the optimizer's state by position."""
     return checkpoint.TrainingState(
-        step=step, tokens=0, best_val_loss=1.0, model=model.state_dict(), optimizer=opt.state_dict(),
-        scaler={"value": 0}, loader={"value": step}, rng=checkpoint.rng_state(), config={}, model_config={},
-        tokenizer={}, mlflow_run_id=None, format_version=1,
+        step=step, tokens=0, best_val_loss=1.0, model=model.state_dict(),
+        optimizer=opt.state_dict(), scaler={"value": 0}, loader={"value": step},
+        rng=checkpoint.rng_state(), config={}, model_config={}, tokenizer={}, mlflow_run_id=None,
+        format_version=1,
     )  # fmt: skip
 
 
-def test_whole_checkpoints_restore_into_a_sharded_model_and_v1_ones_into_unsharded_ones_only(tmp_path, one_rank_group):
+def test_whole_checkpoints_restore_into_a_sharded_model_and_v1_ones_into_unsharded_ones_only(
+    tmp_path, one_rank_group
+):
     model, opt = _tiny(1, shard=False)
     objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box(4)}
     state = checkpoint.TrainingState.capture(
-        objects, step=4, tokens=40, best_val_loss=1.0, config={}, model_config={}, tokenizer={}, mlflow_run_id=None
+        objects,
+        step=4,
+        tokens=40,
+        best_val_loss=1.0,
+        config={},
+        model_config={},
+        tokenizer={},
+        mlflow_run_id=None,
     )
     sharded, sharded_opt = _tiny(2, shard=True)
     state.restore({"model": sharded, "optimizer": sharded_opt, "scaler": _Box(), "loader": _Box()})
@@ -651,9 +797,13 @@ def test_whole_checkpoints_restore_into_a_sharded_model_and_v1_ones_into_unshard
     plain, plain_opt = _tiny(3, shard=False)
     old.restore({"model": plain, "optimizer": plain_opt, "scaler": _Box(), "loader": _Box()})
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in model.state_dict().items())
-    assert torch.equal(plain_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        plain_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
     with pytest.raises(GptlabError) as e:
-        old.restore({"model": sharded, "optimizer": sharded_opt, "scaler": _Box(), "loader": _Box()})
+        old.restore(
+            {"model": sharded, "optimizer": sharded_opt, "scaler": _Box(), "loader": _Box()}
+        )
     assert str(e.value) == (
         "a v1 checkpoint resumes under parallelism=single or ddp only: resume it there once "
         "(its next checkpoint is v2), then under fsdp"
@@ -663,12 +813,17 @@ def test_whole_checkpoints_restore_into_a_sharded_model_and_v1_ones_into_unshard
 def test_find_resolves_a_file_a_run_folder_or_a_checkpoints_folder_latest_or_best(tmp_path):
     run = tmp_path / "run"
     folder = run / "checkpoints"
-    first, second = (checkpoint.save(checkpoint.checkpoint_path(folder, s), {"step": s}) for s in (2, 4))
+    first, second = (
+        checkpoint.save(checkpoint.checkpoint_path(folder, s), {"step": s}) for s in (2, 4)
+    )
     assert checkpoint.find(str(first)) == first  # a file is itself
     assert checkpoint.find(str(run)) == second and checkpoint.find(str(folder)) == second
     assert checkpoint.find(str(run), which="best") == second  # no best.json yet: the newest
     checkpoint.mark_best(folder, first, 1.5)
-    assert checkpoint.find(str(run), which="best") == first and checkpoint.find(str(folder), which="best") == first
+    assert (
+        checkpoint.find(str(run), which="best") == first
+        and checkpoint.find(str(folder), which="best") == first
+    )
     assert checkpoint.find(str(run), which="latest") == second
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -676,13 +831,17 @@ def test_find_resolves_a_file_a_run_folder_or_a_checkpoints_folder_latest_or_bes
         checkpoint.find(str(empty))
     where = empty / "checkpoints"  # where a run keeps them, not the folder given
     assert str(e.value) == (
-        f"run={empty}: no checkpoint found (expected {where}/ckpt_<step>.pt such as ckpt_00000030.pt, "
-        f"or a sharded {where}/ckpt_<step>/)"
+        f"run={empty}: no checkpoint found (expected {where}/ckpt_<step>.pt "
+        f"such as ckpt_00000030.pt, or a sharded {where}/ckpt_<step>/)"
     )
 
 
-def test_pruning_keeps_all_with_keep_0_one_with_keep_1_and_clears_other_processes_temporaries(tmp_path):
-    paths = [checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3)]
+def test_pruning_keeps_all_with_keep_0_one_with_keep_1_and_clears_other_processes_temporaries(
+    tmp_path,
+):
+    paths = [
+        checkpoint.save(checkpoint.checkpoint_path(tmp_path, s), {"step": s}) for s in (1, 2, 3)
+    ]
     checkpoint.prune(tmp_path, keep=0)  # 0: keep every checkpoint
     assert checkpoint.list_checkpoints(tmp_path) == paths
     killed = tmp_path / ".ckpt_00000004.pt.tmp999999"  # a save killed mid-write, by another process
@@ -701,23 +860,28 @@ def test_unreadable_checkpoints_say_what_is_wrong_in_one_line(tmp_path, one_rank
     assert str(e.value) == f"checkpoint {missing}: no such file"
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    inside = blocker / "ckpt_00000001.pt"  # a path through a file: an OSError that is not "no such file"
+    # a path through a file: an OSError that is not "no such file"
+    inside = blocker / "ckpt_00000001.pt"
     with pytest.raises(GptlabError) as e:
         checkpoint.load(inside)
     assert str(e.value) == f"checkpoint {inside} cannot be read (Not a directory)"
-    # a sharded checkpoint whose state.pt is someone else's: the message names the checkpoint's folder
+    # a sharded checkpoint whose state.pt is someone else's: the message names the checkpoint's
+    # folder
     path, _ = _save_sharded(tmp_path / "run", 3)
     torch.save({"x": 1}, path / "state.pt")
     with pytest.raises(GptlabError) as e:
         checkpoint.load(path)
-    assert str(e.value) == f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)"
+    assert str(e.value) == (
+        f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)"
+    )
 
 
 def test_a_file_that_is_not_a_gptlab_checkpoint_is_named_for_what_it_is(tmp_path):
     good = checkpoint.save(tmp_path / "good.pt", {"step": 1}).read_bytes()
     cases = {
         "empty.pt": (b"", "an empty file"),
-        "cut.pt": (good[: len(good) // 2], "a truncated or corrupt PyTorch file"),  # a zip archive, cut
+        # a zip archive, cut
+        "cut.pt": (good[: len(good) // 2], "a truncated or corrupt PyTorch file"),
         "notes.pt": (b"step 1\n", "not a PyTorch file"),
     }
     for name, (content, why) in cases.items():
@@ -730,5 +894,6 @@ def test_a_file_that_is_not_a_gptlab_checkpoint_is_named_for_what_it_is(tmp_path
     with pytest.raises(GptlabError) as e:
         checkpoint.load(newer)
     assert str(e.value) == (
-        f"checkpoint {newer} has checkpoint format v99; this gptlab reads v1, v2: use the gptlab version that wrote it"
+        f"checkpoint {newer} has checkpoint format v99; this gptlab reads v1, v2: "
+        "use the gptlab version that wrote it"
     )

@@ -1,5 +1,5 @@
-"""`python -m gptlab.compare` on a real sweep made by `python -m gptlab.train -m`: on its folder, its
-parent run id and its experiment.
+"""`python -m gptlab.compare` on a real sweep made by `python -m gptlab.train -m`: on its folder,
+its parent run id and its experiment.
 
 The sweep is made once per session (tests/test_sweep.py checks its MLflow parent run and children,
 tests/test_browser.py renders them)."""
@@ -18,8 +18,8 @@ _MADE = {}
 
 
 def make_sweep(tmp_path_factory, shakespeare):
-    """(cwd, the sweep folder, sweep.json, the command's result) of a 3-job lr sweep of gpt_nano whose
-    third job (lr=-1) fails its config check before it trains."""
+    """(cwd, the sweep folder, sweep.json, the command's result) of a 3-job lr sweep of gpt_nano
+    whose third job (lr=-1) fails its config check before it trains."""
     if "sweep" not in _MADE:
         cwd = tmp_path_factory.mktemp("sweep")
         r = run_cli(
@@ -64,13 +64,31 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
     r = run_cli(["gptlab.compare", str(sweep_dir)], cwd=cwd)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stdout.splitlines()
-    assert lines[0].split() == ["run", "optimizer.lr", "status", "best", "val", "loss", "tokens/s", "MFU", "wall"]
+    assert lines[0].split() == [
+        "run",
+        "optimizer.lr",
+        "status",
+        "best",
+        "val",
+        "loss",
+        "tokens/s",
+        "MFU",
+        "wall",
+    ]
     rows = [ln.split() for ln in lines[2:5]]
-    best = {j: json.loads((sweep_dir / j / "results.json").read_text())["best_val_loss"] for j in ("0", "1")}
+    best = {
+        j: json.loads((sweep_dir / j / "results.json").read_text())["best_val_loss"]
+        for j in ("0", "1")
+    }
     order = sorted(best, key=best.get)
     assert [row[0] for row in rows] == [*order, "2"]  # best val loss first, the failed job last
-    assert rows[0][1:4] == [{"0": "0.001", "1": "0.003"}[order[0]], "FINISHED", f"{best[order[0]]:.4f}"]
-    assert rows[2][1:5] == ["-1", "FAILED", "-", "-"]  # status and error from the sweep's MLflow children
+    assert rows[0][1:4] == [
+        {"0": "0.001", "1": "0.003"}[order[0]],
+        "FINISHED",
+        f"{best[order[0]]:.4f}",
+    ]
+    # status and error from the sweep's MLflow children
+    assert rows[2][1:5] == ["-1", "FAILED", "-", "-"]
     assert rows[0][5].endswith("%") and rows[0][6].endswith("s")
     assert "errors:" in lines and any("2: GptlabError: optimizer.lr" in ln for ln in lines)
     png = sweep_dir / "compare_val_loss.png"
@@ -90,7 +108,8 @@ def test_compare_a_parent_run_id_or_an_experiment_gives_the_same_table(sweep, mo
     png = cwd / "outputs" / "compare" / f"{info['parent_run_id']}.png"
     assert png.is_file() and f"val loss curves: {Path('outputs') / 'compare' / png.name}" in out
     compare_main(["gpt_nano-shakespeare_char", f"compare.out={cwd / 'exp.png'}"])
-    rows = capsys.readouterr().out.splitlines()[2:5]  # by experiment: the runs by name, the sweep parent left out
+    # by experiment: the runs by name, the sweep parent left out
+    rows = capsys.readouterr().out.splitlines()[2:5]
     assert [r.split()[0] for r in rows] == ["gpt_nano-shakespeare_char-cpu"] * 3
     assert (cwd / "exp.png").is_file()
 
@@ -109,7 +128,9 @@ def test_table_shows_only_differing_overrides_best_first():
     records = [
         RunRecord("0", {**common, "optimizer.lr": "1e-3"}, "FINISHED", 2.5, 1000.0, 0.01, 30.0),
         RunRecord("1", {**common, "optimizer.lr": "3e-3"}, "FINISHED", 2.1, 1200.0, 0.012, 28.0),
-        RunRecord("2", {**common, "optimizer.lr": "1e-2"}, "FAILED", None, error="GptlabError: diverged"),
+        RunRecord(
+            "2", {**common, "optimizer.lr": "1e-2"}, "FAILED", None, error="GptlabError: diverged"
+        ),
     ]
     assert differing_keys(records) == ["optimizer.lr"]
     lines = table(records).splitlines()

@@ -55,7 +55,14 @@ def test_every_option_composes_validates_and_builds(group, option):
 
 def test_gpt1b_is_the_reference_architecture():
     m = to_config(compose_config(["model=gpt1b"])).model
-    assert (m.n_layer, m.n_embd, m.n_head, m.ffn_dim, m.block_size, m.dropout) == (20, 2048, 16, 8192, 2048, 0.1)
+    assert (m.n_layer, m.n_embd, m.n_head, m.ffn_dim, m.block_size, m.dropout) == (
+        20,
+        2048,
+        16,
+        8192,
+        2048,
+        0.1,
+    )
     assert m.n_embd // m.n_head == 128 and m.tie_weights and m.pos_emb == "learned"
 
 
@@ -73,7 +80,10 @@ def test_derived_batch_split():
         (["optimizer.lr=0"], "optimizer.lr"),
         (["optimizer.lr=-1e-3"], "optimizer.lr"),
         (["train.micro_batch_size=5"], "train.micro_batch_size"),
-        (["train.batch_size=30", "hardware=cpu_x2", "train.micro_batch_size=4"], "train.micro_batch_size"),
+        (
+            ["train.batch_size=30", "hardware=cpu_x2", "train.micro_batch_size=4"],
+            "train.micro_batch_size",
+        ),
         (["hardware.precision=fp8"], "hardware.precision"),
         (["model.pos_emb=alibi"], "model.pos_emb"),
         (["model.dropout=1.5"], "model.dropout"),
@@ -103,7 +113,13 @@ def test_impossible_configs_name_the_key(overrides, key):
 )
 def test_bad_overrides_give_one_line_and_no_traceback(tmp_path, shakespeare, override, fragment):
     # data.progress=false: a first preparation's progress bar (stderr) is not part of the error
-    args = ["gptlab.train", f"data.path={shakespeare}", "tracking.mlflow=false", "data.progress=false", override]
+    args = [
+        "gptlab.train",
+        f"data.path={shakespeare}",
+        "tracking.mlflow=false",
+        "data.progress=false",
+        override,
+    ]
     r = run_cli(args, cwd=tmp_path, timeout=120)
     assert r.returncode == 2, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab.data import RandomWindowLoader, SequentialLoader, TokenShards, build_train_loader, eval_batches
+from gptlab.data import (
+    RandomWindowLoader,
+    SequentialLoader,
+    TokenShards,
+    build_train_loader,
+    eval_batches,
+)
 from gptlab.data.loader import window_starts
 from gptlab.errors import GptlabError
 
@@ -37,7 +43,8 @@ def test_token_shards_slice_across_boundaries():
 def test_sequential_reads_contiguous_rows_and_targets_shift_by_one():
     tokens = shards()
     ld = loader(tokens)
-    stream = tokens.reordered(np.random.default_rng([5, 2, 0]).permutation(8))  # epoch 0's shard order
+    # epoch 0's shard order
+    stream = tokens.reordered(np.random.default_rng([5, 2, 0]).permutation(8))
     for step in range(3):
         micro = ld.next_step()
         assert ld.accum_steps == 4 and len(micro) == 4 and micro[0][0].shape == (2, T)
@@ -59,7 +66,8 @@ def test_an_epoch_sees_every_token_once_then_reshuffles_shards():
         seen = torch.cat([global_batch([ld]).flatten() for _ in range(steps_per_epoch)])
         assert len(set(seen.tolist())) == len(seen) == steps_per_epoch * B * T  # no token twice
         epochs.append(seen)
-        assert ld.state_dict()["epoch"] == epoch  # the short tail (32 tokens) is skipped at the next step
+        # the short tail (32 tokens) is skipped at the next step
+        assert ld.state_dict()["epoch"] == epoch
     assert ld.state_dict()["position"] == steps_per_epoch * B * T
     assert not epochs[0].equal(epochs[1])  # epoch 1 reads the shards in another (seeded) order
 
@@ -95,9 +103,11 @@ def test_prefetch_gives_the_same_batches_and_state():
     plain, ahead = loader(tokens), loader(tokens, prefetch=True)
     for _ in range(14):
         assert global_batch([plain]).equal(global_batch([ahead]))
-        assert plain.state_dict() == ahead.state_dict()  # the consumer's position, not the prefetcher's
+        # the consumer's position, not the prefetcher's
+        assert plain.state_dict() == ahead.state_dict()
     state = plain.state_dict()
-    ahead.load_state_dict({**state, "position": 0, "epoch": 0})  # a restore discards what was prefetched
+    # a restore discards what was prefetched
+    ahead.load_state_dict({**state, "position": 0, "epoch": 0})
     assert global_batch([ahead]).equal(global_batch([loader(tokens)]))
 
 
@@ -115,8 +125,9 @@ def test_random_mode_over_shards_and_mode_mismatch_is_clear():
 
 
 def test_a_step_needs_its_tokens_plus_one_target_exactly():
-    """A step of B x T tokens needs B x T + 1 (the last target): that many is enough, one fewer is refused;
-    in an epoch the last window may end on the stream's last token, one token further starts the next."""
+    """A step of B x T tokens needs B x T + 1 (the last target): that many is enough, one fewer is
+    refused; in an epoch the last window may end on the stream's last token, one token further
+    starts the next."""
     span = B * T
     SequentialLoader(shards(1, span + 1), T, B, 2, 0, 1, seed=5)  # exactly enough
     with pytest.raises(GptlabError, match="train.batch_size x model.block_size"):
@@ -124,8 +135,10 @@ def test_a_step_needs_its_tokens_plus_one_target_exactly():
     ld = loader(shards(1, 2 * span + 1))  # one shard: every epoch reads the same order
     first, second, third = (global_batch([ld]) for _ in range(3))
     assert first.flatten().tolist() == list(range(span))
-    assert second.flatten().tolist() == list(range(span, 2 * span))  # its last target is the last token
-    assert third.equal(first) and ld.state_dict()["epoch"] == 1  # no room for a third: the next epoch
+    # its last target is the last token
+    assert second.flatten().tolist() == list(range(span, 2 * span))
+    # no room for a third: the next epoch
+    assert third.equal(first) and ld.state_dict()["epoch"] == 1
     ld = loader(shards(1, 2 * span))  # one token short of a second step
     first, second = global_batch([ld]), global_batch([ld])
     assert second.equal(first) and ld.state_dict()["epoch"] == 1
@@ -153,8 +166,8 @@ def test_loader_states_name_their_kind_and_old_checkpoints_were_random_windows()
 
 
 def test_eval_batches_are_fixed_their_own_stream_and_split_across_ranks():
-    """The same validation windows at every evaluation, drawn from stream 1 (never the training stream 0),
-    batch i on rank i % world."""
+    """The same validation windows at every evaluation, drawn from stream 1 (never the training
+    stream 0), batch i on rank i % world."""
     tokens = np.arange(1000, dtype=np.uint16)
     a = eval_batches(tokens, 8, 4, 5, seed=1)
     b = eval_batches(tokens, 8, 4, 5, seed=1)
@@ -171,8 +184,8 @@ def test_eval_batches_are_fixed_their_own_stream_and_split_across_ranks():
 
 
 def test_random_windows_split_one_global_batch_across_ranks():
-    """Random sampling is random windows by default; two ranks read disjoint halves of the rows one rank
-    reads, each its own micro-batch x accumulation rows."""
+    """Random sampling is random windows by default; two ranks read disjoint halves of the rows one
+    rank reads, each its own micro-batch x accumulation rows."""
     tokens = shards()
     one = build_train_loader(tokens, T, B, 2, 0, 1, seed=5)
     assert isinstance(one, RandomWindowLoader)
@@ -209,23 +222,31 @@ def test_prefetch_prepares_each_step_once_on_the_loader_thread():
         assert all(name.startswith("gptlab-loader_") for _, name in reads[1:]), reads
         ld.load_state_dict(first)  # back to the start: that position is read again, not the fifth
         again = ld.next_step()
-        assert str(reads[5][0]) == str(positions[0]) and reads[5][1] == threading.current_thread().name
+        assert (
+            str(reads[5][0]) == str(positions[0]) and reads[5][1] == threading.current_thread().name
+        )
         fresh = make(shards())
         assert all(a.equal(b) for (a, _), (b, _) in zip(again, fresh.next_step()))
 
 
 def test_loader_defaults_shapes_and_prefetch_switch():
-    """Defaults: rank 0 of one process, seed 0. A batch that micro-batches x ranks do not divide is a
-    ValueError naming the rule. The next step is prepared on a thread when asked (prefetch, or pin_memory,
-    which a CUDA run sets), and not otherwise."""
+    """Defaults: rank 0 of one process, seed 0. A batch that micro-batches x ranks do not divide is
+    a ValueError naming the rule. The next step is prepared on a thread when asked (prefetch, or
+    pin_memory, which a CUDA run sets), and not otherwise."""
     tokens = shards()
     ld = SequentialLoader(tokens, T, B, 2)
     assert (ld.rank, ld.world_size, ld.seed, ld.accum_steps) == (0, 1, 0, 4) and ld._pool is None
     for mb, world in ((3, 1), (4, 4)):  # 4 x 4 rows do not divide 8 (where 4 / 4 would)
-        with pytest.raises(ValueError, match="^batch_size must be a multiple of micro_batch_size \\* world_size$"):
+        with pytest.raises(
+            ValueError, match="^batch_size must be a multiple of micro_batch_size \\* world_size$"
+        ):
             SequentialLoader(tokens, T, B, mb, 0, world)
-    assert loader(tokens, prefetch=True)._pool is not None and loader(tokens, prefetch=False)._pool is None
-    pinned = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, pin_memory=True)  # not stepped: no CUDA here
+    assert (
+        loader(tokens, prefetch=True)._pool is not None
+        and loader(tokens, prefetch=False)._pool is None
+    )
+    # not stepped: no CUDA here
+    pinned = build_train_loader(tokens, T, B, 2, 0, 1, seed=5, pin_memory=True)
     assert pinned.pin_memory is True and pinned._pool is not None
 
 

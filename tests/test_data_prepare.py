@@ -20,7 +20,11 @@ from gptlab.data.shards import FORMAT_VERSION, TokenShards
 from gptlab.data.sources import clean_gutenberg
 from gptlab.errors import GptlabError
 
-EXTRA = ["emoji 👋🏽 and CJK 世界\r\n", "tabs\tand\x00control\x1b chars", "combining e\u0301\n\n\n\nend"]
+EXTRA = [
+    "emoji 👋🏽 and CJK 世界\r\n",
+    "tabs\tand\x00control\x1b chars",
+    "combining e\u0301\n\n\n\nend",
+]
 
 
 def write_corpus(folder: Path, shakespeare: Path, n_docs: int = 120) -> list:
@@ -62,21 +66,28 @@ def split_docs(data, split):
 def test_shards_hold_every_document_exactly_once(tmp_path, shakespeare):
     docs = write_corpus(tmp_path / "corpus", shakespeare)
     data = prepare_data(
-        bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_divisor=1, workers=2), log=lambda *_: None
+        bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_divisor=1, workers=2),
+        log=lambda *_: None,
     )
     train, val = split_docs(data, "train"), split_docs(data, "val")
     assert train[-1] == "" and val[-1] == ""  # every document ends with <|eos|>
-    assert collections.Counter(train[:-1] + val[:-1]) == collections.Counter(docs)  # exact round trip
+    # exact round trip
+    assert collections.Counter(train[:-1] + val[:-1]) == collections.Counter(docs)
     assert 0 < len(val) - 1 < 30 and data.meta["dropped_tokens"] == 0
     assert train[:-1] != [d for d in docs if d in set(train)]  # the documents were shuffled
 
 
 def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, shakespeare):
     write_corpus(tmp_path / "corpus", shakespeare)
-    data = prepare_data(bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_tokens=4000), log=lambda *_: None)
+    data = prepare_data(
+        bpe_cfg(tmp_path / "corpus", tmp_path / "cache", shard_tokens=4000), log=lambda *_: None
+    )
     m = data.meta
-    assert m["dtype"] == "uint16" and m["vocab_size"] == 512 and m["format_version"] == FORMAT_VERSION
-    assert m["train_shards"] % 8 == 0 and m["train_shards"] >= 16  # 4000-token cap: more than one group
+    assert (
+        m["dtype"] == "uint16" and m["vocab_size"] == 512 and m["format_version"] == FORMAT_VERSION
+    )
+    # 4000-token cap: more than one group
+    assert m["train_shards"] % 8 == 0 and m["train_shards"] >= 16
     bins = sorted((data.root / "train").glob("shard_*.bin"))
     assert len(bins) == m["train_shards"] and not list(data.root.rglob("*.partial"))
     sizes = {p.stat().st_size for p in bins}
@@ -95,11 +106,15 @@ def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, 
         "index": 0,
     }
     assert side["sha256"] == hashlib.sha256(bins[0].read_bytes()).hexdigest()
-    assert m["tokenizer_sha256"] == hashlib.sha256((data.root / "tokenizer.tiktoken").read_bytes()).hexdigest()
+    assert (
+        m["tokenizer_sha256"]
+        == hashlib.sha256((data.root / "tokenizer.tiktoken").read_bytes()).hexdigest()
+    )
     tokens = data.tokens("train")
     assert isinstance(tokens, TokenShards) and len(tokens) == m["train_tokens"]
     flat = np.concatenate([np.fromfile(p, dtype=np.uint16) for p in bins])
-    assert np.array_equal(tokens[per - 5 : per + 5], flat[per - 5 : per + 5])  # a slice across shards
+    # a slice across shards
+    assert np.array_equal(tokens[per - 5 : per + 5], flat[per - 5 : per + 5])
     assert int(flat.max()) < 512
 
 
@@ -113,13 +128,16 @@ def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, shakespeare):
     b = prepare_data(cfg, log=logs.append)
     assert b.root == a.root and len(logs) == n_logs  # nothing rebuilt, nothing logged
     assert {p: p.stat().st_mtime_ns for p in a.root.rglob("*")} == stamp
-    c = prepare_data(bpe_cfg(tmp_path / "corpus", tmp_path / "cache", separator="bos"), log=logs.append)
+    c = prepare_data(
+        bpe_cfg(tmp_path / "corpus", tmp_path / "cache", separator="bos"), log=logs.append
+    )
     assert c.root != a.root  # a different split setting is a different folder
     assert np.asarray(c.shards("train")[0:1])[0] == c.tokenizer.bos_id
 
 
 def test_vocabulary_above_65536_switches_to_uint32(tmp_path):
-    chars = "".join(map(chr, range(0x10000, 0x10000 + 70_000)))  # astral code points: all valid UTF-8
+    # astral code points: all valid UTF-8
+    chars = "".join(map(chr, range(0x10000, 0x10000 + 70_000)))
     (tmp_path / "wide").mkdir()
     (tmp_path / "wide" / "a.txt").write_text(chars + chars[::-1])
     cfg = data_config(
@@ -136,7 +154,9 @@ def test_vocabulary_above_65536_switches_to_uint32(tmp_path):
     assert train.dtype == np.uint32 and int(np.max(train)) == 69_999
     assert data.tokenizer.decode(train[:5].tolist()) == chars[:5]
     side = json.loads(next((data.root / "train").glob("*.json")).read_text())
-    assert side["dtype"] == "uint32" and (data.root / "train" / "shard_00000.bin").stat().st_size == 4 * len(train)
+    assert side["dtype"] == "uint32" and (
+        data.root / "train" / "shard_00000.bin"
+    ).stat().st_size == 4 * len(train)
 
 
 def test_shards_from_another_tokenizer_or_version_are_refused(tmp_path, shakespeare):
@@ -187,7 +207,9 @@ Updated editions will replace the previous one.\r
 
 
 def test_gutenberg_cleaner_strips_boilerplate_and_normalises_whitespace():
-    assert clean_gutenberg(BOOK) == "CHAPTER I\n\nIt was a dark and stormy night.\nThe end came soon."
+    assert (
+        clean_gutenberg(BOOK) == "CHAPTER I\n\nIt was a dark and stormy night.\nThe end came soon."
+    )
     legacy = BOOK.replace(
         "*** END OF THIS PROJECT GUTENBERG EBOOK A TEST BOOK ***",
         "End of the Project Gutenberg EBook of A Test Book, by Some Author",
@@ -201,12 +223,17 @@ def write_parquet(path: Path, texts):
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), path, row_group_size=7)
+    pq.write_table(
+        pa.table({"id": [str(i) for i in range(len(texts))], "text": texts}), path, row_group_size=7
+    )
 
 
 def gutenberg_books(shakespeare, n=30):
     speeches = shakespeare.read_text().split("\n\n")
-    return [BOOK.replace("It was a dark and stormy night.", "\n\n".join(speeches[i * 8 : i * 8 + 8])) for i in range(n)]
+    return [
+        BOOK.replace("It was a dark and stormy night.", "\n\n".join(speeches[i * 8 : i * 8 + 8]))
+        for i in range(n)
+    ]
 
 
 def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
@@ -216,7 +243,8 @@ def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
 
     books = gutenberg_books(shakespeare)
     write_parquet(tmp_path / "pg" / "en" / "part-0.parquet", books[:20])
-    write_parquet(tmp_path / "pg" / "en" / "part-1.parquet", books[20:] + [books[3]])  # one duplicate
+    # one duplicate
+    write_parquet(tmp_path / "pg" / "en" / "part-1.parquet", books[20:] + [books[3]])
     cfg = to_config(
         compose_config(
             [
@@ -236,14 +264,21 @@ def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
     assert m["documents"] == 31 and m["duplicate_documents"] == 1
     assert m["settings"]["source"]["kind"] == "hf_parquet"
     text = "".join(split_docs(data, "train") + split_docs(data, "val"))
-    assert "CHAPTER I" in text and "Gutenberg" not in text and "Produced by" not in text and "\r" not in text
+    assert (
+        "CHAPTER I" in text
+        and "Gutenberg" not in text
+        and "Produced by" not in text
+        and "\r" not in text
+    )
 
 
 def test_hf_save_to_disk_copy_and_offline_hub_error(tmp_path, monkeypatch, shakespeare):
     import datasets
 
     books = gutenberg_books(shakespeare, 12)
-    datasets.DatasetDict({"en": datasets.Dataset.from_dict({"text": books})}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"en": datasets.Dataset.from_dict({"text": books})}).save_to_disk(
+        str(tmp_path / "saved")
+    )
     cfg = bpe_cfg(
         tmp_path / "saved",
         tmp_path / "cache",
@@ -258,7 +293,9 @@ def test_hf_save_to_disk_copy_and_offline_hub_error(tmp_path, monkeypatch, shake
     with pytest.raises(GptlabError, match="data.hf_split=train"):
         prepare_data(bpe_cfg(tmp_path / "saved", tmp_path / "cache", source="hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(GptlabError, match="data.hf_dataset=HuggingFaceFW/fineweb-edu.*data.path=") as e:
+    with pytest.raises(
+        GptlabError, match="data.hf_dataset=HuggingFaceFW/fineweb-edu.*data.path="
+    ) as e:
         prepare_data(
             data_config(
                 source="hf",
@@ -303,10 +340,16 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
         f"data.cache_dir={cache}",
         "hydra.run.dir=" + str(tmp_path / "hydra"),
     ]
-    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 120
     while time.time() < deadline:  # kill once encoding has written tokens, well before the end
-        flat = list((cache / "tokens").glob("*.tmp*/train.flat")) if (cache / "tokens").is_dir() else []
+        flat = (
+            list((cache / "tokens").glob("*.tmp*/train.flat"))
+            if (cache / "tokens").is_dir()
+            else []
+        )
         if flat and flat[0].stat().st_size > 0:
             break
         assert proc.poll() is None, proc.communicate()
@@ -330,21 +373,27 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
         sampling="sequential",
     )
     rerun = prepare_data(cfg, log=lambda *_: None)
-    assert [p.name for p in rerun.root.parent.iterdir()] == [rerun.root.name]  # the dead run's tmp swept
+    # the dead run's tmp swept
+    assert [p.name for p in rerun.root.parent.iterdir()] == [rerun.root.name]
     clean = prepare_data(
-        DataConfig(**{**cfg.__dict__, "cache_dir": str(tmp_path / "clean"), "workers": 0}), log=lambda *_: None
+        DataConfig(**{**cfg.__dict__, "cache_dir": str(tmp_path / "clean"), "workers": 0}),
+        log=lambda *_: None,
     )
     assert snapshot(rerun.root) == snapshot(clean.root)  # and 2 workers or none: the same bytes
 
 
 def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
-    cfg = data_config(path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False)
+    cfg = data_config(
+        path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False
+    )
     logs = []
     data = prepare_data(cfg, log=logs.append)
     assert len(logs) == 1
     meta = json.loads((data.root / "meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 65
-    assert meta["source_sha256"] == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    assert (
+        meta["source_sha256"] == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    )
     train, val = data.tokens("train"), data.tokens("val")
     assert train.dtype == np.uint16 and isinstance(train, np.memmap)
     assert len(train) + len(val) == 1_115_394
@@ -357,7 +406,9 @@ def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
 
 
 def test_prepare_leaves_no_half_written_folder(shakespeare, tmp_path):
-    data = prepare_data(data_config(path=str(shakespeare), cache_dir=str(tmp_path)), log=lambda *_: None)
+    data = prepare_data(
+        data_config(path=str(shakespeare), cache_dir=str(tmp_path)), log=lambda *_: None
+    )
     names = [p.name for p in data.root.parent.iterdir()]
     assert names == [data.root.name]  # the temporary folder was renamed into place
 

@@ -1,4 +1,5 @@
-"""Tokenizers: exact byte-level round trips, the tiktoken ranks file, and GPT-2 offline behaviour."""
+"""Tokenizers: exact byte-level round trips, the tiktoken ranks file, and GPT-2 offline
+behaviour."""
 
 import hashlib
 

@@ -10,7 +10,8 @@ from helpers import compose_config
 from gptlab.config import to_config
 
 PKG = Path(__file__).resolve().parents[1] / "gptlab"
-# modules (or packages) that import no other gptlab module but their own package's, errors and safe_dcp
+# modules (or packages) that import no other gptlab module but their own package's, errors and
+# safe_dcp
 LEAVES = ["model", "optim", "metrics", "checkpoint", "data", "safe_dcp", "records.layout",
           "records.store", "records.identity", "records.tracker"]  # fmt: skip
 ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp"}  # safe_dcp: torch only
@@ -18,7 +19,8 @@ ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp"}  # safe_dcp: torch onl
 
 def gptlab_imports(path: Path):
     """gptlab modules imported at run time, lazily inside functions too (imports under
-    `if TYPE_CHECKING:` are for hints only). `from gptlab import x` yields gptlab.x for a module x."""
+    `if TYPE_CHECKING:` are for hints only). `from gptlab import x` yields gptlab.x for a module
+    x."""
     tree = ast.parse(path.read_text())
     hints_only = {
         id(n)
@@ -42,7 +44,9 @@ def gptlab_imports(path: Path):
 @pytest.mark.parametrize("leaf", LEAVES)
 def test_leaf_modules_import_no_other_gptlab_module(leaf):
     path = PKG.joinpath(*leaf.split("."))
-    files = [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
+    files = (
+        [path.with_suffix(".py")] if path.with_suffix(".py").exists() else sorted(path.glob("*.py"))
+    )
     own = f"gptlab.{leaf.split('.')[0]}"  # a module in a package may import its package's modules
     assert files, leaf
     for f in files:
@@ -116,8 +120,8 @@ def test_loop_and_train_stay_thin():
 
 
 # The commands (python -m gptlab.<name>): no other module imports one; shared code lives below them.
-ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "export", "bench", "plan",
-                                                "ui", "compare", "sync")}  # fmt: skip
+ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "export", "bench",
+                                                "plan", "ui", "compare", "sync")}  # fmt: skip
 
 
 def test_no_module_imports_an_entry_module():
@@ -147,7 +151,8 @@ def test_the_run_folders_file_names_are_written_in_one_module():
     names = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and "." in v}
     assert {"metrics.jsonl", "results.json", "slurm.json", "sweep.json", "run.json"} <= names
     home = PKG / "records" / "layout.py"
-    found = [f"{path.relative_to(PKG)}:{line} {text!r}" for path in sorted(PKG.rglob("*.py")) if path != home
+    found = [f"{path.relative_to(PKG)}:{line} {text!r}"
+             for path in sorted(PKG.rglob("*.py")) if path != home
              for line, text in string_constants(path)
              if any(text == n or text.endswith("/" + n) for n in names)]  # fmt: skip
     assert not found, "run-folder file names outside records/layout.py: " + ", ".join(found)
@@ -173,8 +178,9 @@ def test_a_runs_name_is_computed_in_one_module():
 
 
 def test_tests_import_their_helpers_from_helpers_not_conftest():
+    imports_conftest = re.compile(r"^\s*(from conftest import|import conftest)", re.M)
     found = [p.name for p in sorted(PKG.parent.joinpath("tests").glob("*.py"))
-             if re.search(r"^\s*(from conftest import|import conftest)", p.read_text(), re.M)]  # fmt: skip
+             if imports_conftest.search(p.read_text())]  # fmt: skip
     assert not found, found
 
 
@@ -208,7 +214,8 @@ def test_command_line_override_names_are_frozen():
         assert getattr(getattr(cfg, group), name) == value, key
 
 
-# The command-line contract (DESIGN.md): each command is a module with a main() whose docstring is its usage.
+# The command-line contract (DESIGN.md): each command is a module with a main() whose docstring is
+# its usage.
 COMMANDS = ("train", "prepare", "sample", "bench", "plan", "export", "ui", "compare", "sync")
 
 
@@ -220,7 +227,9 @@ def test_entry_point_modules_exist(name):
     assert (ast.get_docstring(tree) or "").startswith(f"python -m gptlab.{name} "), name
     assert any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body), name
     guard = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
-    assert guard and "main()" in ast.unparse(guard[0]), f"gptlab/{name}.py does not run main() as a module"
+    assert guard and "main()" in ast.unparse(guard[0]), (
+        f"gptlab/{name}.py does not run main() as a module"
+    )
 
 
 # ---- repetition and function length -------------------------------------------------------------
@@ -260,13 +269,15 @@ def shape_lines(path: Path):
 
 
 def repeated_blocks(paths):
-    """Pairs of non-overlapping WINDOW-line blocks with the same shapes, as 'file:line == file:line'."""
+    """Pairs of non-overlapping WINDOW-line blocks with the same shapes, as 'file:line ==
+    file:line'."""
     seen, found = {}, []
     for path in paths:
         lines = list(shape_lines(path))
         for i in range(len(lines) - WINDOW + 1):
             window = tuple(text for _, text in lines[i : i + WINDOW])
-            if sum(map(len, window)) < 80:  # a run of trivial lines (returns, closing calls) is no block
+            # a run of trivial lines (returns, closing calls) is no block
+            if sum(map(len, window)) < 80:
                 continue
             here = (path, i, lines[i][0])
             for other in seen.get(window, []):
@@ -282,9 +293,13 @@ def test_no_block_of_code_repeats_inside_gptlab():
 
 
 def test_the_repetition_finder_finds_renamed_copies(tmp_path):
-    body = "\n".join(f"    total_{i} = compute(alpha_{i}, beta + {i}) * weight[{i}] - offset" for i in range(6))
+    body = "\n".join(
+        f"    total_{i} = compute(alpha_{i}, beta + {i}) * weight[{i}] - offset" for i in range(6)
+    )
     (tmp_path / "a.py").write_text(f"def f():\n{body}\n")
-    (tmp_path / "b.py").write_text("def g():\n" + body.replace("alpha", "gamma").replace("compute", "other") + "\n")
+    (tmp_path / "b.py").write_text(
+        "def g():\n" + body.replace("alpha", "gamma").replace("compute", "other") + "\n"
+    )
     assert repeated_blocks([tmp_path / "a.py", tmp_path / "b.py"])
     other = "\n".join(f"    x{i} = [y for y in range({i}) if y]" for i in range(6))
     (tmp_path / "c.py").write_text("def h():\n" + other)
@@ -311,7 +326,9 @@ def _hydra_dir(config: str, mode: str) -> str:
     """conf/<config>.yaml's hydra.<mode>.dir with the timestamp as README writes it."""
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(OmegaConf.load(PKG.parent / "conf" / f"{config}.yaml"))["hydra"][mode]["dir"]
+    raw = OmegaConf.to_container(OmegaConf.load(PKG.parent / "conf" / f"{config}.yaml"))["hydra"][
+        mode
+    ]["dir"]
     raw = raw.replace("${paths.outputs}", "outputs")  # conf/paths/default.yaml's root
     return raw.replace("${now:%Y-%m-%d_%H-%M-%S.%f}", "<date>_<time>")
 
@@ -321,11 +338,17 @@ def test_readme_names_the_files_and_folders_the_code_writes():
     from gptlab.records.layout import RECORDS
 
     text = README.read_text()
-    whole, sharded = checkpoint_path(Path("c"), 2800).name, checkpoint_path(Path("c"), 2800, sharded=True).name
+    whole, sharded = (
+        checkpoint_path(Path("c"), 2800).name,
+        checkpoint_path(Path("c"), 2800, sharded=True).name,
+    )
     assert f"`checkpoints/{whole}`" in text and f"`checkpoints/{sharded}/`" in text
     assert "ckpt_<step>" not in text  # no name that a run folder never holds
     run_dir, bench_dir = _hydra_dir("config", "run"), _hydra_dir("bench", "run")
     assert f"`{run_dir}/`" in text and f"`{bench_dir}/bench.json`" in text
-    table = text.split(f"`{run_dir}/`", 1)[1].split("\n\n", 2)[1]  # the table under "Each run gets a folder"
-    listed = {row.split("`")[1].split("/")[0] for row in table.splitlines() if row.startswith("| `")}
+    # the table under "Each run gets a folder"
+    table = text.split(f"`{run_dir}/`", 1)[1].split("\n\n", 2)[1]
+    listed = {
+        row.split("`")[1].split("/")[0] for row in table.splitlines() if row.startswith("| `")
+    }
     assert listed and listed <= {".hydra", *RECORDS}, listed - {".hydra", *RECORDS}

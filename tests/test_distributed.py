@@ -36,9 +36,22 @@ from helpers import model_config, run_cli, typed
 from gptlab import distributed, runtime, slurm
 from gptlab.errors import GptlabError
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-               "SUBMITIT_EXECUTOR", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
-               "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "CUDA_VISIBLE_DEVICES")  # fmt: skip
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SUBMITIT_EXECUTOR",
+    "SLURM_PROCID",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,9 +69,11 @@ def par(preset: str = "single", **changes):
 
 @pytest.fixture
 def env(monkeypatch):
-    """No launcher variables; whatever a test sets (or the code under test writes) is undone after it."""
+    """No launcher variables; whatever a test sets (or the code under test writes) is undone after
+    it."""
     for name in LAUNCH_VARS:
-        monkeypatch.setenv(name, "")  # recorded, so that a value the code writes itself is removed after the test
+        # recorded, so that a value the code writes itself is removed after the test
+        monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     return monkeypatch
 
@@ -143,7 +158,8 @@ def test_check_gpus_messages(env):
     with pytest.raises(GptlabError) as e:
         distributed.check_gpus(hw("gpu"), 3)
     assert str(e.value) == (
-        "hardware=gpu starts 3 processes, one per GPU, but 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=unset); "
+        "hardware=gpu starts 3 processes, one per GPU, but 2 GPU(s) are visible "
+        "(CUDA_VISIBLE_DEVICES=unset); "
         "set hardware.nproc_per_node=2 or make the GPUs visible"
     )
     env.setenv("CUDA_VISIBLE_DEVICES", "0,1")
@@ -159,15 +175,24 @@ def test_slurm_hostnames_asks_scontrol(monkeypatch):
     monkeypatch.setattr(subprocess, "run", run)
     assert slurm.slurm_hostnames("gptlab-n[1-2]") == ["gptlab-n1", "gptlab-n2"]
     assert run.calls == [
-        ((["scontrol", "show", "hostnames", "gptlab-n[1-2]"],), {"capture_output": True, "text": True, "check": True})
+        (
+            (["scontrol", "show", "hostnames", "gptlab-n[1-2]"],),
+            {"capture_output": True, "text": True, "check": True},
+        )
     ]
 
 
 @pytest.fixture
 def srun_step(env):
-    """Task 1 of a 4-task srun step (no submitit) on nodes n[1-2], with its hosts and checks faked."""
-    for k, v in dict(SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="4", SLURM_LOCALID="1", SLURM_JOB_ID="61",
-                     SLURM_JOB_NODELIST="job[1-2]").items():  # fmt: skip
+    """Task 1 of a 4-task srun step (no submitit) on nodes n[1-2], with its hosts and checks
+    faked."""
+    for k, v in dict(
+        SLURM_PROCID="1",
+        SLURM_STEP_NUM_TASKS="4",
+        SLURM_LOCALID="1",
+        SLURM_JOB_ID="61",
+        SLURM_JOB_NODELIST="job[1-2]",
+    ).items():
         env.setenv(k, v)
     hosts = {"job[1-2]": ["job1", "job2"], "step[1-2]": ["step1", "step2"]}
     env.setattr(slurm, "slurm_hostnames", lambda nodelist: hosts[nodelist])
@@ -179,8 +204,17 @@ def srun_step(env):
 
 def test_export_slurm_env_from_an_srun_task(srun_step, env):
     slurm.export_env()
-    launch = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    assert launch == {"MASTER_ADDR": "job1", "MASTER_PORT": "20061", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    launch = {
+        k: os.environ.get(k)
+        for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
+    assert launch == {
+        "MASTER_ADDR": "job1",
+        "MASTER_PORT": "20061",
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+    }
     assert srun_step.calls == []  # only rank 0 listens
 
 
@@ -188,7 +222,11 @@ def test_export_slurm_env_prefers_the_steps_nodes_and_the_users_master(srun_step
     env.setenv("SLURM_STEP_NODELIST", "step[1-2]")
     env.setenv("SLURM_PROCID", "0")
     slurm.export_env()
-    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"]) == ("step1", "20061", "0")
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["RANK"]) == (
+        "step1",
+        "20061",
+        "0",
+    )
     assert srun_step.calls == [(20061,)]
     env.setenv("MASTER_ADDR", "head")
     env.setenv("MASTER_PORT", "29400")
@@ -242,13 +280,21 @@ def test_slurm_job_info_of_an_srun_task(env):
     env.setattr(subprocess, "run", run)
     env.setattr(slurm, "slurm_hostnames", {"n[1-2]": ["n1", "n2"], "s[1]": ["n1"]}.get)
     info = slurm.slurm_job_info()
-    assert info == {"job_id": "74", "nodes": ["n1", "n2"], "stdout": "/runs/74.out", "stderr": "/runs/74.err"}
-    assert run.calls == [((["scontrol", "show", "job", "-o", "74"],), {"capture_output": True, "text": True})]
+    assert info == {
+        "job_id": "74",
+        "nodes": ["n1", "n2"],
+        "stdout": "/runs/74.out",
+        "stderr": "/runs/74.err",
+    }
+    assert run.calls == [
+        ((["scontrol", "show", "job", "-o", "74"],), {"capture_output": True, "text": True})
+    ]
     env.setenv("SLURM_STEP_NODELIST", "s[1]")
     env.setattr(subprocess, "run", recorder(SimpleNamespace(stdout="JobId=74 StdOut=a=b\n")))
     info = slurm.slurm_job_info()
     assert info == {"job_id": "74", "nodes": ["n1"], "stdout": "a=b", "stderr": ""}
-    env.setattr(subprocess, "run", recorder(SimpleNamespace(stdout="")))  # scontrol no longer knows the job
+    # scontrol no longer knows the job
+    env.setattr(subprocess, "run", recorder(SimpleNamespace(stdout="")))
     assert slurm.slurm_job_info() == {"job_id": "74", "nodes": ["n1"], "stdout": "", "stderr": ""}
 
 
@@ -288,9 +334,18 @@ def test_ephemeral_ports_read_from_the_kernels_file(tmp_path):
 
 def test_rendezvous_port_values():
     linux = (32768, 60999)
-    assert [slurm.rendezvous_port(j, linux) for j in (0, 1, 12767, 12768)] == [20000, 20001, 32767, 20000]
+    assert [slurm.rendezvous_port(j, linux) for j in (0, 1, 12767, 12768)] == [
+        20000,
+        20001,
+        32767,
+        20000,
+    ]
     # the range above the ephemeral ports is the larger: 60001-65535
-    assert [slurm.rendezvous_port(j, (20000, 60000)) for j in (0, 5534, 5535)] == [60001, 65535, 60001]
+    assert [slurm.rendezvous_port(j, (20000, 60000)) for j in (0, 5534, 5535)] == [
+        60001,
+        65535,
+        60001,
+    ]
     assert slurm.rendezvous_port(3, (40000, 50000)) == 20003  # 20000 below, 15535 above
     assert slurm.rendezvous_port(3, (1000, 5000)) == 20003  # all of 20000-65535 is free
     assert slurm.rendezvous_port(45536, (1000, 5000)) == 20000
@@ -311,7 +366,8 @@ def test_rendezvous_port_without_room_says_to_set_master_port():
             slurm.rendezvous_port(7, ephemeral)
         first, last = ephemeral
         assert str(e.value) == (
-            f"the ephemeral port range {first}-{last} (/proc/sys/net/ipv4/ip_local_port_range) leaves no room for a "
+            f"the ephemeral port range {first}-{last} (/proc/sys/net/ipv4/ip_local_port_range) "
+            f"leaves no room for a "
             "rendezvous port in 20000-65535; set MASTER_PORT to a port that no connection uses"
         )
 
@@ -337,7 +393,8 @@ def test_check_rendezvous_port_on_a_taken_port_prints_one_line_and_exits_2(monke
 
 
 def test_check_rendezvous_port_flushes_its_line_at_once(monkeypatch):
-    """The task exits right after the line: it must be out before SLURM's kill-on-bad-exit ends the step."""
+    """The task exits right after the line: it must be out before SLURM's kill-on-bad-exit ends the
+    step."""
     written = []
 
     class Stderr:
@@ -354,13 +411,16 @@ def test_check_rendezvous_port_flushes_its_line_at_once(monkeypatch):
         taken.listen()
         with pytest.raises(SystemExit):
             slurm.check_rendezvous_port(taken.getsockname()[1])
-    assert written[-1] == "flush" and written[0][1].startswith("gptlab: error: rank 0 cannot listen")
+    assert written[-1] == "flush" and written[0][1].startswith(
+        "gptlab: error: rank 0 cannot listen"
+    )
 
 
 def test_check_rendezvous_port_allows_a_port_left_in_time_wait():
     """A previous job's closed connection on the port (TIME_WAIT) does not stop torch's TCPStore."""
     with socket.socket() as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the previous job's TCPStore
+        # as the previous job's TCPStore
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
@@ -398,7 +458,11 @@ def test_check_rendezvous_port_binds_every_address_of_ipv4(monkeypatch):
     slurm.check_rendezvous_port(29500)
     (s,) = made
     assert s.args == (socket.AF_INET, socket.SOCK_STREAM)
-    assert s.calls == [("setsockopt", socket.SOL_SOCKET, socket.SO_REUSEADDR, 1), ("bind", ("", 29500)), "closed"]
+    assert s.calls == [
+        ("setsockopt", socket.SOL_SOCKET, socket.SO_REUSEADDR, 1),
+        ("bind", ("", 29500)),
+        "closed",
+    ]
 
 
 def test_free_port_is_a_free_unprivileged_loopback_port():
@@ -438,9 +502,12 @@ def test_setup_of_a_torchrun_worker_on_the_cpu(fake_group, env):
     env.setattr(os, "cpu_count", lambda: 16)
     d = distributed.setup(hw(nproc_per_node=2, nodes=2), par("ddp", timeout_s=42))
     assert d == distributed.Dist(rank=3, local_rank=1, world_size=4, device=torch.device("cpu"))
-    assert fake_group.init == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=42), "device_id": None}]
+    assert fake_group.init == [
+        {"backend": "gloo", "timeout": datetime.timedelta(seconds=42), "device_id": None}
+    ]
     assert distributed._CONTROL_GROUP is None and fake_group.new_group == []
-    assert fake_group.threads == [8] and type(fake_group.threads[0]) is int  # 16 cores, 2 processes per node
+    # 16 cores, 2 processes per node
+    assert fake_group.threads == [8] and type(fake_group.threads[0]) is int
     assert fake_group.kept == [True]
 
 
@@ -448,7 +515,9 @@ def test_setup_of_a_torchrun_worker_on_the_cpu(fake_group, env):
     "world, nodes, cores, threads",
     [(2, 2, 8, 8), (4, 1, 2, 1), (2, 1, None, 1), (2, 2, None, 1), (2, 1, 3, 1), (3, 1, 9, 3)],
 )
-def test_setup_shares_the_cores_among_a_nodes_cpu_processes(fake_group, env, world, nodes, cores, threads):
+def test_setup_shares_the_cores_among_a_nodes_cpu_processes(
+    fake_group, env, world, nodes, cores, threads
+):
     env.setenv("RANK", "0")
     env.setenv("WORLD_SIZE", str(world))
     env.setattr(os, "cpu_count", lambda: cores)
@@ -471,8 +540,13 @@ def test_setup_of_a_world_of_one_under_fsdp_uses_an_in_memory_group(fake_group):
     (init,) = fake_group.init
     store = init.pop("store")
     assert isinstance(store, dist.HashStore)
-    assert init == {"backend": "gloo", "timeout": datetime.timedelta(seconds=7), "device_id": None, "rank": 0,
-                    "world_size": 1}  # fmt: skip
+    assert init == {
+        "backend": "gloo",
+        "timeout": datetime.timedelta(seconds=7),
+        "device_id": None,
+        "rank": 0,
+        "world_size": 1,
+    }
     assert distributed.setup(hw(), par("hsdp")) == distributed.Dist() and len(fake_group.init) == 2
 
 
@@ -488,7 +562,8 @@ def test_setup_joins_no_group_twice(fake_group, env):
 
 @pytest.fixture
 def tf32_flags():
-    """torch's TF32 switches, put back after the test (monkeypatch cannot: they are properties of modules)."""
+    """torch's TF32 switches, put back after the test (monkeypatch cannot: they are properties of
+    modules)."""
     flags = (torch.backends.cuda.matmul, torch.backends.cudnn)
     before = [f.allow_tf32 for f in flags]
     for f in flags:
@@ -505,15 +580,20 @@ def test_setup_on_a_gpu_picks_the_local_ranks_device_and_nccl(fake_group, env, t
     env.setenv("RANK", "5")
     env.setenv("WORLD_SIZE", "8")
     env.setenv("LOCAL_RANK", "3")
-    d = distributed.setup(hw("gpu", nproc_per_node=4, nodes=2, threads=None), par("ddp", timeout_s=9))
+    d = distributed.setup(
+        hw("gpu", nproc_per_node=4, nodes=2, threads=None), par("ddp", timeout_s=9)
+    )
     assert d == distributed.Dist(rank=5, local_rank=3, world_size=8, device=torch.device("cuda", 1))
     assert picked.calls == [(torch.device("cuda", 1),)]
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     timeout = datetime.timedelta(seconds=9)
-    assert fake_group.init == [{"backend": "nccl", "timeout": timeout, "device_id": torch.device("cuda", 1)}]
+    assert fake_group.init == [
+        {"backend": "nccl", "timeout": timeout, "device_id": torch.device("cuda", 1)}
+    ]
     assert fake_group.new_group == [{"backend": "gloo", "timeout": timeout}]
     assert distributed._CONTROL_GROUP == "control-group"
-    assert fake_group.threads == [] and fake_group.kept == []  # threads and malloc are the CPU's concerns
+    # threads and malloc are the CPU's concerns
+    assert fake_group.threads == [] and fake_group.kept == []
     distributed.setup(hw("gpu", nproc_per_node=4, nodes=2, tf32=False), par("ddp"))
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
@@ -535,7 +615,8 @@ def test_setup_refuses_a_world_the_hardware_does_not_describe(fake_group, env):
     with pytest.raises(GptlabError) as e:
         distributed.setup(hw(nproc_per_node=2, nodes=2), par("ddp"))
     assert str(e.value) == (
-        "hardware=cpu asks for 4 process(es) but this job has 3: set hardware.nproc_per_node / hardware.nodes to "
+        "hardware=cpu asks for 4 process(es) but this job has 3: set hardware.nproc_per_node / "
+        "hardware.nodes to "
         "match the launcher (torchrun --nproc_per_node, SLURM tasks)"
     )
     assert fake_group.init == []
@@ -571,15 +652,23 @@ def test_setup_and_teardown_of_a_real_one_rank_fsdp_group(env):
         assert distributed._CONTROL_GROUP is None
     finally:
         distributed.teardown()
-    assert not dist.is_initialized() and sleeps.calls == []  # one rank: no other gloo thread to wait for
+    # one rank: no other gloo thread to wait for
+    assert not dist.is_initialized() and sleeps.calls == []
     distributed.teardown()  # no group: nothing to do
 
 
 @pytest.mark.parametrize(
     "world, backend, control, slept",
-    [(2, "gloo", None, True), (2, "nccl", None, False), (2, "nccl", "control", True), (1, "gloo", "control", False)],
+    [
+        (2, "gloo", None, True),
+        (2, "nccl", None, False),
+        (2, "nccl", "control", True),
+        (1, "gloo", "control", False),
+    ],
 )
-def test_teardown_waits_for_gloos_threads_only_with_other_ranks(one_rank_group, env, world, backend, control, slept):
+def test_teardown_waits_for_gloos_threads_only_with_other_ranks(
+    one_rank_group, env, world, backend, control, slept
+):
     sleeps = recorder()
     env.setattr(distributed.time, "sleep", sleeps)
     env.setattr(dist, "get_world_size", lambda *a, **k: world)
@@ -590,44 +679,6 @@ def test_teardown_waits_for_gloos_threads_only_with_other_ranks(one_rank_group, 
     assert sleeps.calls == ([(0.2,)] if slept else [])
     assert distributed._CONTROL_GROUP is None
     assert distributed.GLOO_SETTLE_S == 0.2
-
-
-# ------------------------------------------------------------------ the allocator
-
-
-def test_keep_freed_memory_on_glibc():
-    assert runtime.keep_freed_memory() is True
-    assert (runtime.MMAP_THRESHOLD, runtime.TRIM_THRESHOLD) == (32 * 2**20, 2**31 - 1)
-
-
-@pytest.mark.parametrize("answers, kept", [((1, 1), True), ((0, 1), False), ((1, 0), False), ((2, 3), True)])
-def test_keep_freed_memory_sets_the_mmap_then_the_trim_threshold(monkeypatch, answers, kept):
-    import ctypes
-
-    calls = []
-    replies = iter(answers)
-
-    def mallopt(param, value):
-        calls.append((param, value))
-        return next(replies)
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: SimpleNamespace(mallopt=mallopt) if name is None else None)
-    assert runtime.keep_freed_memory() is kept
-    expected = [(-3, 32 * 2**20), (-1, 2**31 - 1)]
-    assert calls == (expected if answers[0] else expected[:1])
-
-
-def test_keep_freed_memory_without_mallopt_changes_nothing(monkeypatch):
-    import ctypes
-
-    monkeypatch.setattr(ctypes, "CDLL", lambda name: SimpleNamespace())
-    assert runtime.keep_freed_memory() is False
-
-    def no_library(name):
-        raise OSError("no C library")
-
-    monkeypatch.setattr(ctypes, "CDLL", no_library)
-    assert runtime.keep_freed_memory() is False
 
 
 # ------------------------------------------------------------------ collectives
@@ -669,16 +720,18 @@ def test_all_reduce_mean_over_two_ranks(two_ranks):
 
 
 def test_all_reduce_mean_in_a_group_of_one(one_rank_group, monkeypatch):
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one"))
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one")
+    )
     t = torch.tensor([2.0])
     assert distributed.all_reduce_mean(t) is t and t.item() == 2.0
 
 
 @pytest.mark.parametrize(
     "mine, theirs, agreed",
-    [(None, 0, None), (None, 1, "SIGINT"), (None, 2, "SIGTERM"), (None, 3, "SIGUSR2"), ("SIGTERM", 0, "SIGTERM"),
-     ("SIGTERM", 3, "SIGUSR2"), ("SIGUSR2", 2, "SIGUSR2"), ("SIGINT", 0, "SIGINT"), ("SIGINT", 2, "SIGTERM"),
-     ("SIGHUP", 0, "SIGTERM")],
+    [(None, 0, None), (None, 1, "SIGINT"), (None, 2, "SIGTERM"), (None, 3, "SIGUSR2"),
+     ("SIGTERM", 0, "SIGTERM"), ("SIGTERM", 3, "SIGUSR2"), ("SIGUSR2", 2, "SIGUSR2"),
+     ("SIGINT", 0, "SIGINT"), ("SIGINT", 2, "SIGTERM"), ("SIGHUP", 0, "SIGTERM")],
 )  # fmt: skip
 def test_agree_on_signal_over_two_ranks(two_ranks, monkeypatch, mine, theirs, agreed):
     monkeypatch.setattr(distributed, "_CONTROL_GROUP", "control")
@@ -688,7 +741,9 @@ def test_agree_on_signal_over_two_ranks(two_ranks, monkeypatch, mine, theirs, ag
 
 
 def test_agree_on_signal_in_a_group_of_one(one_rank_group, monkeypatch):
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one"))
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda *a, **k: pytest.fail("no collective for a group of one")
+    )
     assert distributed.agree_on_signal("SIGUSR2") == "SIGUSR2"
     assert distributed.agree_on_signal(None) is None
 
@@ -701,7 +756,9 @@ def test_broadcast_object_over_two_ranks(two_ranks):
 
 
 def test_broadcast_object_in_a_group_of_one(one_rank_group, monkeypatch):
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: pytest.fail("no one to broadcast to"))
+    monkeypatch.setattr(
+        dist, "broadcast_object_list", lambda *a, **k: pytest.fail("no one to broadcast to")
+    )
     obj = {"a": 1}
     assert distributed.broadcast_object(obj) is obj
 
@@ -753,32 +810,52 @@ def tiny_gpt():
     from gptlab.model import GPT
 
     torch.manual_seed(0)
-    return GPT(model_config(vocab_size=10, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
+    return GPT(
+        model_config(vocab_size=10, block_size=8, n_layer=2, n_head=2, n_embd=8, dropout=0.0)
+    )
 
 
 def test_replicate_alone_and_with_others(one_rank_group, monkeypatch):
     model = torch.nn.Linear(2, 2)
     assert distributed._replicate(model, distributed.Dist()) is model
     ddp = distributed._replicate(model, distributed.Dist(world_size=2))
-    assert type(ddp).__name__ == "DistributedDataParallel" and ddp.module is model and ddp.device_ids is None
+    assert (
+        type(ddp).__name__ == "DistributedDataParallel"
+        and ddp.module is model
+        and ddp.device_ids is None
+    )
     made = recorder("ddp")
     monkeypatch.setattr("torch.nn.parallel.DistributedDataParallel", made)
-    assert distributed._replicate(model, distributed.Dist(world_size=2, device=torch.device("cuda", 3))) == "ddp"
+    assert (
+        distributed._replicate(
+            model, distributed.Dist(world_size=2, device=torch.device("cuda", 3))
+        )
+        == "ddp"
+    )
     assert made.calls == [((model,), {"device_ids": [3]})]
 
 
 def test_wrap_model_without_sharding_leaves_checkpointing_as_configured():
     d = distributed.Dist()
     model = tiny_gpt()
-    assert distributed.wrap_model(model, d, par(activation_checkpointing=False), hw(), compile=False) is model
+    assert (
+        distributed.wrap_model(model, d, par(activation_checkpointing=False), hw(), compile=False)
+        is model
+    )
     assert not model.activation_checkpointing
-    assert distributed.wrap_model(model, d, par(activation_checkpointing=True), hw(), compile=False) is model
+    assert (
+        distributed.wrap_model(model, d, par(activation_checkpointing=True), hw(), compile=False)
+        is model
+    )
     assert model.activation_checkpointing
 
 
 def test_mesh_shape():
     assert distributed.mesh_shape("hsdp", 8, 2) == (2, 4)
-    assert distributed.mesh_shape("hsdp", 16, 4) == (4, 4) and type(distributed.mesh_shape("hsdp", 16, 4)[1]) is int
+    assert (
+        distributed.mesh_shape("hsdp", 16, 4) == (4, 4)
+        and type(distributed.mesh_shape("hsdp", 16, 4)[1]) is int
+    )
     assert distributed.mesh_shape("fsdp", 8, 2) == (8,)
     assert distributed.mesh_shape("ddp", 8, 2) == (8,)
 
@@ -793,8 +870,13 @@ def test_fsdp_on_one_rank_shards_every_block_then_the_root(one_rank_group):
 
     model = tiny_gpt()
     assert not distributed.is_sharded(model)
-    wrapped = distributed.wrap_model(model, distributed.Dist(), par("fsdp", activation_checkpointing=False),
-                                     hw(precision="bf16"), compile=False)  # fmt: skip
+    wrapped = distributed.wrap_model(
+        model,
+        distributed.Dist(),
+        par("fsdp", activation_checkpointing=False),
+        hw(precision="bf16"),
+        compile=False,
+    )
     assert wrapped is model and isinstance(model, FSDPModule) and not model.activation_checkpointing
     assert distributed.is_sharded(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -807,7 +889,9 @@ def test_fsdp_on_one_rank_shards_every_block_then_the_root(one_rank_group):
     _, loss = model(x, x)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a replicated DTensor
-    assert type(norm).__name__ == "DTensor" and type(distributed.grad_norm_value(norm)) is torch.Tensor
+    assert (
+        type(norm).__name__ == "DTensor" and type(distributed.grad_norm_value(norm)) is torch.Tensor
+    )
     ignored = [f for f in warnings.filters if f[0] == "ignore" and f[1] is not None]
     assert any(f[1].pattern == r".*FSDP2-wrapped module.*returned a view tensor" for f in ignored)
 
@@ -828,27 +912,15 @@ def test_hsdp_and_fp32_and_zero2_settings(one_rank_group):
     assert model.activation_checkpointing  # the hsdp preset's choice
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     assert all(_fsdp_settings(b) == (policy, False) for b in model.h)
-    assert all(b._compiled_call_impl is not None for b in model.h)  # each block compiled (lazily) in place
+    # each block compiled (lazily) in place
+    assert all(b._compiled_call_impl is not None for b in model.h)
     assert model._compiled_call_impl is None
     mesh = next(model.parameters()).device_mesh
     assert (mesh.mesh_dim_names, tuple(mesh.shape)) == (("replicate", "shard"), (1, 1))
-    fp16 = distributed.wrap_model(tiny_gpt(), distributed.Dist(), par("fsdp"), hw(precision="fp16"), compile=False)
+    fp16 = distributed.wrap_model(
+        tiny_gpt(), distributed.Dist(), par("fsdp"), hw(precision="fp16"), compile=False
+    )
     assert _fsdp_settings(fp16.h[0])[0].param_dtype == torch.float16
-
-
-def test_attention_context_restricts_sdpa_to_one_kernel_family():
-    b = torch.backends.cuda
-    enabled = lambda: (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())  # noqa: E731
-    assert isinstance(runtime.attention_context("auto"), nullcontext)
-    with runtime.attention_context("auto"):
-        assert enabled() == (True, True, True)
-    for backend, only in (("flash", (True, False, False)), ("efficient", (False, True, False)),
-                          ("math", (False, False, True))):  # fmt: skip
-        with runtime.attention_context(backend):
-            assert enabled() == only, backend
-    assert enabled() == (True, True, True)
-    with pytest.raises(KeyError):
-        runtime.attention_context("fast")
 
 
 # ------------------------------------------------------------------ spawned workers
@@ -866,17 +938,46 @@ def test_worker_follows_its_launcher_sets_its_rank_runs_and_exits_with_its_code(
     seen = []
 
     def fn(a, b):
-        seen.append((a, b, {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                       "MASTER_ADDR", "MASTER_PORT")}))  # fmt: skip
+        seen.append(
+            (
+                a,
+                b,
+                {
+                    k: os.environ[k]
+                    for k in (
+                        "RANK",
+                        "LOCAL_RANK",
+                        "WORLD_SIZE",
+                        "LOCAL_WORLD_SIZE",
+                        "MASTER_ADDR",
+                        "MASTER_PORT",
+                    )
+                },
+            )
+        )
 
     distributed._worker(1, (3, 29511, 4242), fn, ("x", 2))
     assert distributed.follow_launcher.calls == [(4242,)]
-    assert seen == [("x", 2, {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511"})]  # fmt: skip
+    assert seen == [
+        (
+            "x",
+            2,
+            {
+                "RANK": "1",
+                "LOCAL_RANK": "1",
+                "WORLD_SIZE": "3",
+                "LOCAL_WORLD_SIZE": "3",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29511",
+            },
+        )
+    ]
     assert distributed._exit_now.calls == [(0,)]
 
 
-@pytest.mark.parametrize("code, exit_code", [(2, 2), (0, 0), (None, 0), ("a message", 1), (True, True)])
+@pytest.mark.parametrize(
+    "code, exit_code", [(2, 2), (0, 0), (None, 0), ("a message", 1), (True, True)]
+)
 def test_worker_turns_systemexit_into_its_exit_code(worker_env, code, exit_code):
     def fn():
         raise SystemExit(code)
@@ -902,20 +1003,23 @@ def test_a_crashed_worker_prints_its_traceback_and_exits_with_its_own_code(worke
     distributed._worker(0, (1, 1234, 1), fn, ())
     assert distributed._exit_now.calls == [(distributed.CRASHED,)]
     err = capsys.readouterr().err
-    assert err.startswith("Traceback (most recent call last):") and err.rstrip().endswith("ValueError: bug")
+    assert err.startswith("Traceback (most recent call last):") and err.rstrip().endswith(
+        "ValueError: bug"
+    )
 
 
 FOLLOWER = """
 import os, signal, sys
 from gptlab import distributed, runtime, slurm
 distributed.follow_launcher(int(sys.argv[1]))
-print(os.getpid(), os.getsid(0), signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+print(os.getpid(), os.getsid(0), default, flush=True)
 signal.pause()
 """
 
 LAUNCHER = """
 import os, signal, subprocess, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job: the worker inherits it ignored
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell's background job: the worker inherits it
 worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], str(os.getpid())], stdout=sys.stdout)
 signal.pause()
 """
@@ -923,8 +1027,9 @@ signal.pause()
 
 @pytest.mark.slow
 def test_a_worker_ends_when_its_launcher_is_killed_and_hears_only_the_launcher(tmp_path):
-    """follow_launcher in a real process: its own session, SIGINT back to Python's handler, and SIGKILL
-    from the kernel when the launcher dies of SIGKILL (which no handler of the launcher's can pass on)."""
+    """follow_launcher in a real process: its own session, SIGINT back to Python's handler, and
+    SIGKILL from the kernel when the launcher dies of SIGKILL (which no handler of the launcher's
+    can pass on)."""
     out = tmp_path / "out"
     with out.open("w") as f:
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, FOLLOWER], stdout=f)
@@ -934,7 +1039,8 @@ def test_a_worker_ends_when_its_launcher_is_killed_and_hears_only_the_launcher(t
             assert time.time() < deadline and launcher.poll() is None, "the worker never started"
             time.sleep(0.1)
         pid, sid, handler = out.read_text().split()
-        assert sid == pid and handler == "True"  # a session of its own; Ctrl-C would raise KeyboardInterrupt
+        # a session of its own; Ctrl-C would raise KeyboardInterrupt
+        assert sid == pid and handler == "True"
         launcher.kill()
         launcher.wait()
         deadline = time.time() + 10
@@ -958,16 +1064,22 @@ def _running(pid: int) -> bool:
 def test_a_worker_whose_launcher_died_before_it_was_bound_ends_at_once():
     """The launcher died between the worker's start and its prctl: the parent is no longer the
     launcher, and the worker kills itself before running anything."""
-    code = "import os, sys\nfrom gptlab import distributed\ndistributed.follow_launcher(os.getppid() + 1)\nprint('ran')"
+    code = (
+        "import os, sys\nfrom gptlab import distributed\n"
+        "distributed.follow_launcher(os.getppid() + 1)\nprint('ran')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL and r.stdout == ""
 
 
 def test_stop_again_only_for_a_second_user_stop_after_a_second():
-    assert distributed.stop_again("SIGINT", 1.5, "SIGINT") and distributed.stop_again("SIGTERM", 1.5, "SIGINT")
+    assert distributed.stop_again("SIGINT", 1.5, "SIGINT") and distributed.stop_again(
+        "SIGTERM", 1.5, "SIGINT"
+    )
     assert distributed.stop_again("SIGINT", 1.5, "SIGTERM")
     assert not distributed.stop_again("SIGINT", 0.5, "SIGINT")  # the same Ctrl-C, delivered twice
-    assert not distributed.stop_again("SIGUSR2", 60, "SIGTERM")  # a scheduler's warning, then its own SIGTERM
+    # a scheduler's warning, then its own SIGTERM
+    assert not distributed.stop_again("SIGUSR2", 60, "SIGTERM")
     assert not distributed.stop_again("SIGTERM", 60, "SIGUSR2")
 
 
@@ -1179,7 +1291,9 @@ COMMON = [
 def losses(cwd: Path):
     (run_dir,) = [p for p in (cwd / "outputs" / "runs").iterdir() if (p / "results.json").exists()]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train_loss"] for r in rows if "train_loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+    return [r["train_loss"] for r in rows if "train_loss" in r], [
+        r["val_loss"] for r in rows if "val_loss" in r
+    ]
 
 
 @pytest.mark.slow
@@ -1198,7 +1312,14 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
             *args,
             "hardware=cpu_x2",
         ],
-        "spawn_accum": [sys.executable, "-m", "gptlab.train", *args, "hardware=cpu_x2", "train.micro_batch_size=2"],
+        "spawn_accum": [
+            sys.executable,
+            "-m",
+            "gptlab.train",
+            *args,
+            "hardware=cpu_x2",
+            "train.micro_batch_size=2",
+        ],
     }
     out = {}
     for name, cmd in runs.items():
@@ -1208,7 +1329,9 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
         out[name] = losses(cwd)
         if name != "cpu":
-            split = "= 2 x 2 accum x 2 ranks" if name == "spawn_accum" else "= 4 x 1 accum x 2 ranks"
+            split = (
+                "= 2 x 2 accum x 2 ranks" if name == "spawn_accum" else "= 4 x 1 accum x 2 ranks"
+            )
             assert "x2" in r.stdout and split in r.stdout
             # one run folder, rank 0's: other ranks leave nothing behind
             assert len(list((cwd / "outputs" / "runs").iterdir())) == 1
@@ -1244,13 +1367,23 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         "parallelism.timeout_s=30",
     ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         metrics = lambda: list((tmp_path / "outputs").rglob("metrics.jsonl"))  # noqa: E731
-        _wait_for(lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 3, 120, "training to start")
+        _wait_for(
+            lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 3,
+            120,
+            "training to start",
+        )
         # the spawned ranks, in start order (the resource tracker is not one of them)
         workers = sorted(
-            (p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+            (
+                p
+                for p in psutil.Process(proc.pid).children()
+                if "spawn_main" in " ".join(p.cmdline())
+            ),
             key=lambda p: p.create_time(),
         )
         assert len(workers) == 2
@@ -1266,7 +1399,11 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
     assert last.startswith("gptlab.train: error: worker rank 1") and "SIGKILL" in last, err[-2000:]
     for w in workers:  # no orphaned worker keeps running
         with contextlib.suppress(psutil.NoSuchProcess):
-            _wait_for(lambda w=w: not w.is_running() or w.status() == psutil.STATUS_ZOMBIE, 10, f"pid {w.pid} to end")
+            _wait_for(
+                lambda w=w: not w.is_running() or w.status() == psutil.STATUS_ZOMBIE,
+                10,
+                f"pid {w.pid} to end",
+            )
 
 
 @pytest.mark.slow
@@ -1286,27 +1423,46 @@ def test_worker_user_error_is_one_line(tmp_path, shakespeare):
     )
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "error" in ln]
-    assert lines and lines[0].startswith("gptlab.train: error: model.block_size") and "Traceback" not in r.stderr
+    assert (
+        lines
+        and lines[0].startswith("gptlab.train: error: model.block_size")
+        and "Traceback" not in r.stderr
+    )
 
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakespeare):
-    """SIGTERM reaching rank 1 alone (a scheduler signalling one task): the ranks agree at the next step
-    boundary, rank 0 saves that step's checkpoint, and the job ends cleanly; a rank stopping on its own
-    would leave the other in a collective until parallelism.timeout_s."""
+    """SIGTERM reaching rank 1 alone (a scheduler signalling one task): the ranks agree at the next
+    step boundary, rank 0 saves that step's checkpoint, and the job ends cleanly; a rank stopping on
+    its own would leave the other in a collective until parallelism.timeout_s."""
     from helpers import start_cli
 
     from gptlab import checkpoint
 
     run_dir = tmp_path / "run"
-    args = [*COMMON, f"data.path={shakespeare}", "hardware=cpu_x2", "train.max_steps=100000", "train.eval_every=0",
-            "parallelism.timeout_s=30", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    args = [
+        *COMMON,
+        f"data.path={shakespeare}",
+        "hardware=cpu_x2",
+        "train.max_steps=100000",
+        "train.eval_every=0",
+        "parallelism.timeout_s=30",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = start_cli(["gptlab.train", *args], tmp_path)
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "training to start")
+        _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
+            120,
+            "training to start",
+        )
         workers = sorted(
-            (p for p in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(p.cmdline())),
+            (
+                p
+                for p in psutil.Process(proc.pid).children()
+                if "spawn_main" in " ".join(p.cmdline())
+            ),
             key=lambda p: p.create_time(),
         )
         assert len(workers) == 2
@@ -1325,7 +1481,10 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
 def _spawned_workers(launcher: int):
     """The ranks a launcher spawned, in start order (the resource tracker is not one of them)."""
     children = psutil.Process(launcher).children()
-    return sorted((p for p in children if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.create_time())
+    return sorted(
+        (p for p in children if "spawn_main" in " ".join(p.cmdline())),
+        key=lambda p: p.create_time(),
+    )
 
 
 def _gone(p: psutil.Process) -> bool:
@@ -1336,16 +1495,28 @@ def _gone(p: psutil.Process) -> bool:
 
 
 def _long_run(shakespeare, run_dir, *extra, steps=100000):
-    return [sys.executable, "-m", "gptlab.train", *COMMON, f"data.path={shakespeare}", "hardware=cpu_x2",
-            f"train.max_steps={steps}", "train.eval_every=0", "parallelism.timeout_s=30", "data.progress=false",
-            f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "gptlab.train",
+        *COMMON,
+        f"data.path={shakespeare}",
+        "hardware=cpu_x2",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "parallelism.timeout_s=30",
+        "data.progress=false",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
 def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_path, shakespeare):
-    """A launcher started with SIGINT ignored (a background job of a shell script), killed by SIGKILL
-    (nothing of it runs: kill -9, the OOM killer): its workers end within seconds without saving
-    again, the run folder's lock is free, and the same command resumes from an intact checkpoint."""
+    """A launcher started with SIGINT ignored (a background job of a shell script), killed by
+    SIGKILL (nothing of it runs: kill -9, the OOM killer): its workers end within seconds without
+    saving again, the run folder's lock is free, and the same command resumes from an intact
+    checkpoint."""
     import fcntl
 
     from helpers import cli_env
@@ -1355,11 +1526,21 @@ def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_p
     run_dir = tmp_path / "run"
     cmd = _long_run(shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5")
     ignore_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731 - as `trap '' INT`
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=ignore_sigint)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=ignore_sigint,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "training to start")
+        _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
+            120,
+            "training to start",
+        )
         workers = _spawned_workers(proc.pid)
         assert len(workers) == 2
         proc.kill()
@@ -1370,16 +1551,24 @@ def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_p
         proc.kill()
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     time.sleep(2)
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved  # nobody saves any more
+    # nobody saves any more
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == saved
     with open(run_dir / ".gptlab.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError while a rank holds it
+        # free: raises BlockingIOError while a rank holds it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         fcntl.flock(f, fcntl.LOCK_UN)
     latest = checkpoint.latest(run_dir / "checkpoints")
     step = checkpoint.step_of(latest)
-    again = _long_run(shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5", steps=step + 2)
-    r = subprocess.run(again, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    again = _long_run(
+        shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5", steps=step + 2
+    )
+    r = subprocess.run(
+        again, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    assert f"resuming from {latest} (step {step})" in r.stdout and "warning" not in r.stdout + r.stderr
+    assert (
+        f"resuming from {latest} (step {step})" in r.stdout and "warning" not in r.stdout + r.stderr
+    )
 
 
 @pytest.mark.slow
@@ -1387,25 +1576,44 @@ def test_a_second_start_in_a_busy_folder_is_one_line_with_two_processes(tmp_path
     from helpers import cli_env
 
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(_long_run(shakespeare, run_dir, "hardware=cpu"), cwd=tmp_path, env=cli_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    first = subprocess.Popen(
+        _long_run(shakespeare, run_dir, "hardware=cpu"),
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         metrics = run_dir / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1, 120, "training to start")
-        r = subprocess.run(_long_run(shakespeare, run_dir), cwd=tmp_path, env=cli_env(), capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+        _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 1,
+            120,
+            "training to start",
+        )
+        r = subprocess.run(
+            _long_run(shakespeare, run_dir),
+            cwd=tmp_path,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         first.kill()
         first.wait()
     assert r.returncode == 2
     (line,) = r.stderr.splitlines()  # no line of torch's about the other rank it stopped
-    assert line.startswith(f"gptlab.train: error: run folder {run_dir} is in use by another gptlab run (pid ")
+    assert line.startswith(
+        f"gptlab.train: error: run folder {run_dir} is in use by another gptlab run (pid "
+    )
 
 
 @pytest.mark.slow
-def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning(tmp_path, shakespeare):
-    """On a terminal rank 0 draws a progress bar; the run, and every process it started (the resource
-    tracker writes last, once the launcher has gone), print nothing after the results."""
+def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning(
+    tmp_path, shakespeare
+):
+    """On a terminal rank 0 draws a progress bar; the run, and every process it started (the
+    resource tracker writes last, once the launcher has gone), print nothing after the results."""
     import fcntl
     import pty
     import struct
@@ -1415,9 +1623,12 @@ def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning
     from helpers import cli_env
 
     primary, secondary = pty.openpty()
-    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal's size
+    # a terminal's size
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
     cmd = _long_run(shakespeare, tmp_path / "run", steps=20)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=secondary, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=secondary, text=True
+    )
     os.close(secondary)
     seen = []
 
@@ -1456,20 +1667,35 @@ runpy.run_module("gptlab.train", run_name="__main__")
 def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path, shakespeare):
     """A rank that stops answering (not dead: no exit code to notice) ends the job after
     parallelism.timeout_s, through the waiting rank's collective, not after the job's time limit."""
-    args = ["model=gpt_nano", f"data.path={shakespeare}", "hardware=cpu_x2", "train.max_steps=50", "train.log_every=1",
-            "tracking.mlflow=false", "train.sample_tokens=0", "parallelism.timeout_s=10"]  # fmt: skip
+    args = [
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "hardware=cpu_x2",
+        "train.max_steps=50",
+        "train.log_every=1",
+        "tracking.mlflow=false",
+        "train.sample_tokens=0",
+        "parallelism.timeout_s=10",
+    ]
     args.append(f"hydra.run.dir={tmp_path / 'run'}")
     script = tmp_path / "hang.py"
     script.write_text(HANG_RANK1.format(args=args))
     torchrun = str(Path(sys.executable).parent / "torchrun")
     t0 = time.time()
-    r = subprocess.run([torchrun, "--nproc_per_node=2", str(script)], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=180)  # fmt: skip
+    r = subprocess.run(
+        [torchrun, "--nproc_per_node=2", str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     took = time.time() - t0
     assert r.returncode != 0
     assert took < 90, f"the job took {took:.0f} s to end"
     assert "timed out" in r.stderr.lower() or "timeout" in r.stderr.lower(), r.stderr[-3000:]
-    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [1, 2, 3]  # rank 0 logged until the step rank 1 never finished
 
 
@@ -1549,7 +1775,9 @@ def test_wrap_model_order_single_process():
     assert plain is model and model.activation_checkpointing
     compiled = distributed.wrap_model(model, d, par, hw, compile=True)
     assert type(compiled).__name__ == "OptimizedModule" and compiled._orig_mod is model
-    assert distributed.mesh_shape("hsdp", 8, 2) == (2, 4) and distributed.mesh_shape("fsdp", 8, 2) == (8,)
+    assert distributed.mesh_shape("hsdp", 8, 2) == (2, 4) and distributed.mesh_shape(
+        "fsdp", 8, 2
+    ) == (8,)
 
 
 @pytest.mark.slow

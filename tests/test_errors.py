@@ -1,7 +1,7 @@
 """User mistakes end as one line, `gptlab.<command>: error: <message>`, exit code 2, no traceback.
 
-Each case is checked where it is decided (in process, fast) and as the user meets it (a subprocess of
-the real command, marked slow): unwritable output folders and other OS errors, empty or misplaced
+Each case is checked where it is decided (in process, fast) and as the user meets it (a subprocess
+of the real command, marked slow): unwritable output folders and other OS errors, empty or misplaced
 data files, files that are not checkpoints, GPU hardware without GPUs, impossible micro-batches, and
 how the tests themselves find Tiny Shakespeare.
 """
@@ -30,7 +30,8 @@ from gptlab.errors import GptlabError
 
 
 def one_line_error(r, *fragments: str, prog: str = "gptlab.train") -> str:
-    """The one stderr line of a command that failed as the contract says; it contains every fragment."""
+    """The one stderr line of a command that failed as the contract says; it contains every
+    fragment."""
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -48,12 +49,14 @@ def train(tmp_path: Path, shakespeare: Path, *extra: str, timeout: float = 120):
     return run_cli(args, cwd=tmp_path, timeout=timeout)
 
 
-# ---- 1. OS errors: an output folder that cannot be made or written ---------------------------------
+# ---- 1. OS errors: an output folder that cannot be made or written -----------------------------
 
 
 def _entry(monkeypatch, capsys, error: BaseException, argv=("gptlab.train",)) -> str:
-    """run_entry on a main that raises `error`: the one line it printed (and it exited with code 2)."""
-    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # run_entry sets it for Hydra; monkeypatch restores it
+    """run_entry on a main that raises `error`: the one line it printed (and it exited with code
+    2)."""
+    # run_entry sets it for Hydra; monkeypatch restores it
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
     monkeypatch.setattr(sys, "argv", list(argv))
 
     def main():
@@ -71,13 +74,17 @@ def test_permission_and_disk_errors_are_one_line_naming_the_path(monkeypatch, ca
     denied = PermissionError(errno.EACCES, "Permission denied", "/ro/outputs/run")
     line = _entry(monkeypatch, capsys, denied, ("gptlab.train", "hydra.run.dir=/ro/outputs/run"))
     assert "/ro/outputs/run: permission denied (from hydra.run.dir=/ro/outputs/run)" in line
-    full = OSError(errno.ENOSPC, "No space left on device", "/data/cache/tokens/x/train/shard_00000.bin")
+    full = OSError(
+        errno.ENOSPC, "No space left on device", "/data/cache/tokens/x/train/shard_00000.bin"
+    )
     line = _entry(monkeypatch, capsys, full, ("gptlab.prepare", "data.cache_dir=/data/cache"))
     assert "shard_00000.bin: no space left on the device (from data.cache_dir=/data/cache)" in line
-    line = _entry(monkeypatch, capsys, OSError(errno.ENOSPC, "No space left on device"))  # a write: no path
+    # a write: no path
+    line = _entry(monkeypatch, capsys, OSError(errno.ENOSPC, "No space left on device"))
     assert "No space left on device; free some space" in line
     line = _entry(monkeypatch, capsys, OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x"))
-    assert "/mnt/ro/x: read-only file system" in line and "hydra.run.dir=" in line  # says which keys move it
+    # says which keys move it
+    assert "/mnt/ro/x: read-only file system" in line and "hydra.run.dir=" in line
 
 
 def test_an_os_error_that_is_a_bug_keeps_its_traceback(monkeypatch):
@@ -144,19 +151,31 @@ def test_a_data_cache_under_a_file_is_one_line(tmp_path, shakespeare):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     r = run_cli(
-        ["gptlab.prepare", f"data.path={shakespeare}", "data.progress=false", f"data.cache_dir={blocker / 'cache'}"],
+        [
+            "gptlab.prepare",
+            f"data.path={shakespeare}",
+            "data.progress=false",
+            f"data.cache_dir={blocker / 'cache'}",
+        ],
         cwd=tmp_path,
     )
     one_line_error(
-        r, str(blocker / "cache"), "not a folder", f"data.cache_dir={blocker / 'cache'}", prog="gptlab.prepare"
+        r,
+        str(blocker / "cache"),
+        "not a folder",
+        f"data.cache_dir={blocker / 'cache'}",
+        prog="gptlab.prepare",
     )
 
 
-# ---- 2. data files: empty, a folder where a file is wanted, not what the source reads ---------------
+# ---- 2. data files: empty, a folder where a file is wanted, not what the source reads ----------
 
 
 def _prepare(tmp_path: Path, **changes):
-    return prepare_data(data_config(cache_dir=str(tmp_path / "cache"), progress=False, **changes), log=lambda *_: None)
+    return prepare_data(
+        data_config(cache_dir=str(tmp_path / "cache"), progress=False, **changes),
+        log=lambda *_: None,
+    )
 
 
 def test_an_empty_data_file_is_named(tmp_path):
@@ -175,7 +194,9 @@ def test_an_empty_data_file_is_named(tmp_path):
 
 
 def test_a_folder_for_a_one_file_source_says_so(tmp_path, shakespeare):
-    with pytest.raises(GptlabError, match=f"data.path={tmp_path} is a folder.*data=text_files") as e:
+    with pytest.raises(
+        GptlabError, match=f"data.path={tmp_path} is a folder.*data=text_files"
+    ) as e:
         _prepare(tmp_path, path=str(tmp_path))
     assert "\n" not in str(e.value)
     # text_files reads folders: one document per .txt file below it
@@ -200,7 +221,9 @@ def test_text_files_say_whether_the_folder_the_glob_or_the_path_is_wrong(tmp_pat
 def test_too_little_text_names_the_split_and_the_source(tmp_path):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hi\n")
-    with pytest.raises(GptlabError, match=f"the val split of 3 tokens \\(data.path={tiny}\\) got none"):
+    with pytest.raises(
+        GptlabError, match=f"the val split of 3 tokens \\(data.path={tiny}\\) got none"
+    ):
         _prepare(tmp_path, path=str(tiny))
     with pytest.raises(GptlabError, match="data.max_documents=0: must be positive"):
         _prepare(tmp_path, source="text_files", path=str(tiny), max_documents=0)
@@ -209,8 +232,13 @@ def test_too_little_text_names_the_split_and_the_source(tmp_path):
 def test_a_corpus_with_no_text_after_cleaning_names_the_source(tmp_path):
     # a Project Gutenberg book that is all licence: the cleaner leaves nothing
     book = tmp_path / "book.txt"
-    book.write_text("*** START OF THE PROJECT GUTENBERG EBOOK X ***\n\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\n")
-    with pytest.raises(GptlabError, match=f"data.path={book}: no text to train on.*data.cleaner=gutenberg"):
+    book.write_text(
+        "*** START OF THE PROJECT GUTENBERG EBOOK X ***\n\n*** END OF THE PROJECT GUTENBERG EBOOK "
+        "X ***\n"
+    )
+    with pytest.raises(
+        GptlabError, match=f"data.path={book}: no text to train on.*data.cleaner=gutenberg"
+    ):
         _prepare(tmp_path, source="text_files", path=str(book), cleaner="gutenberg")
 
 
@@ -246,7 +274,7 @@ def test_empty_and_folder_data_paths_are_one_line(tmp_path):
     one_line_error(train(tmp_path, folder), f"data.path={folder} is a folder", "data=text_files")
 
 
-# ---- 3. files that are not checkpoints ---------------------------------------------------------------
+# ---- 3. files that are not checkpoints ---------------------------------------------------------
 
 
 def _not_checkpoints(tmp_path: Path):
@@ -268,7 +296,9 @@ def test_a_file_that_is_not_a_checkpoint_is_one_clear_line(tmp_path):
         with pytest.raises(GptlabError) as e:
             checkpoint.load(path)
         assert str(e.value) == f"checkpoint {path} is not a gptlab checkpoint ({why})"
-    with pytest.raises(GptlabError, match="is a folder but not a sharded checkpoint .*: give ckpt_<step>.pt or"):
+    with pytest.raises(
+        GptlabError, match="is a folder but not a sharded checkpoint .*: give ckpt_<step>.pt or"
+    ):
         checkpoint.load(tmp_path)
     torch.save({"weights": torch.zeros(2)}, tmp_path / "foreign.pt")  # a PyTorch file, not gptlab's
     with pytest.raises(GptlabError, match="a PyTorch file that gptlab did not write"):
@@ -283,8 +313,12 @@ def test_a_pickle_that_would_run_code_is_named_unsafe(tmp_path):
     torch.save({"format_version": checkpoint.FORMAT_VERSION, "x": Evil()}, tmp_path / "evil.pt")
     with pytest.raises(GptlabError) as e:
         checkpoint.load(tmp_path / "evil.pt")
-    assert "evil.pt is not a gptlab checkpoint (unreadable or unsafe: loading it would run" in str(e.value)
-    assert "system" in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
+    assert "evil.pt is not a gptlab checkpoint (unreadable or unsafe: loading it would run" in str(
+        e.value
+    )
+    assert (
+        "system" in str(e.value) and "\n" not in str(e.value) and "weights_only" not in str(e.value)
+    )
 
 
 def test_resume_auto_names_why_it_skips_a_checkpoint(tmp_path):
@@ -294,7 +328,8 @@ def test_resume_auto_names_why_it_skips_a_checkpoint(tmp_path):
     path, _ = checkpoint.load_latest_good(tmp_path, warn=warnings.append)
     assert path == good
     assert warnings == [
-        f"warning: checkpoint {checkpoint.checkpoint_path(tmp_path, 10)} is not a gptlab checkpoint "
+        f"warning: checkpoint {checkpoint.checkpoint_path(tmp_path, 10)} is not a gptlab "
+        f"checkpoint "
         f"(not a PyTorch file); trying the previous checkpoint"
     ]
 
@@ -307,10 +342,12 @@ def test_resuming_from_a_file_that_is_not_a_checkpoint_is_one_line(tmp_path, sha
     files = _not_checkpoints(tmp_path)
     for name in ("random.pt", "notes.pt"):
         r = train(tmp_path, shakespeare, f"train.resume={tmp_path / name}")
-        one_line_error(r, f"checkpoint {tmp_path / name} is not a gptlab checkpoint ({files[tmp_path / name]})")
+        one_line_error(
+            r, f"checkpoint {tmp_path / name} is not a gptlab checkpoint ({files[tmp_path / name]})"
+        )
 
 
-# ---- 4. GPU hardware on a machine without GPUs ------------------------------------------------------
+# ---- 4. GPU hardware on a machine without GPUs -------------------------------------------------
 
 
 @pytest.fixture
@@ -326,16 +363,22 @@ def test_gpu_hardware_without_gpus_fails_before_any_worker_starts(monkeypatch, n
     for preset in ("a100x8", "gpu"):
         with pytest.raises(GptlabError) as e:
             distributed.role(typed("hardware", f"hardware={preset}"))
-        assert str(e.value) == f"hardware={preset} needs CUDA, but no GPU is visible; use hardware=cpu"
-    assert distributed.role(typed("hardware", "hardware=cpu_x2")) == "parent"  # CPU workers: no GPU asked
+        assert (
+            str(e.value) == f"hardware={preset} needs CUDA, but no GPU is visible; use hardware=cpu"
+        )
+    # CPU workers: no GPU asked
+    assert distributed.role(typed("hardware", "hardware=cpu_x2")) == "parent"
 
 
 def test_fewer_gpus_than_processes_is_one_line(monkeypatch, not_launched):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(GptlabError, match="hardware=a100x8 starts 8 processes.*2 GPU.*hardware.nproc_per_node=2"):
+    with pytest.raises(
+        GptlabError, match="hardware=a100x8 starts 8 processes.*2 GPU.*hardware.nproc_per_node=2"
+    ):
         distributed.role(typed("hardware", "hardware=a100x8"))
-    monkeypatch.setenv("RANK", "0")  # a worker that torchrun started: its launcher chose the processes
+    # a worker that torchrun started: its launcher chose the processes
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     assert distributed.role(typed("hardware", "hardware=a100x8")) == "torchrun"
 
@@ -349,16 +392,25 @@ def test_a100x8_without_gpus_is_one_line_at_once(tmp_path, shakespeare):
     assert "Terminating" not in r.stderr and time.monotonic() - t0 < 60
 
 
-# ---- 5. micro-batch sizes -------------------------------------------------------------------------
+# ---- 5. micro-batch sizes ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "override,message",
     [
         ("train.micro_batch_size=0", "train.micro_batch_size=0: must be a positive integer, null"),
-        ("train.micro_batch_size=-4", "train.micro_batch_size=-4: must be a positive integer, null"),
-        ("hardware.micro_batch_size=0", "hardware.micro_batch_size=0: must be a positive integer or null"),
-        ("hardware.micro_batch_size=-1", "hardware.micro_batch_size=-1: must be a positive integer or null"),
+        (
+            "train.micro_batch_size=-4",
+            "train.micro_batch_size=-4: must be a positive integer, null",
+        ),
+        (
+            "hardware.micro_batch_size=0",
+            "hardware.micro_batch_size=0: must be a positive integer or null",
+        ),
+        (
+            "hardware.micro_batch_size=-1",
+            "hardware.micro_batch_size=-1: must be a positive integer or null",
+        ),
     ],
 )
 def test_a_micro_batch_of_zero_or_less_is_refused(override, message):
@@ -371,16 +423,20 @@ def test_a_micro_batch_of_zero_or_less_is_refused(override, message):
 
 def test_micro_batch_null_and_auto_still_mean_what_they_say():
     assert to_config(compose_config(["train.micro_batch_size=null"])).micro_batch_size > 0
-    assert to_config(compose_config(["train.micro_batch_size=auto"])).train.micro_batch_size == "auto"
+    assert (
+        to_config(compose_config(["train.micro_batch_size=auto"])).train.micro_batch_size == "auto"
+    )
 
 
 @pytest.mark.slow
 def test_micro_batch_zero_is_one_line(tmp_path, shakespeare):
-    one_line_error(train(tmp_path, shakespeare, "train.micro_batch_size=0"), "train.micro_batch_size=0")
+    one_line_error(
+        train(tmp_path, shakespeare, "train.micro_batch_size=0"), "train.micro_batch_size=0"
+    )
     assert not list(tmp_path.rglob("*.pt"))
 
 
-# ---- 6. how the tests find Tiny Shakespeare ----------------------------------------------------------
+# ---- 6. how the tests find Tiny Shakespeare ----------------------------------------------------
 
 
 @pytest.fixture
@@ -415,16 +471,23 @@ def test_shakespeare_prefers_the_override_then_the_shared_copy(tmp_path):
     mine.write_text("a")
     shared.write_text("b")
     offline = data_config(url="http://127.0.0.1:9/input.txt")
-    assert find_shakespeare({"GPTLAB_SHAKESPEARE": str(mine)}, shared, tmp_path / "c", offline) == mine
+    assert (
+        find_shakespeare({"GPTLAB_SHAKESPEARE": str(mine)}, shared, tmp_path / "c", offline) == mine
+    )
     assert find_shakespeare({}, shared, tmp_path / "c", offline) == shared
     with pytest.raises(pytest.fail.Exception) as e:
-        find_shakespeare({"GPTLAB_SHAKESPEARE": str(tmp_path / "nope.txt")}, shared, tmp_path / "c", offline)
+        find_shakespeare(
+            {"GPTLAB_SHAKESPEARE": str(tmp_path / "nope.txt")}, shared, tmp_path / "c", offline
+        )
     assert str(e.value) == (
-        f"GPTLAB_SHAKESPEARE={tmp_path / 'nope.txt'}: no such file; set GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt"
+        f"GPTLAB_SHAKESPEARE={tmp_path / 'nope.txt'}: no such file; set "
+        f"GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt"
     )
 
 
-def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_set(tmp_path, text_server):
+def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_set(
+    tmp_path, text_server
+):
     url, _, _ = text_server
     missing = tmp_path / "shared" / "tinyshakespeare.txt"
     for data, reason in (
@@ -436,7 +499,8 @@ def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_s
         message = str(e.value)
         assert "\n" not in message and reason in message
         assert message.endswith("; set GPTLAB_SHAKESPEARE=/path/to/tinyshakespeare.txt")
-        assert not list((tmp_path / "cache").rglob("*.part*"))  # nothing half-downloaded left behind
+        # nothing half-downloaded left behind
+        assert not list((tmp_path / "cache").rglob("*.part*"))
 
 
 def test_without_shakespeare_the_suite_stops_before_its_first_test_with_one_line(tmp_path):
@@ -446,10 +510,20 @@ def test_without_shakespeare_the_suite_stops_before_its_first_test_with_one_line
     env = {**os.environ, "GPTLAB_SHAKESPEARE": str(tmp_path / "nope.txt")}
     line = f"GPTLAB_SHAKESPEARE={tmp_path / 'nope.txt'}: no such file; set GPTLAB_SHAKESPEARE="
     tests = Path(__file__).parent
-    ask = subprocess.run([sys.executable, str(tests / "conftest.py")], env=env, capture_output=True, text=True)
+    ask = subprocess.run(
+        [sys.executable, str(tests / "conftest.py")], env=env, capture_output=True, text=True
+    )
     assert ask.returncode == 2 and ask.stdout == ""
     assert ask.stderr.splitlines() == [f"tests: {line}/path/to/tinyshakespeare.txt"]
-    suite = [sys.executable, "-m", "pytest", str(tests / "test_data_tokenizers.py"), "-p", "no:cacheprovider", "-q"]
+    suite = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(tests / "test_data_tokenizers.py"),
+        "-p",
+        "no:cacheprovider",
+        "-q",
+    ]
     run = subprocess.run(suite, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 2
     assert run.stdout.count(line) == 1 and "no tests ran" in run.stdout

@@ -83,14 +83,24 @@ def test_gpt1b_recipe_is_the_reference_run():
     assert c.data.name == "shakespeare_char" and c.hardware.name == "a100x8" and c.world_size == 8
     assert c.parallelism.strategy == "ddp" and c.parallelism.activation_checkpointing
     assert c.model.block_size == 2048 and c.train.batch_size * c.model.block_size == 131_072
-    assert c.train.max_steps == 15_000 and c.optimizer.lr_scaling == "sqrt" and c.optimizer.schedule == "cosine"
+    assert (
+        c.train.max_steps == 15_000
+        and c.optimizer.lr_scaling == "sqrt"
+        and c.optimizer.schedule == "cosine"
+    )
     assert c.optimizer.warmup_steps > 0 and c.hardware.precision == "bf16"
 
 
 def test_bpe_25m_recipe():
     c = to_config(compose_config(["experiment=bpe_25m"]))
     m = c.model
-    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.pos_emb) == (4, 16, 512, 512, "sinusoidal")
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size, m.pos_emb) == (
+        4,
+        16,
+        512,
+        512,
+        "sinusoidal",
+    )
     assert c.data.tokenizer.kind == "bpe" and c.data.tokenizer.vocab_size == 32768
     assert c.hardware.precision == "fp16" and (c.micro_batch_size, c.accum_steps) == (8, 4)
     o = c.optimizer
@@ -107,8 +117,16 @@ def test_bpe_25m_recipe():
 @pytest.mark.parametrize("name", ["gpt2_124m_gutenberg", "gpt2_124m_fineweb_edu"])
 def test_gpt2_recipes(name):
     c = to_config(compose_config([f"experiment={name}"]))
-    assert c.model.name == "gpt2_124m" and c.data.tokenizer.kind == "gpt2" and c.hardware.precision == "bf16"
-    assert c.hardware.attention_backend == "flash" and c.optimizer.fused and c.optimizer.schedule == "cosine"
+    assert (
+        c.model.name == "gpt2_124m"
+        and c.data.tokenizer.kind == "gpt2"
+        and c.hardware.precision == "bf16"
+    )
+    assert (
+        c.hardware.attention_backend == "flash"
+        and c.optimizer.fused
+        and c.optimizer.schedule == "cosine"
+    )
     tokens = c.train.batch_size * c.model.block_size
     assert 0.45e6 <= tokens <= 0.55e6 and c.accum_steps > 1
 
@@ -121,9 +139,10 @@ def test_baby_recipe():
 
 
 def local_data(name: str, shakespeare: Path, tmp_path: Path):
-    """Offline stand-ins: the recipes' Hugging Face corpora become a parquet file of Tiny Shakespeare
-    (through the same hf source and cleaner), and BPE vocabularies shrink so training one takes seconds.
-    The GPT-2 tokenizer needs a download, so those recipes use a small trained BPE here."""
+    """Offline stand-ins: the recipes' Hugging Face corpora become a parquet file of Tiny
+    Shakespeare (through the same hf source and cleaner), and BPE vocabularies shrink so training
+    one takes seconds. The GPT-2 tokenizer needs a download, so those recipes use a small trained
+    BPE here."""
     if compose_config([f"experiment={name}"]).data.name in ("gutenberg", "fineweb_edu"):
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -39,18 +39,33 @@ def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path,
     from gptlab import checkpoint
 
     run_dir = tmp_path / "run"
-    overrides = nano_overrides(shakespeare, "train.max_steps=10", "train.eval_every=5", "train.checkpoint_every=5",
-                               "train.sample_tokens=0", "model.mlp=swiglu")  # fmt: skip
+    overrides = nano_overrides(
+        shakespeare,
+        "train.max_steps=10",
+        "train.eval_every=5",
+        "train.checkpoint_every=5",
+        "train.sample_tokens=0",
+        "model.mlp=swiglu",
+    )
     run_training(compose_config(overrides), run_dir)
     best = checkpoint.best(run_dir / "checkpoints")
     assert best is not None and checkpoint.step_of(best) in (5, 10)
     # make the best one the older checkpoint, so latest and best differ
     if checkpoint.step_of(best) == 10:
-        checkpoint.mark_best(run_dir / "checkpoints", checkpoint.checkpoint_path(run_dir / "checkpoints", 5), 0.0)
-    r = run_cli(["gptlab.export", f"run={run_dir}", "which=best", f"out={tmp_path / 'best'}"], cwd=tmp_path)
+        checkpoint.mark_best(
+            run_dir / "checkpoints", checkpoint.checkpoint_path(run_dir / "checkpoints", 5), 0.0
+        )
+    r = run_cli(
+        ["gptlab.export", f"run={run_dir}", "which=best", f"out={tmp_path / 'best'}"], cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "best" / "config.json").read_text())["step"] == 5
     assert "not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder" in r.stdout
-    assert (tmp_path / "best" / "model.safetensors").is_file() and not (tmp_path / "best" / "hf_gpt2").exists()
+    assert (tmp_path / "best" / "model.safetensors").is_file() and not (
+        tmp_path / "best" / "hf_gpt2"
+    ).exists()
     r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'latest'}"], cwd=tmp_path)
-    assert r.returncode == 0 and json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
+    assert (
+        r.returncode == 0
+        and json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
+    )

@@ -43,14 +43,23 @@ def base(shakespeare, *extra):
     )
 
 
-def train(args, run_dir: Path, cwd: Path, launcher=None, timeout=300) -> subprocess.CompletedProcess:
-    """python -m gptlab.train args into run_dir (or `launcher -m gptlab.train args`, e.g. torchrun)."""
+def train(
+    args, run_dir: Path, cwd: Path, launcher=None, timeout=300
+) -> subprocess.CompletedProcess:
+    """python -m gptlab.train args into run_dir (or `launcher -m gptlab.train args`, e.g.
+    torchrun)."""
     args = [*args, f"hydra.run.dir={run_dir}"]
     if launcher is None:
         r = run_cli(["gptlab.train", *args], cwd, timeout=timeout)
     else:
-        r = subprocess.run([*launcher, "-m", "gptlab.train", *args], cwd=cwd, env=cli_env(), capture_output=True,
-                           text=True, timeout=timeout)  # fmt: skip
+        r = subprocess.run(
+            [*launcher, "-m", "gptlab.train", *args],
+            cwd=cwd,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -78,23 +87,46 @@ def assert_same_curves(got, ref, steps=None, abs=1e-5):
 def test_fsdp_and_hsdp_on_two_processes_match_one_process(tmp_path, shakespeare):
     """Per-step train and val losses within 1e-5 of one process, with and without accumulation and
     activation checkpointing, ZeRO-2 and ZeRO-3 style, and hsdp on a 2 x 1 mesh."""
-    # 3 validation batches on 2 ranks: one rank pads with an uncounted forward (each is a collective);
-    # the sample at the end is generated on every rank in step
-    args = base(shakespeare, "train.max_steps=8", "train.eval_every=4", "train.save_checkpoints=false",
-                "train.eval_steps=3", "train.sample_tokens=20")  # fmt: skip
+    # 3 validation batches on 2 ranks: one rank pads with an uncounted forward (each is a
+    # collective); the sample at the end is generated on every rank in step
+    args = base(
+        shakespeare,
+        "train.max_steps=8",
+        "train.eval_every=4",
+        "train.save_checkpoints=false",
+        "train.eval_steps=3",
+        "train.sample_tokens=20",
+    )
     torchrun = [TORCHRUN, "--nproc_per_node=2"]
     runs = {
         "single": (["hardware=cpu"], None, "x1"),
-        "fsdp": (["hardware=cpu_x2", "parallelism=fsdp", "parallelism.activation_checkpointing=false"], None,
-                 "fsdp mesh 2 (shard)"),
-        "fsdp_accum_ckpt": (["hardware=cpu_x2", "parallelism=fsdp", "train.micro_batch_size=2"], None,
-                            "= 2 x 2 accum x 2 ranks"),
-        "fsdp_zero2": (["hardware=cpu_x2", "parallelism=fsdp", "parallelism.reshard_after_forward=false",
-                        "train.micro_batch_size=2"], None, "fsdp mesh 2"),
+        "fsdp": (
+            ["hardware=cpu_x2", "parallelism=fsdp", "parallelism.activation_checkpointing=false"],
+            None,
+            "fsdp mesh 2 (shard)",
+        ),
+        "fsdp_accum_ckpt": (
+            ["hardware=cpu_x2", "parallelism=fsdp", "train.micro_batch_size=2"],
+            None,
+            "= 2 x 2 accum x 2 ranks",
+        ),
+        "fsdp_zero2": (
+            [
+                "hardware=cpu_x2",
+                "parallelism=fsdp",
+                "parallelism.reshard_after_forward=false",
+                "train.micro_batch_size=2",
+            ],
+            None,
+            "fsdp mesh 2",
+        ),
         # two "nodes" of one process each: replicate across them, shard within (a 2 x 1 mesh)
-        "hsdp": (["hardware=cpu", "hardware.nodes=2", "hardware.nproc_per_node=1", "parallelism=hsdp"], torchrun,
-                 "hsdp mesh 2x1 (replicate x shard)"),
-    }  # fmt: skip
+        "hsdp": (
+            ["hardware=cpu", "hardware.nodes=2", "hardware.nproc_per_node=1", "parallelism=hsdp"],
+            torchrun,
+            "hsdp mesh 2x1 (replicate x shard)",
+        ),
+    }
     out = {}
     for name, (extra, launcher, shown) in runs.items():
         r = train([*args, *extra], tmp_path / name, tmp_path, launcher)
@@ -111,14 +143,21 @@ def test_fsdp_and_hsdp_on_two_processes_match_one_process(tmp_path, shakespeare)
 
 @pytest.mark.slow
 def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shakespeare):
-    """Muon with each rank holding a shard of rows: every update is gathered whole, orthogonalised and
-    cut back to this rank's rows, so the losses are one process's; its sharded momentum buffers resume
-    bitwise. With a weight average: each rank averages its shards, evaluation swaps them in (the val
-    losses are one process's), they resume bitwise, and a sharded checkpoint's reader rebuilds it."""
-    # fp32 Newton-Schulz, on every CPU: in bf16 (auto's choice where bf16 is native) gradients summed in
-    # another order round a few stack elements apart, and 4 iterations amplify that to 3e-4 in the weights
-    args = base(shakespeare, "optimizer=muon", "optimizer.muon_ns_dtype=fp32", "train.micro_batch_size=2",
-                "optimizer.ema_decay=0.8")  # fmt: skip
+    """Muon with each rank holding a shard of rows: every update is gathered whole, orthogonalised
+    and cut back to this rank's rows, so the losses are one process's; its sharded momentum buffers
+    resume bitwise. With a weight average: each rank averages its shards, evaluation swaps them in
+    (the val losses are one process's), they resume bitwise, and a sharded checkpoint's reader
+    rebuilds it."""
+    # fp32 Newton-Schulz, on every CPU: in bf16 (auto's choice where bf16 is native) gradients
+    # summed in another order round a few stack elements apart, and 4 iterations amplify that to
+    # 3e-4 in the weights
+    args = base(
+        shakespeare,
+        "optimizer=muon",
+        "optimizer.muon_ns_dtype=fp32",
+        "train.micro_batch_size=2",
+        "optimizer.ema_decay=0.8",
+    )
     fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
     single, straight, resumed = tmp_path / "single", tmp_path / "straight", tmp_path / "resumed"
     train([*args, "hardware=cpu", "train.max_steps=10"], single, tmp_path)
@@ -129,8 +168,19 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shake
     # orthogonalising each rank's shard alone instead of the whole update: 2.1e-3 apart
     assert_same_curves(got, ref, abs=2e-5)
     hsdp = tmp_path / "hsdp"  # a 2 x 1 mesh: replicated across two "nodes", sharded within each
-    train([*args, "hardware=cpu", "hardware.nodes=2", "hardware.nproc_per_node=1", "parallelism=hsdp",
-           "train.max_steps=10"], hsdp, tmp_path, [TORCHRUN, "--nproc_per_node=2"])  # fmt: skip
+    train(
+        [
+            *args,
+            "hardware=cpu",
+            "hardware.nodes=2",
+            "hardware.nproc_per_node=1",
+            "parallelism=hsdp",
+            "train.max_steps=10",
+        ],
+        hsdp,
+        tmp_path,
+        [TORCHRUN, "--nproc_per_node=2"],
+    )
     assert_same_curves(curves(hsdp), ref, abs=2e-5)
     train([*args, *fsdp2, "train.max_steps=5"], resumed, tmp_path)
     r = train([*args, *fsdp2, "train.max_steps=10"], resumed, tmp_path)
@@ -147,15 +197,24 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shake
 
 
 @pytest.mark.slow
-def test_evaluating_the_weight_average_leaves_no_gathered_copy_for_the_next_step(tmp_path, shakespeare):
-    """Blocks that keep their gathered weights after forward (reshard_after_forward=false) gathered the
-    average during evaluation; the step after it must gather the training weights again. Measured before
-    the fix: step 5 at 4.1555 against one process's 3.9677 (Muon with its 0.998 average)."""
+def test_evaluating_the_weight_average_leaves_no_gathered_copy_for_the_next_step(
+    tmp_path, shakespeare
+):
+    """Blocks that keep their gathered weights after forward (reshard_after_forward=false) gathered
+    the average during evaluation; the step after it must gather the training weights again.
+    Measured before the fix: step 5 at 4.1555 against one process's 3.9677 (Muon with its 0.998
+    average)."""
     muon = ["optimizer=muon", "optimizer.muon_ns_dtype=fp32"]  # the same updates on every CPU
-    args = base(shakespeare, *muon, "train.max_steps=8", "train.eval_every=4", "optimizer.warmup_steps=2")
+    args = base(
+        shakespeare, *muon, "train.max_steps=8", "train.eval_every=4", "optimizer.warmup_steps=2"
+    )
     single, sharded = tmp_path / "single", tmp_path / "sharded"
     train([*args, "hardware=cpu"], single, tmp_path)
-    train([*args, "hardware=cpu_x2", "parallelism=fsdp", "parallelism.reshard_after_forward=false"], sharded, tmp_path)
+    train(
+        [*args, "hardware=cpu_x2", "parallelism=fsdp", "parallelism.reshard_after_forward=false"],
+        sharded,
+        tmp_path,
+    )
     assert_same_curves(curves(sharded), curves(single))
 
 
@@ -163,20 +222,30 @@ def test_evaluating_the_weight_average_leaves_no_gathered_copy_for_the_next_step
 def straight_fsdp(tmp_path_factory, shakespeare):
     """A 20-step fsdp run on 2 processes, never interrupted: what every resumed run must equal."""
     tmp = tmp_path_factory.mktemp("straight")
-    train([*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp"], tmp / "run", tmp)
+    train(
+        [*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp"],
+        tmp / "run",
+        tmp,
+    )
     return tmp / "run"
 
 
 @pytest.mark.slow
-def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strategy(tmp_path, shakespeare,
-                                                                                  straight_fsdp):  # fmt: skip
+def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strategy(
+    tmp_path, shakespeare, straight_fsdp
+):
     args = base(shakespeare)
     fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
     first = tmp_path / "first"
     train([*args, *fsdp2, "train.max_steps=10"], first, tmp_path)
     ckpts = checkpoint.list_checkpoints(first / "checkpoints")
     assert [p.name for p in ckpts] == ["ckpt_00000005", "ckpt_00000010"]  # folders: sharded
-    assert sorted(f.name for f in ckpts[-1].iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt"]
+    assert sorted(f.name for f in ckpts[-1].iterdir()) == [
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "state.pt",
+    ]
     ref_train, ref_val = curves(straight_fsdp)
     ref_params = final_params(straight_fsdp)
     # the same topology: bitwise the uninterrupted run
@@ -198,7 +267,9 @@ def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strateg
         train([*args, *topology, "train.max_steps=20"], moved, tmp_path)
         assert_same_curves(curves(moved), (ref_train, ref_val), steps=range(11, 21))
         got = final_params(moved)
-        assert all(torch.allclose(got[k], ref_params[k], atol=1e-5, rtol=0) for k in ref_params), name
+        assert all(torch.allclose(got[k], ref_params[k], atol=1e-5, rtol=0) for k in ref_params), (
+            name
+        )
     # a DDP checkpoint resumes under fsdp
     ddp = tmp_path / "from_ddp"
     train([*args, "hardware=cpu_x2", "parallelism=ddp", "train.max_steps=10"], ddp, tmp_path)
@@ -227,17 +298,30 @@ STALL_RANK1_IN_SECOND_SAVE = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_job_killed_during_a_sharded_save_resumes_from_the_previous_one(tmp_path, shakespeare, straight_fsdp):
+def test_a_job_killed_during_a_sharded_save_resumes_from_the_previous_one(
+    tmp_path, shakespeare, straight_fsdp
+):
     run_dir, marker = tmp_path / "run", tmp_path / "saving"
-    args = [*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp", "parallelism.timeout_s=60"]
+    args = [
+        *base(shakespeare, "train.max_steps=20"),
+        "hardware=cpu_x2",
+        "parallelism=fsdp",
+        "parallelism.timeout_s=60",
+    ]
     script = tmp_path / "stall.py"
-    script.write_text(STALL_RANK1_IN_SECOND_SAVE.format(marker=str(marker), args=[*args, f"hydra.run.dir={run_dir}"]))
+    script.write_text(
+        STALL_RANK1_IN_SECOND_SAVE.format(
+            marker=str(marker), args=[*args, f"hydra.run.dir={run_dir}"]
+        )
+    )
     proc = subprocess.Popen([TORCHRUN, "--nproc_per_node=2", str(script)], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
         deadline = time.time() + 180
         while not marker.exists():
-            assert proc.poll() is None and time.time() < deadline, "never reached the second checkpoint"
+            assert proc.poll() is None and time.time() < deadline, (
+                "never reached the second checkpoint"
+            )
             time.sleep(0.2)
         # the whole job at once, as a lost node or `scancel -s KILL` would: torchrun and its workers
         job = [proc_ := psutil.Process(proc.pid), *proc_.children(recursive=True)]
@@ -263,7 +347,8 @@ def test_a_job_killed_during_a_sharded_save_resumes_from_the_previous_one(tmp_pa
 
 
 class Exploit:
-    """A pickle that would create a file when unpickled (what a crafted checkpoint entry could do)."""
+    """A pickle that would create a file when unpickled (what a crafted checkpoint entry could
+    do)."""
 
     def __init__(self, marker: Path):
         self.marker = marker
@@ -274,13 +359,14 @@ class Exploit:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["random_bytes", "crafted_pickle"])
-def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(
+def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(  # noqa: E501
     tmp_path, shakespeare, straight_fsdp, damage
 ):
-    """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would run
-    code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names the entry
-    and why in one line, moves the checkpoint to broken/ and resumes the one before, bitwise the run
-    never damaged; the crafted entry runs nothing, and nothing tells the user to load unsafely."""
+    """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would
+    run code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names
+    the entry and why in one line, moves the checkpoint to broken/ and resumes the one before,
+    bitwise the run never damaged; the crafted entry runs nothing, and nothing tells the user to
+    load unsafely."""
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
     args = [*base(shakespeare), "hardware=cpu_x2", "parallelism=fsdp"]
     train([*args, "train.max_steps=15"], run_dir, tmp_path)
@@ -290,19 +376,28 @@ def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_
         entry, shard = overwrite_entry(newest, "optimizer.state.")
         cause = "("
     else:
-        entry, shard = overwrite_entry(newest, "optimizer.param_groups.", pickle.dumps(Exploit(marker), protocol=2))
+        entry, shard = overwrite_entry(
+            newest, "optimizer.param_groups.", pickle.dumps(Exploit(marker), protocol=2)
+        )
         cause = "(unsafe: loading it would run posix.system)"
     assert {f.name: f.stat().st_size for f in newest.iterdir()} == sizes
     r = train([*args, "train.max_steps=20"], run_dir, tmp_path)
     out = r.stdout + r.stderr
-    (line,) = [ln for ln in out.splitlines() if str(newest) in ln]  # the one line naming it, and why
+    # the one line naming it, and why
+    (line,) = [ln for ln in out.splitlines() if str(newest) in ln]
     assert line in r.stderr.splitlines()  # a warning
-    assert line.startswith(f"gptlab: checkpoint {newest} has an unreadable entry {entry} in {shard} {cause}")
+    assert line.startswith(
+        f"gptlab: checkpoint {newest} has an unreadable entry {entry} in {shard} {cause}"
+    )
     assert line.endswith("); trying the previous checkpoint")
-    assert "resuming from" in out and f"{run_dir / 'checkpoints' / 'ckpt_00000010'} (step 10)" in out
+    assert (
+        "resuming from" in out and f"{run_dir / 'checkpoints' / 'ckpt_00000010'} (step 10)" in out
+    )
     assert "does not fit" not in out and "weights_only" not in out and "Traceback" not in out
     assert not marker.exists()
-    assert (run_dir / "checkpoints" / "broken" / "ckpt_00000015" / shard).stat().st_size == sizes[shard]
+    assert (run_dir / "checkpoints" / "broken" / "ckpt_00000015" / shard).stat().st_size == sizes[
+        shard
+    ]
     assert json.loads((run_dir / "results.json").read_text())["steps"] == 20
     got, ref = final_params(run_dir), final_params(straight_fsdp)
     assert all(torch.equal(got[k], ref[k]) for k in ref)  # the failed restore left nothing behind
@@ -310,7 +405,9 @@ def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_
 
 
 @pytest.mark.slow
-def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, shakespeare, straight_fsdp):
+def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(
+    tmp_path, shakespeare, straight_fsdp
+):
     """Consolidated on load: the same logits and the same export files as the unsharded model."""
     from gptlab.export import main as export
     from gptlab.inference import load_model
@@ -328,9 +425,21 @@ def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, sh
     opt = torch.optim.AdamW(unsharded.parameters())
     box = type("Box", (), {"state_dict": dict, "load_state_dict": lambda self, s: None})()
     state.restore({"model": unsharded, "optimizer": opt, "scaler": box, "loader": box})
-    pt = checkpoint.TrainingState.capture({"model": unsharded, "optimizer": opt, "scaler": box, "loader": box},
-                                          **{k: getattr(state, k) for k in ("step", "tokens", "best_val_loss",
-                                             "config", "model_config", "tokenizer", "mlflow_run_id")})  # fmt: skip
+    pt = checkpoint.TrainingState.capture(
+        {"model": unsharded, "optimizer": opt, "scaler": box, "loader": box},
+        **{
+            k: getattr(state, k)
+            for k in (
+                "step",
+                "tokens",
+                "best_val_loss",
+                "config",
+                "model_config",
+                "tokenizer",
+                "mlflow_run_id",
+            )
+        },
+    )
     pt_path = pt.save(tmp_path / "ckpt_00000020.pt")
     x = torch.randint(0, 65, (2, 16))
     a, b = sharded(x)[0], load_model(str(pt_path))[0](x)[0]
@@ -339,7 +448,9 @@ def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(tmp_path, sh
     export([f"run={straight_fsdp}", f"out={out_sharded}"])
     export([f"run={pt_path}", f"out={out_whole}"])
     files = sorted(p.relative_to(out_sharded) for p in out_sharded.rglob("*") if p.is_file())
-    assert files and files == sorted(p.relative_to(out_whole) for p in out_whole.rglob("*") if p.is_file())
+    assert files and files == sorted(
+        p.relative_to(out_whole) for p in out_whole.rglob("*") if p.is_file()
+    )
     for f in files:
         assert (out_sharded / f).read_bytes() == (out_whole / f).read_bytes(), f
     r = run_cli(["gptlab.sample", f"run={straight_fsdp}", "max_new_tokens=20"], REPO, timeout=120)

@@ -36,8 +36,11 @@ def _close_runs():
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
-    """micro-batch B/4 x 4 accumulation steps gives the gradients of B x 1, through the real loop."""
-    common = nano_overrides(shakespeare, "train.max_steps=1", "train.sample_tokens=0", "train.batch_size=16")
+    """micro-batch B/4 x 4 accumulation steps gives the gradients of B x 1, through the real
+    loop."""
+    common = nano_overrides(
+        shakespeare, "train.max_steps=1", "train.sample_tokens=0", "train.batch_size=16"
+    )
     grads = []
     for mb in (16, 4):
         run = build_run(tmp_path / str(mb), [*common, f"train.micro_batch_size={mb}"])
@@ -64,12 +67,18 @@ def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare
     from gptlab import distributed
 
     calls, real = [], distributed.no_sync
-    monkeypatch.setattr(distributed, "no_sync", lambda model, sync: calls.append((model, sync)) or real(model, sync))
-    overrides = nano_overrides(shakespeare, "train.max_steps=2", "train.sample_tokens=0", "train.micro_batch_size=2")
+    monkeypatch.setattr(
+        distributed, "no_sync", lambda model, sync: calls.append((model, sync)) or real(model, sync)
+    )
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=2", "train.sample_tokens=0", "train.micro_batch_size=2"
+    )
     run = build_run(tmp_path, overrides)
     train(run)
     # batch 8 = 2 x 4 micro-steps, 2 steps; the model told is the wrapped one (DDP / FSDP's no_sync)
-    assert calls == [(run.model, False), (run.model, False), (run.model, False), (run.model, True)] * 2
+    assert (
+        calls == [(run.model, False), (run.model, False), (run.model, False), (run.model, True)] * 2
+    )
 
 
 def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
@@ -95,15 +104,28 @@ def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
 
 def test_loss_goes_down_and_run_folder_is_complete(tmp_path, shakespeare):
     run_dir = tmp_path / "run"
-    results = run_training(compose_config(nano_overrides(shakespeare, "train.max_steps=60")), run_dir)
+    results = run_training(
+        compose_config(nano_overrides(shakespeare, "train.max_steps=60")), run_dir
+    )
     rows = read_metrics(run_dir)
     losses = [r["train_loss"] for r in rows if "train_loss" in r]
     assert losses[0] > 4.0 and losses[-1] < 3.3
-    assert {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(rows[0])
+    assert {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(
+        rows[0]
+    )
     assert [r["step"] for r in rows if "val_loss" in r] == [10, 20, 30, 40, 50, 60]
     saved = json.loads((run_dir / "results.json").read_text())
     assert saved["steps"] == 60 and saved["tokens"] == 60 * 8 * 32
-    for key in ("params", "train_loss", "val_loss", "best_val_loss", "tokens_per_s", "mfu", "wall_s", "mlflow_run_id"):
+    for key in (
+        "params",
+        "train_loss",
+        "val_loss",
+        "best_val_loss",
+        "tokens_per_s",
+        "mfu",
+        "wall_s",
+        "mlflow_run_id",
+    ):
         assert key in saved
     assert saved["best_val_loss"] <= saved["val_loss"]
     assert results["steps"] == 60
@@ -119,7 +141,10 @@ def test_golden_loss_curve(tmp_path, shakespeare):
     import os
 
     run_dir = tmp_path / "run"
-    run_training(compose_config(nano_overrides(shakespeare, "train.log_every=1", "train.sample_tokens=0")), run_dir)
+    run_training(
+        compose_config(nano_overrides(shakespeare, "train.log_every=1", "train.sample_tokens=0")),
+        run_dir,
+    )
     rows = read_metrics(run_dir)
     curve = [round(r["train_loss"], 6) for r in rows if "train_loss" in r]
     assert len(curve) == 20
@@ -147,7 +172,9 @@ def test_what_each_step_does_logs_evaluates_and_saves_on_its_cadence():
 
     from gptlab.loop import Progress, due
 
-    t = SimpleNamespace(max_steps=20, log_every=5, eval_every=10, checkpoint_every=4, save_checkpoints=True)
+    t = SimpleNamespace(
+        max_steps=20, log_every=5, eval_every=10, checkpoint_every=4, save_checkpoints=True
+    )
 
     def at(step, stopped_by=None, **changes):
         cadence = SimpleNamespace(**{**vars(t), **changes})
@@ -155,7 +182,11 @@ def test_what_each_step_does_logs_evaluates_and_saves_on_its_cadence():
 
     assert at(1) == (True, False, False)  # the first step logs
     assert at(3) == (False, False, False)
-    assert at(4) == (False, False, True) and at(5) == (True, False, False) and at(8) == (False, False, True)
+    assert (
+        at(4) == (False, False, True)
+        and at(5) == (True, False, False)
+        and at(8) == (False, False, True)
+    )
     assert at(10) == (True, True, False) and at(12) == (False, False, True)
     assert at(20) == (True, True, True)  # the last step does everything
     assert at(3, stopped_by="SIGTERM") == (False, False, True)  # a stop saves, without logging
@@ -166,7 +197,8 @@ def test_what_each_step_does_logs_evaluates_and_saves_on_its_cadence():
 
 def test_each_steps_random_stream_is_fixed_by_seed_step_and_rank():
     """The seed formula is part of what resumes exactly: a checkpoint written by an earlier version
-    continues with the same dropout draws only while (seed * 1_000_003 + step) * 4099 + rank stays."""
+    continues with the same dropout draws only while (seed * 1_000_003 + step) * 4099 + rank
+    stays."""
     from gptlab.loop import seed_step
 
     seed_step(1337, 25, 3)
@@ -185,19 +217,35 @@ def test_results_count_this_sessions_tokens_and_time_only():
 
     def run(start_tokens, train_time):
         return SimpleNamespace(
-            start_tokens=start_tokens, reporter=SimpleNamespace(train_time=train_time), num_params=10,
-            flops_per_token=6.0, peak_flops=1200.0, tracker=SimpleNamespace(run_id="abc"),
-        )  # fmt: skip
+            start_tokens=start_tokens,
+            reporter=SimpleNamespace(train_time=train_time),
+            num_params=10,
+            flops_per_token=6.0,
+            peak_flops=1200.0,
+            tracker=SimpleNamespace(run_id="abc"),
+        )
 
-    p = Progress(step=30, tokens=3000, best_val=1.25, loss_sum=torch.zeros(()), train_loss=1.5, last_val=1.3)
+    p = Progress(
+        step=30, tokens=3000, best_val=1.25, loss_sum=torch.zeros(()), train_loss=1.5, last_val=1.3
+    )
     got = results(run(start_tokens=1000, train_time=4.0), p, wall_s=9.0)
     assert got == {
-        "params": 10, "steps": 30, "tokens": 3000, "tokens_this_session": 2000, "train_loss": 1.5, "val_loss": 1.3,
+        "params": 10,
+        "steps": 30,
+        "tokens": 3000,
+        "tokens_this_session": 2000,
+        "train_loss": 1.5,
+        "val_loss": 1.3,
         "best_val_loss": 1.25,
-        "tokens_per_s": 500.0, "mfu": 2.5, "wall_s": 9.0, "mlflow_run_id": "abc", "stopped_by": None,
-    }  # fmt: skip
+        "tokens_per_s": 500.0,
+        "mfu": 2.5,
+        "wall_s": 9.0,
+        "mlflow_run_id": "abc",
+        "stopped_by": None,
+    }
     p.best_val = math.inf  # never evaluated
-    none = results(run(start_tokens=3000, train_time=0.0), p, wall_s=0.5)  # a resume with nothing to do
+    # a resume with nothing to do
+    none = results(run(start_tokens=3000, train_time=0.0), p, wall_s=0.5)
     assert (none["tokens_per_s"], none["mfu"], none["best_val_loss"]) == (None, None, None)
     assert none["tokens_this_session"] == 0
     half = results(run(start_tokens=1000, train_time=0.5), p, wall_s=1.0)
@@ -234,24 +282,34 @@ def at_training_forward(run, n, action):
 def train_step_losses(run):
     """The training forwards' losses, in order (eval forwards run with the model in eval mode)."""
     losses = []
-    run.raw_model.register_forward_hook(lambda m, args, out: losses.append(out[1].item()) if m.training else None)
+    run.raw_model.register_forward_hook(
+        lambda m, args, out: losses.append(out[1].item()) if m.training else None
+    )
     return losses
 
 
-def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(tmp_path, shakespeare, monkeypatch):
-    """Log, evaluate and save on cadences that do not line up (log 5, eval 4, save 3), so each kind of
-    step is seen alone: what reaches the reporter, metrics.jsonl and each checkpoint, exactly."""
+def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
+    tmp_path, shakespeare, monkeypatch
+):
+    """Log, evaluate and save on cadences that do not line up (log 5, eval 4, save 3), so each kind
+    of step is seen alone: what reaches the reporter, metrics.jsonl and each checkpoint, exactly."""
     import signal
     import time
 
     from gptlab import checkpoint
 
     overrides = nano_overrides(
-        shakespeare, "train.max_steps=12", "train.eval_every=4", "train.checkpoint_every=3", "train.sample_tokens=0"
+        shakespeare,
+        "train.max_steps=12",
+        "train.eval_every=4",
+        "train.checkpoint_every=3",
+        "train.sample_tokens=0",
     )
     run = build_run(tmp_path, overrides)
     monkeypatch.setattr(type(run.tracker), "run_id", property(lambda self: "run-under-test"))
-    said = record_calls(monkeypatch, run.reporter, ["begin", "tick", "close_window", "progress", "stopped"])
+    said = record_calls(
+        monkeypatch, run.reporter, ["begin", "tick", "close_window", "progress", "stopped"]
+    )
     saved, real_save = [], checkpoint.save_state
 
     def save_state(folder, state, val_loss, keep, is_main=True):
@@ -273,42 +331,68 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(tmp_p
     assert [r["step"] for r in rows] == [1, 4, 5, 8, 10, 12]  # a save alone logs nothing
     logged = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
     for r in rows:
-        expect = {4: {"step", "tokens", "val_loss"}, 8: {"step", "tokens", "val_loss"}, 12: logged | {"val_loss"}}
+        expect = {
+            4: {"step", "tokens", "val_loss"},
+            8: {"step", "tokens", "val_loss"},
+            12: logged | {"val_loss"},
+        }
         assert set(r) == expect.get(r["step"], logged), r
         assert r["tokens"] == r["step"] * 8 * 32
     assert all(r["grad_norm"] > 0 for r in rows if "grad_norm" in r)
     vals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
     # progress: the figures of the step (train_loss is the latest average) and the best val so far
-    progress = [(step, figures["train_loss"], figures["lr"], best) for step, figures, best in said["progress"]]
+    progress = [
+        (step, figures["train_loss"], figures["lr"], best)
+        for step, figures, best in said["progress"]
+    ]
     train_losses = {r["step"]: r["train_loss"] for r in rows if "train_loss" in r}
-    assert [(s, lr) for s, _, lr, _ in progress] == [(s, run.lr_at(s - 1)) for s in (1, 4, 5, 8, 10, 12)]
+    assert [(s, lr) for s, _, lr, _ in progress] == [
+        (s, run.lr_at(s - 1)) for s in (1, 4, 5, 8, 10, 12)
+    ]
     assert [loss for _, loss, _, _ in progress] == [train_losses[s] for s in (1, 1, 5, 5, 10, 12)]
     assert [best for *_, best in progress] == [
         math.inf, vals[4], vals[4], min(vals[4], vals[8]), min(vals[4], vals[8]), min(vals.values())
     ]  # fmt: skip
 
-    # a checkpoint at every third step and the last; only the last step has a fresh val loss to offer
+    # a checkpoint at every third step and the last; only the last step has a fresh val loss to
+    # offer
     assert [(s.step, val, keep, is_main) for s, val, keep, is_main in saved] == [
         (3, None, 2, True), (6, None, 2, True), (9, None, 2, True), (12, vals[12], 2, True)
     ]  # fmt: skip
     third = saved[0][0]
     assert third.tokens == 3 * 8 * 32 and third.best_val_loss == math.inf
     # step 1 logged, so steps 2 and 3 are the train-loss average in progress
-    assert third.loss_window[1] == 2 and third.loss_window[0] == pytest.approx(losses[1] + losses[2], rel=1e-6)
+    assert third.loss_window[1] == 2 and third.loss_window[0] == pytest.approx(
+        losses[1] + losses[2], rel=1e-6
+    )
     assert third.config == run.resolved_config and third.model_config == run.model_config
     assert third.tokenizer == run.tokenizer.to_meta() and third.mlflow_run_id == "run-under-test"
-    assert json.loads((run.checkpoint_dir / "best.json").read_text())["checkpoint"] == "ckpt_00000012.pt"
-    assert sorted(p.name for p in run.checkpoint_dir.glob("ckpt_*")) == ["ckpt_00000009.pt", "ckpt_00000012.pt"]
+    assert (
+        json.loads((run.checkpoint_dir / "best.json").read_text())["checkpoint"]
+        == "ckpt_00000012.pt"
+    )
+    assert sorted(p.name for p in run.checkpoint_dir.glob("ckpt_*")) == [
+        "ckpt_00000009.pt",
+        "ckpt_00000012.pt",
+    ]
 
-    assert results["steps"] == 12 and results["stopped_by"] is None and results["mlflow_run_id"] == "run-under-test"
+    assert (
+        results["steps"] == 12
+        and results["stopped_by"] is None
+        and results["mlflow_run_id"] == "run-under-test"
+    )
     assert 0 < results["wall_s"] <= elapsed
     assert signal.getsignal(signal.SIGTERM) is handler_before  # the loop's handler is gone again
-    assert all(p.grad is None for p in run.raw_model.parameters())  # set_to_none: no gradient memory kept
+    # set_to_none: no gradient memory kept
+    assert all(p.grad is None for p in run.raw_model.parameters())
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2", "SIGINT"])
-def test_a_signal_stops_at_the_next_step_with_a_checkpoint(tmp_path, shakespeare, monkeypatch, name):
-    """The signal arrives inside step 3; the loop finishes that step, saves it, says so, and returns."""
+def test_a_signal_stops_at_the_next_step_with_a_checkpoint(
+    tmp_path, shakespeare, monkeypatch, name
+):
+    """The signal arrives inside step 3; the loop finishes that step, saves it, says so, and
+    returns."""
     import os
     import signal
 
@@ -342,7 +426,8 @@ def test_a_second_sigint_or_sigterm_ends_at_once_but_not_the_same_one_delivered_
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == "SIGINT"
-        os.kill(os.getpid(), signal.SIGINT)  # within SAME_STOP_S: a terminal's group, then the launcher
+        # within SAME_STOP_S: a terminal's group, then the launcher
+        os.kill(os.getpid(), signal.SIGINT)
         assert stop.received == "SIGINT"
         monkeypatch.setattr(distributed, "SAME_STOP_S", -1.0)  # any later one is the user's second
         with pytest.raises(KeyboardInterrupt, match="SIGTERM again"):
@@ -369,7 +454,8 @@ def test_after_a_schedulers_sigusr2_its_sigterm_does_not_cut_the_save_short(monk
 
 
 def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
-    """A shell's background job starts with SIGINT ignored: the Ctrl-C of the terminal is not for it."""
+    """A shell's background job starts with SIGINT ignored: the Ctrl-C of the terminal is not for
+    it."""
     import signal
 
     from gptlab.loop import StopOnSignal
@@ -377,7 +463,10 @@ def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         stop = StopOnSignal()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.SIGINT not in stop._previous
+        assert (
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            and signal.SIGINT not in stop._previous
+        )
         stop.restore()
     finally:
         signal.signal(signal.SIGINT, previous)
@@ -392,13 +481,18 @@ def test_stop_on_signal_outside_the_main_thread_installs_nothing():
     worker = threading.Thread(target=lambda: got.append(StopOnSignal()))
     worker.start()
     worker.join()
-    assert got[0].received is None and got[0]._previous == {}  # signal.signal would raise in a thread
+    # signal.signal would raise in a thread
+    assert got[0].received is None and got[0]._previous == {}
     got[0].restore()
 
 
 def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespeare):
-    run = build_run(tmp_path, nano_overrides(shakespeare, "train.max_steps=2", "train.sample_tokens=0",
-                                             "optimizer.grad_clip=0"))  # fmt: skip
+    run = build_run(
+        tmp_path,
+        nano_overrides(
+            shakespeare, "train.max_steps=2", "train.sample_tokens=0", "optimizer.grad_clip=0"
+        ),
+    )
     before = run.raw_model.lm_head.weight.detach().clone()
     train(run)
     rows = read_metrics(tmp_path)
@@ -408,13 +502,20 @@ def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespear
 
 
 def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
-    """The GradScaler multiplies the loss by 2**16: the norm clipped and logged must be the true one."""
+    """The GradScaler multiplies the loss by 2**16: the norm clipped and logged must be the true
+    one."""
     norms = {}
     for precision in ("fp32", "fp16"):
-        run = build_run(tmp_path / precision, nano_overrides(
-            shakespeare, "train.max_steps=1", "train.sample_tokens=0", f"hardware.precision={precision}",
-            "model.dropout=0.0",
-        ))  # fmt: skip
+        run = build_run(
+            tmp_path / precision,
+            nano_overrides(
+                shakespeare,
+                "train.max_steps=1",
+                "train.sample_tokens=0",
+                f"hardware.precision={precision}",
+                "model.dropout=0.0",
+            ),
+        )
         train(run)
         norms[precision] = read_metrics(tmp_path / precision)[0]["grad_norm"]
     # measured: fp16 1.84161 vs fp32 1.84155 at step 1 (3.6e-5 apart); a scaled norm would be 65536x
@@ -424,8 +525,13 @@ def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
 def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     """A crash after step 7 was logged, with the newest checkpoint at step 5: the resumed run trains
     steps 6 and 7 again but does not log them twice."""
-    overrides = nano_overrides(shakespeare, "train.max_steps=10", "train.log_every=1", "train.checkpoint_every=5",
-                               "train.sample_tokens=0")  # fmt: skip
+    overrides = nano_overrides(
+        shakespeare,
+        "train.max_steps=10",
+        "train.log_every=1",
+        "train.checkpoint_every=5",
+        "train.sample_tokens=0",
+    )
     run = build_run(tmp_path, overrides)
 
     def crash():
@@ -444,14 +550,21 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     assert [r["step"] for r in rows] == list(range(1, 11))
 
 
-def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages(tmp_path, shakespeare):
-    """optimizer.ema_decay > 0: evaluation sees the average (not the training weights, which come back
-    unchanged), and a checkpoint's reader (sample, export) rebuilds the model with the average."""
+def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages(
+    tmp_path, shakespeare
+):
+    """optimizer.ema_decay > 0: evaluation sees the average (not the training weights, which come
+    back unchanged), and a checkpoint's reader (sample, export) rebuilds the model with the
+    average."""
     from gptlab.inference import load_model
     from gptlab.model import GPT
 
     overrides = nano_overrides(
-        shakespeare, "train.max_steps=6", "train.eval_every=6", "train.sample_tokens=0", "optimizer.ema_decay=0.8"
+        shakespeare,
+        "train.max_steps=6",
+        "train.eval_every=6",
+        "train.sample_tokens=0",
+        "optimizer.ema_decay=0.8",
     )
     run = build_run(tmp_path, overrides)
     results = train(run)
@@ -476,8 +589,8 @@ def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages
 
 
 def test_dropout_draws_depend_on_seed_step_and_rank_only():
-    """seed_step: what a step draws is fixed by (seed, step, rank), whatever ran before, so a resumed
-    run draws what it would have drawn, and each rank draws its own masks."""
+    """seed_step: what a step draws is fixed by (seed, step, rank), whatever ran before, so a
+    resumed run draws what it would have drawn, and each rank draws its own masks."""
     import torch
 
     from gptlab.loop import seed_step
@@ -488,5 +601,7 @@ def test_dropout_draws_depend_on_seed_step_and_rank_only():
         return torch.rand(4)
 
     assert torch.equal(draw(1, 10, 0), draw(1, 10, 0))
-    draws = [draw(*key) for key in ((1, 10, 0), (1, 10, 1), (1, 11, 0), (2, 10, 0), (1, 0, 0), (0, 1, 0))]
+    draws = [
+        draw(*key) for key in ((1, 10, 0), (1, 10, 1), (1, 11, 0), (2, 10, 0), (1, 0, 0), (0, 1, 0))
+    ]
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])

@@ -1,4 +1,5 @@
-"""gptlab.costs' FLOPs against PyTorch's FLOP counter and memory model; gptlab.metrics: MFU, peaks."""
+"""gptlab.costs' FLOPs against PyTorch's FLOP counter and memory model; gptlab.metrics: MFU,
+peaks."""
 
 import pytest
 import torch
@@ -28,9 +29,13 @@ def counted_flops_per_token(model: GPT, B: int, T: int) -> float:
 def analytic(model: GPT):
     c = model.config
     mm = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    assert mm == costs.matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.padded_vocab_size, c.mlp == "swiglu")
+    assert mm == costs.matmul_params(
+        c.n_layer, c.n_embd, c.hidden_dim, c.padded_vocab_size, c.mlp == "swiglu"
+    )
     fpt = costs.flops_per_token(c.n_layer, c.n_embd, c.block_size, mm)
-    recomputed = costs.recomputed_matmul_params(c.n_layer, c.n_embd, c.hidden_dim, c.mlp == "swiglu")
+    recomputed = costs.recomputed_matmul_params(
+        c.n_layer, c.n_embd, c.hidden_dim, c.mlp == "swiglu"
+    )
     extra = costs.recompute_flops_per_token(c.n_layer, c.n_embd, c.block_size, recomputed)
     return fpt, extra
 
@@ -39,7 +44,15 @@ def analytic(model: GPT):
     "kw",
     [
         dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=65),
-        dict(n_layer=3, n_head=2, n_embd=48, block_size=32, vocab_size=100, vocab_multiple=64, mlp="swiglu"),
+        dict(
+            n_layer=3,
+            n_head=2,
+            n_embd=48,
+            block_size=32,
+            vocab_size=100,
+            vocab_multiple=64,
+            mlp="swiglu",
+        ),
     ],
 )
 def test_flops_per_token_matches_flop_counter(kw):
@@ -47,7 +60,8 @@ def test_flops_per_token_matches_flop_counter(kw):
     model = GPT(model_config(**kw))
     fpt, recompute = analytic(model)
     counted = counted_flops_per_token(model, B=2, T=kw["block_size"])
-    # exact: FlopCounterMode counted 713,088 and 589,824 per token, as the formula gives (torch 2.13)
+    # exact: FlopCounterMode counted 713,088 and 589,824 per token, as the formula gives (torch
+    # 2.13)
     assert counted == fpt
     model.activation_checkpointing = True  # HFU: checkpointing's second forward of every block
     counted_ckpt = counted_flops_per_token(model, B=2, T=kw["block_size"])
@@ -66,7 +80,9 @@ def test_mfu_and_hfu():
     # HFU: the same rate over hardware FLOPs, which add checkpointing's second forward of the blocks
     n_layer, d, hidden, vocab, T = 2, 64, 256, 128, 64
     fpt = costs.flops_per_token(n_layer, d, T, costs.matmul_params(n_layer, d, hidden, vocab))
-    recompute = costs.recompute_flops_per_token(n_layer, d, T, costs.recomputed_matmul_params(n_layer, d, hidden))
+    recompute = costs.recompute_flops_per_token(
+        n_layer, d, T, costs.recomputed_matmul_params(n_layer, d, hidden)
+    )
     assert fpt == 3 * (2 * (2 * (4 * d * d + 2 * d * hidden) + vocab * d) + 4 * n_layer * T * d)
     assert recompute == 2 * 2 * (4 * d * d + d * hidden) + 4 * n_layer * T * d
     mfu, hfu = metrics.mfu(1000.0, fpt, 1e9), metrics.mfu(1000.0, fpt + recompute, 1e9)
@@ -83,8 +99,10 @@ def test_peak_per_precision():
     assert costs.peak_tflops_for("fp16", False, **a100) == 312
     assert costs.peak_tflops_for("fp32", True, **a100) == 156
     assert costs.peak_tflops_for("fp32", False, **a100) == 19.5
-    assert costs.peak_tflops_for("fp32", False, half=100, tf32_tflops=None, fp32=None) == 100  # one figure only
-    assert costs.peak_tflops_for("fp32", False, half=None, tf32_tflops=None, fp32=None) is None  # CPU: measure
+    # one figure only
+    assert costs.peak_tflops_for("fp32", False, half=100, tf32_tflops=None, fp32=None) == 100
+    # CPU: measure
+    assert costs.peak_tflops_for("fp32", False, half=None, tf32_tflops=None, fp32=None) is None
 
 
 def test_measured_cpu_peak_is_positive():
@@ -92,8 +110,8 @@ def test_measured_cpu_peak_is_positive():
 
 
 def test_measured_cpu_peak_is_the_best_trials_rate(monkeypatch):
-    """On a clock that ticks 1/1024 s per reading, each trial of 10/1024 s runs 9 matmuls; a last trial
-    whose clock runs slow (the neighbours' load) does not lower the best."""
+    """On a clock that ticks 1/1024 s per reading, each trial of 10/1024 s runs 9 matmuls; a last
+    trial whose clock runs slow (the neighbours' load) does not lower the best."""
 
     def readings():
         for trial in range(4):  # 9 matmuls in each trial's 10 ticks
@@ -139,9 +157,12 @@ def test_expectation_met():
     assert metrics.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 2000}) is True
     assert metrics.expectation_met(exp, {"best_val_loss": 1.55, "tokens_per_s": 2000}) is False
     assert metrics.expectation_met({"source": "x"}, {"best_val_loss": 1.0}) is None
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.50, "tokens_per_s": 1000}) is True  # both at the edge
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 999}) is False  # too slow
-    assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.05}) is True  # the default tolerance: 0.05
+    # both at the edge
+    assert metrics.expectation_met(exp, {"best_val_loss": 1.50, "tokens_per_s": 1000}) is True
+    # too slow
+    assert metrics.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 999}) is False
+    # the default tolerance: 0.05
+    assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.05}) is True
     assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.06}) is False
     assert metrics.expectation_met({"val_loss": 2.0, "tokens_per_s": 5}, {"val_loss": 1.0}) is True
 
@@ -154,17 +175,23 @@ def _shape(**kw) -> costs.Shape:
 
 def test_memory_estimate_counts_ids_targets_and_the_embedding_dropout_mask_per_token():
     """Per token: int64 ids and targets (16 bytes), and with dropout the embedding's mask, one byte
-    per channel on CUDA (bool) and the fp32 embedding's 4 on the CPU; each block adds two residual masks."""
+    per channel on CUDA (bool) and the fp32 embedding's 4 on the CPU; each block adds two residual
+    masks."""
     d, L, tokens = 32, 3, 2 * 16
-    # chunked loss: the head keeps 8 bytes per channel and token, plus the head weight's fp32 gradient
+    # chunked loss: the head keeps 8 bytes per channel and token, plus the head weight's fp32
+    # gradient
     s = _shape(loss_chunk=8, device="cpu")
     per_layer = costs.activation_bytes_per_layer_token(s, checkpointing=False)
     got = costs.memory_estimate(s, micro_batch=2, checkpointing=False)["activations"]
     assert got == tokens * (L * per_layer + 16 + 8 * d) + 4 * 96 * d
     for device, mask in (("cpu", 4), ("cuda", 1)):
         without = costs.memory_estimate(_shape(device=device), micro_batch=2, checkpointing=False)
-        with_dropout = costs.memory_estimate(_shape(device=device, dropout=0.1), micro_batch=2, checkpointing=False)
-        assert with_dropout["activations"] - without["activations"] == tokens * (2 * L + 1) * mask * d, device
+        with_dropout = costs.memory_estimate(
+            _shape(device=device, dropout=0.1), micro_batch=2, checkpointing=False
+        )
+        assert (
+            with_dropout["activations"] - without["activations"] == tokens * (2 * L + 1) * mask * d
+        ), device
 
 
 def test_rss_readings_are_whole_pages_in_bytes_and_agree_with_psutil():
@@ -180,7 +207,8 @@ def test_peak_rss_falls_back_to_getrusage_without_proc(monkeypatch):
     import resource
 
     monkeypatch.setattr(metrics, "_proc_status_kb", lambda key: 0)
-    assert metrics.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+    # Linux: kB
+    assert metrics.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def test_memory_helpers_say_unavailable_when_the_os_refuses(monkeypatch):
@@ -203,12 +231,13 @@ def test_memory_helpers_say_unavailable_when_the_os_refuses(monkeypatch):
 def test_expectation_met_reads_the_recipes_own_tolerance():
     exp = {"val_loss": 2.0, "val_loss_tolerance": 0.0}
     assert metrics.expectation_met(exp, {"val_loss": 2.0}) is True
-    assert metrics.expectation_met(exp, {"val_loss": 2.01}) is False  # within the default 0.05, not within 0
+    # within the default 0.05, not within 0
+    assert metrics.expectation_met(exp, {"val_loss": 2.01}) is False
 
 
 def test_peak_rss_follows_the_kernels_mark_after_a_reset():
-    """reset_peak_rss moves the kernel's mark down to the current RSS: a peak freed before it is forgotten
-    (what lets gptlab.bench report the timed steps' peak rather than the start-up's)."""
+    """reset_peak_rss moves the kernel's mark down to the current RSS: a peak freed before it is
+    forgotten (what lets gptlab.bench report the timed steps' peak rather than the start-up's)."""
     block = torch.ones(256 * 2**20 // 4)  # 256 MiB, its own mapping (above malloc's mmap threshold)
     high = metrics.peak_rss_bytes()
     del block
@@ -218,7 +247,8 @@ def test_peak_rss_follows_the_kernels_mark_after_a_reset():
 
 def test_memory_estimate_static_parts_by_world_and_precision():
     """DDP's buckets (a second fp32 gradient) from 2 processes on; autocast's half-precision copies
-    of the matmul weights only below fp32; the unchunked head keeps its input and fp32 log-softmax."""
+    of the matmul weights only below fp32; the unchunked head keeps its input and fp32
+    log-softmax."""
     est = lambda **kw: costs.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=False)  # noqa: E731
     one, two = est(), est(world_size=2)
     assert one["ddp"] == 0.0 and two["ddp"] == 4.0 * 50_000
@@ -237,7 +267,8 @@ def test_memory_estimate_transient_logits_whole_and_chunked():
     assert est(precision="bf16")["transient"] == tokens * 10 * vocab
     assert est(loss_chunk=8)["transient"] == 8 * 4 * vocab
     assert est(loss_chunk=8, precision="bf16")["transient"] == 8 * 6 * vocab
-    assert est(loss_chunk=1000)["transient"] == tokens * 4 * vocab  # a chunk longer than the micro-batch
+    # a chunk longer than the micro-batch
+    assert est(loss_chunk=1000)["transient"] == tokens * 4 * vocab
 
 
 def test_memory_estimate_sharded_parts_exactly():
@@ -255,7 +286,9 @@ def test_memory_estimate_sharded_parts_exactly():
         "gathered": 2.0 * (root + 2 * layer),
         "grads_in_flight": 6.0 * root + 4.0 * 2 * layer,
     }
-    assert costs._sharded_parts(s(device="cuda", reshard=False), 2)["gathered"] == 2.0 * (root + 3 * layer)
+    assert costs._sharded_parts(s(device="cuda", reshard=False), 2)["gathered"] == 2.0 * (
+        root + 3 * layer
+    )
     assert costs._sharded_parts(_shape(), 4) == {"gathered": 0.0, "grads_in_flight": 0.0}
     # the static parts are halved, the gathered weights and gradients in flight added
     est = costs.memory_estimate(s(device="cpu"), micro_batch=2, checkpointing=False)
@@ -266,8 +299,8 @@ def test_memory_estimate_sharded_parts_exactly():
 
 
 def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
-    """The total is the static parts plus the largest moment: the start of backward (logits dominate a
-    large vocabulary), or, sharded, the first block's backward (gathered weights, activations and
+    """The total is the static parts plus the largest moment: the start of backward (logits dominate
+    a large vocabulary), or, sharded, the first block's backward (gathered weights, activations and
     gradients at once); unsharded with checkpointing, the end of backward (every gradient and one
     recomputed block)."""
     layer = 10_000
@@ -280,20 +313,27 @@ def test_memory_estimate_peak_is_the_largest_of_the_step_moments():
         (dict(params=5_000_000), False, "end"),  # every gradient, nothing recomputed
     ):
         e = costs.memory_estimate(_shape(**kw), micro_batch=2, checkpointing=checkpointing)
-        recompute = 2 * 16 * costs.activation_bytes_per_layer_token(_shape(**kw), False) if checkpointing else 0
+        recompute = (
+            2 * 16 * costs.activation_bytes_per_layer_token(_shape(**kw), False)
+            if checkpointing
+            else 0
+        )
         moments = {
             "start": e["autocast"] + e["gathered"] + e["activations"] + e["transient"],
             "end": e["grads"] + recompute,
-            "in_backward": e["gathered"] + e["activations"] + e["grads"] + recompute if "sharded" in kw else 0.0,
+            "in_backward": e["gathered"] + e["activations"] + e["grads"] + recompute
+            if "sharded" in kw
+            else 0.0,
         }
         assert max(moments, key=moments.get) == moment, (kw, moments)
         assert e["total"] == e["weights"] + e["optimizer"] + e["ddp"] + moments[moment], kw
 
 
 def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
-    """Per token and block (d=32, h=128, 4 heads, T=16, fp32): SwiGLU keeps gate, up and product (3c*h);
-    attention without a fused kernel keeps the T x T probabilities per head, and with dropout their mask
-    (a byte on CUDA, the dtype's size on the CPU) and the dropped copy; checkpointing keeps the input."""
+    """Per token and block (d=32, h=128, 4 heads, T=16, fp32): SwiGLU keeps gate, up and product
+    (3c*h); attention without a fused kernel keeps the T x T probabilities per head, and with
+    dropout their mask (a byte on CUDA, the dtype's size on the CPU) and the dropped copy;
+    checkpointing keeps the input."""
     d, h, c, heads, T = 32, 128, 4, 4, 16
     per = lambda **kw: costs.activation_bytes_per_layer_token(_shape(**kw), checkpointing=False)  # noqa: E731
     base = 8 * d + 6 * c * d
@@ -301,7 +341,10 @@ def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
     assert per(swiglu=True) == base + 3 * c * h
     assert per(flash=False) == base + 2 * c * h + heads * T * c
     for device, mask in (("cuda", 1), ("cpu", 4)):
-        assert per(flash=False, dropout=0.1, device=device) == base + 2 * c * h + 2 * mask * d + heads * T * (
-            c + mask + c
-        ), device
-    assert costs.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True) == 4 * d
+        assert per(
+            flash=False, dropout=0.1, device=device
+        ) == base + 2 * c * h + 2 * mask * d + heads * T * (c + mask + c), device
+    assert (
+        costs.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True)
+        == 4 * d
+    )

@@ -1,15 +1,16 @@
 """The team tracking server (launch/mlflow_server.sh: mlflow server on PostgreSQL), end to end.
 
 `up` on a fresh state folder, `status`, `down` (no process left) and `up` again (the same runs); a
-sweep recorded as one parent with its children; gptlab runs started at once, each logging every step,
-through a server stopped for 15 s (SIGSTOP, then SIGCONT) and through one killed and restarted: every
-run finishes, training goes on during the outage, and after at most one `gptlab.sync` every point is
-in MLflow exactly once.
+sweep recorded as one parent with its children; gptlab runs started at once, each logging every
+step, through a server stopped for 15 s (SIGSTOP, then SIGCONT) and through one killed and
+restarted: every run finishes, training goes on during the outage, and after at most one
+`gptlab.sync` every point is in MLflow exactly once.
 
-The server is this module's own, started by the script on a free port (the script installs PostgreSQL
-when it is missing, as root). Without PostgreSQL and no way to install it these tests are skipped,
-except in CI (CI=true), where that is a failure. Load figures are benchmarks/mlflow_load.py's, not these
-tests': here a few short runs, enough for the faults to land while they train.
+The server is this module's own, started by the script on a free port (the script installs
+PostgreSQL when it is missing, as root). Without PostgreSQL and no way to install it these tests are
+skipped, except in CI (CI=true), where that is a failure. Load figures are
+benchmarks/mlflow_load.py's, not these tests': here a few short runs, enough for the faults to land
+while they train.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from test_sync import expected_points, recorded_points
 pytestmark = pytest.mark.slow
 
 RUNS = 4  # started at once
-STEPS = 1000  # each logging every step (7 metrics a step) on one thread: ~10 s of training for 4 runs
+# each logging every step (7 metrics a step) on one thread: ~10 s of training for 4 runs
+STEPS = 1000
 # on 2 cores, so that they still train when the fault comes (as soon as the last has logged a step)
 
 
@@ -74,29 +76,51 @@ def start_runs(uri: str, experiment: str, cwd: Path, data: Path, n: int = RUNS) 
     for i in range(n):
         run_dir, log = cwd / f"run{i}", cwd / f"run{i}.log"
         args = [
-            "model=gpt_nano", f"data.path={data}", f"train.max_steps={STEPS}", "train.batch_size=2",
-            "train.log_every=1", "train.eval_every=250", "train.eval_steps=1", "train.sample_tokens=0",
+            "model=gpt_nano",
+            f"data.path={data}",
+            f"train.max_steps={STEPS}",
+            "train.batch_size=2",
+            "train.log_every=1",
+            "train.eval_every=250",
+            "train.eval_steps=1",
+            "train.sample_tokens=0",
             "hardware.threads=1",
-            "train.save_checkpoints=false", f"tracking.uri={uri}", f"tracking.experiment={experiment}",
+            "train.save_checkpoints=false",
+            f"tracking.uri={uri}",
+            f"tracking.experiment={experiment}",
             f"hydra.run.dir={run_dir}",
-        ]  # fmt: skip
+        ]
         with open(log, "w") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "gptlab.train", *args], cwd=cwd, env=cli_env(),
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gptlab.train", *args],
+                cwd=cwd,
+                env=cli_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         runs.append(Run(proc, run_dir, log))
     return runs
 
 
 def logged_lines(runs: List[Run]) -> int:
-    return sum(len(p.read_text().splitlines()) for r in runs if (p := r.dir / "metrics.jsonl").is_file())
+    return sum(
+        len(p.read_text().splitlines()) for r in runs if (p := r.dir / "metrics.jsonl").is_file()
+    )
 
 
 def wait_until_all_train(runs: List[Run], timeout: float = 300) -> None:
-    """Until every run has logged a step (its MLflow run exists: the tracker made it before step 1)."""
+    """Until every run has logged a step (its MLflow run exists: the tracker made it before step
+    1)."""
     deadline = time.time() + timeout
-    while not all((r.dir / "metrics.jsonl").is_file() and (r.dir / "metrics.jsonl").stat().st_size for r in runs):
+    while not all(
+        (r.dir / "metrics.jsonl").is_file() and (r.dir / "metrics.jsonl").stat().st_size
+        for r in runs
+    ):
         for r in runs:
-            assert r.proc.poll() is None, f"{r.dir.name} ended before training:\n{r.output()[-3000:]}"
+            assert r.proc.poll() is None, (
+                f"{r.dir.name} ended before training:\n{r.output()[-3000:]}"
+            )
         assert time.time() < deadline, "the runs did not start training"
         time.sleep(0.2)
 
@@ -109,7 +133,9 @@ def finish(runs: List[Run], timeout: float = 600) -> None:
         for r in runs:
             stop_group(r.proc.pid)
     for r in runs:
-        assert r.proc.returncode == 0, f"{r.dir.name} exited {r.proc.returncode}:\n{r.output()[-3000:]}"
+        assert r.proc.returncode == 0, (
+            f"{r.dir.name} exited {r.proc.returncode}:\n{r.output()[-3000:]}"
+        )
 
 
 def sync_what_was_not_sent(runs: List[Run], cwd: Path) -> List[Path]:
@@ -124,20 +150,24 @@ def sync_what_was_not_sent(runs: List[Run], cwd: Path) -> List[Path]:
 
 
 def assert_every_point_once(uri: str, experiment: str, runs: List[Run]) -> None:
-    """Each run FINISHED in MLflow once, with each point of its folder once (train/loss: every step)."""
+    """Each run FINISHED in MLflow once, with each point of its folder once (train/loss: every
+    step)."""
     c = client(uri)
     exp = c.get_experiment_by_name(experiment)
-    recorded = {r.data.tags["run_dir"]: r for r in c.search_runs([exp.experiment_id], max_results=100)}
+    recorded = {
+        r.data.tags["run_dir"]: r for r in c.search_runs([exp.experiment_id], max_results=100)
+    }
     assert sorted(recorded) == sorted(str(r.dir.resolve()) for r in runs), sorted(recorded)
     for r in runs:
         mlflow_run = recorded[str(r.dir.resolve())]
         assert mlflow_run.info.status == "FINISHED", (r.dir.name, mlflow_run.info.status)
         points = recorded_points(uri, mlflow_run.info.run_id)
         assert points["train/loss"] == list(range(1, STEPS + 1)), (r.dir.name, points["train/loss"])
-        assert {n: sorted(s) for n, s in points.items()} == {n: sorted(s) for n, s in expected_points(r.dir).items()}, (
-            r.dir.name
-        )
-        assert all(len(s) == len(set(s)) for s in points.values()), (r.dir.name, points)  # none twice
+        assert {n: sorted(s) for n, s in points.items()} == {
+            n: sorted(s) for n, s in expected_points(r.dir).items()
+        }, r.dir.name
+        # none twice
+        assert all(len(s) == len(set(s)) for s in points.values()), (r.dir.name, points)
 
 
 def test_up_on_a_fresh_folder_prints_the_uri_and_status_answers(server):
@@ -146,25 +176,41 @@ def test_up_on_a_fresh_folder_prints_the_uri_and_status_answers(server):
     assert "creating the database cluster" in printed, printed  # a fresh state folder
     r = s.run("status")
     assert r.returncode == 0, r.stdout + r.stderr
-    for line in ("postgres: running", "mlflow server: running", "health: ok", f"use: tracking.uri={s.uri}"):
+    for line in (
+        "postgres: running",
+        "mlflow server: running",
+        "health: ok",
+        f"use: tracking.uri={s.uri}",
+    ):
         assert line in r.stdout, r.stdout
     # the database listens on no TCP port: only its socket in the state folder
     assert list((s.state / "pgsocket").glob(".s.PGSQL.*")), list((s.state / "pgsocket").iterdir())
 
 
-def test_a_sweep_on_the_server_is_one_parent_with_three_finished_children(server, shakespeare, tmp_path):
+def test_a_sweep_on_the_server_is_one_parent_with_three_finished_children(
+    server, shakespeare, tmp_path
+):
     s, _ = server
     experiment = new_experiment("sweep")
     r = run_cli(
         [
-            "gptlab.train", "-m", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=10",
-            "train.batch_size=4", "train.eval_every=10", "train.eval_steps=1", "train.sample_tokens=0",
-            "train.save_checkpoints=false", f"tracking.uri={s.uri}", f"tracking.experiment={experiment}",
+            "gptlab.train",
+            "-m",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "train.max_steps=10",
+            "train.batch_size=4",
+            "train.eval_every=10",
+            "train.eval_steps=1",
+            "train.sample_tokens=0",
+            "train.save_checkpoints=false",
+            f"tracking.uri={s.uri}",
+            f"tracking.experiment={experiment}",
             "optimizer.lr=1e-3,2e-3,3e-3",
         ],
         cwd=tmp_path,
         timeout=400,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     c = client(s.uri)
     runs = c.search_runs([c.get_experiment_by_name(experiment).experiment_id])
@@ -172,16 +218,21 @@ def test_a_sweep_on_the_server_is_one_parent_with_three_finished_children(server
     kids = [x for x in runs if "mlflow.parentRunId" in x.data.tags]
     assert len(parents) == 1 and len(kids) == 3, [(x.info.run_name, x.data.tags) for x in runs]
     assert {k.data.tags["mlflow.parentRunId"] for k in kids} == {parents[0].info.run_id}
-    assert [k.info.status for k in kids] == ["FINISHED"] * 3 and parents[0].info.status == "FINISHED"
+    assert [k.info.status for k in kids] == ["FINISHED"] * 3 and parents[
+        0
+    ].info.status == "FINISHED"
     assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.002", "0.003"]
     # artifacts went through the server into its own folder: the jobs needed no path to it
-    assert {a.path for a in c.list_artifacts(kids[0].info.run_id)} >= {"results.json", "config_resolved.yaml"}
+    assert {a.path for a in c.list_artifacts(kids[0].info.run_id)} >= {
+        "results.json",
+        "config_resolved.yaml",
+    }
     assert list((s.state / "artifacts").rglob("results.json"))
 
 
 def runs_through_a_fault(s, name, tmp_path, shakespeare, fault):
-    """RUNS runs on the server; fault(runs) strikes once all train and returns the logged-line counts
-    at its start and 3 s later. The step loops must go on through it, and after at most one
+    """RUNS runs on the server; fault(runs) strikes once all train and returns the logged-line
+    counts at its start and 3 s later. The step loops must go on through it, and after at most one
     gptlab.sync per run every point is in MLflow exactly once. Returns the runs that needed sync."""
     experiment = new_experiment(name)
     runs = start_runs(s.uri, experiment, tmp_path, shakespeare)
@@ -251,8 +302,12 @@ def test_down_leaves_no_process_and_up_again_serves_the_same_runs(server):
     assert [p for p in pids if alive(p)] == [] and live_pids(pgid=leader) == []
     status = s.run("status")
     assert status.returncode != 0
-    assert "postgres: not running" in status.stdout and "mlflow server: not running" in status.stdout
+    assert (
+        "postgres: not running" in status.stdout and "mlflow server: not running" in status.stdout
+    )
     s.up()
     again = client(s.uri).get_run(run.info.run_id)
     assert again.info.status == "FINISHED" and again.info.run_name == "kept"
-    assert [(m.step, m.value) for m in client(s.uri).get_metric_history(run.info.run_id, "train/loss")] == [(7, 2.5)]
+    assert [
+        (m.step, m.value) for m in client(s.uri).get_metric_history(run.info.run_id, "train/loss")
+    ] == [(7, 2.5)]

@@ -58,13 +58,19 @@ def test_sdpa_matches_explicit_attention():
 def test_weight_tying_and_residual_init():
     """GPT-2's init: N(0, 0.02) everywhere, the two projections into the residual stream scaled by
     1/sqrt(2 * n_layer), biases zero. 4% allowed on each std: seed 0 measured within 1.2% (4,096 to
-    16,384 draws a matrix), while 1/sqrt(3 * n_layer) is 18% off; means within 0.002 (measured 4e-4)."""
+    16,384 draws a matrix), while 1/sqrt(3 * n_layer) is 18% off; means within 0.002 (measured
+    4e-4)."""
     torch.manual_seed(0)
     model = GPT(tiny(n_layer=8, n_embd=64))
     assert model.lm_head.weight is model.wte.weight
     residual, plain = 0.02 / math.sqrt(16), 0.02
     block = model.h[0]
-    expected = {"attn.c_proj": residual, "mlp.c_proj": residual, "attn.c_attn": plain, "mlp.c_fc": plain}
+    expected = {
+        "attn.c_proj": residual,
+        "mlp.c_proj": residual,
+        "attn.c_attn": plain,
+        "mlp.c_fc": plain,
+    }
     for name, std in expected.items():
         w = block.get_submodule(name).weight
         assert w.std().item() == pytest.approx(std, rel=0.04), name
@@ -78,8 +84,16 @@ def test_weight_tying_and_residual_init():
 @pytest.mark.parametrize("bias", [True, False])
 def test_bias_false_leaves_no_bias_anywhere(bias):
     names = {n for n, _ in GPT(tiny(bias=bias)).named_parameters() if n.endswith("bias")}
-    per_block = {"ln_1.bias", "attn.c_attn.bias", "attn.c_proj.bias", "ln_2.bias", "mlp.c_fc.bias", "mlp.c_proj.bias"}
-    everything = {f"h.{i}.{n}" for i in range(2) for n in per_block} | {"ln_f.bias"}  # the LM head: never
+    per_block = {
+        "ln_1.bias",
+        "attn.c_attn.bias",
+        "attn.c_proj.bias",
+        "ln_2.bias",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.bias",
+    }
+    # the LM head: never
+    everything = {f"h.{i}.{n}" for i in range(2) for n in per_block} | {"ln_f.bias"}
     assert names == (everything if bias else set())
 
 
@@ -92,7 +106,10 @@ def test_a_checkpoint_holds_parameters_only_not_the_derived_position_tables(pos_
 def test_configuration_errors_name_the_field():
     import dataclasses
 
-    with pytest.raises(ValueError, match=r"^GPTConfig\.vocab_size is null: set it from the tokenizer before building$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^GPTConfig\.vocab_size is null: set it from the tokenizer before building$",
+    ):
         GPT(tiny(vocab_size=None))
     with pytest.raises(ValueError, match=r"^unknown pos_emb 'alibi'$"):
         GPT(dataclasses.replace(tiny(), pos_emb="alibi"))
@@ -100,8 +117,9 @@ def test_configuration_errors_name_the_field():
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal"])
 def test_the_residual_stream_starts_as_token_plus_position_and_each_block_is_pre_layernorm(pos_emb):
-    """The first block sees wte[token] + position; a block is x + attn(ln_1(x)), then + mlp(ln_2(x));
-    the head reads ln_f of the last block. Rebuilt by hand, measured 0 to 2e-7 apart (fp32)."""
+    """The first block sees wte[token] + position; a block is x + attn(ln_1(x)), then +
+    mlp(ln_2(x)); the head reads ln_f of the last block. Rebuilt by hand, measured 0 to 2e-7 apart
+    (fp32)."""
     torch.manual_seed(0)
     model = GPT(tiny(pos_emb=pos_emb)).eval()
     idx = torch.randint(0, 65, (2, 16))
@@ -121,19 +139,24 @@ def count_params(**kw) -> int:
 
 
 def test_gpt1b_parameter_count():
-    n = count_params(vocab_size=65, block_size=2048, n_layer=20, n_head=16, n_embd=2048, ffn_dim=8192)
+    n = count_params(
+        vocab_size=65, block_size=2048, n_layer=20, n_head=16, n_embd=2048, ffn_dim=8192
+    )
     assert abs(n - 1_011_224_385) / 1_011_224_385 < 1e-3, n
 
 
 def test_gpt2_124m_parameter_count():
     n = count_params(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     assert n == 124_439_808
-    padded = count_params(vocab_size=50257, vocab_multiple=64, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    padded = count_params(
+        vocab_size=50257, vocab_multiple=64, block_size=1024, n_layer=12, n_head=12, n_embd=768
+    )
     assert padded == 124_439_808 + (50304 - 50257) * 768
 
 
 def test_rotary_in_complex_and_in_real_arithmetic_agree():
-    """apply_rotary (eager: complex multiply) and rotate_pairs (what torch.compile runs) are one rotation."""
+    """apply_rotary (eager: complex multiply) and rotate_pairs (what torch.compile runs) are one
+    rotation."""
     from gptlab.model import apply_rotary, rotary_tables, rotate_pairs
 
     torch.manual_seed(0)
@@ -162,8 +185,8 @@ def test_kv_cache_generation_matches_full_recompute(pos_emb):
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
 def test_a_chunk_of_new_tokens_after_a_cache_sees_the_cache_and_its_own_past_only(pos_emb):
-    """Several new tokens after a cached prefix (the masked branch of attention, which generate's one
-    token at a time never takes): the same logits as one forward over the whole sequence."""
+    """Several new tokens after a cached prefix (the masked branch of attention, which generate's
+    one token at a time never takes): the same logits as one forward over the whole sequence."""
     torch.manual_seed(0)
     model = GPT(tiny(pos_emb=pos_emb)).eval()
     x = torch.randint(0, 65, (2, 12))
@@ -171,9 +194,11 @@ def test_a_chunk_of_new_tokens_after_a_cache_sees_the_cache_and_its_own_past_onl
     with torch.no_grad():
         prefix, _, cache = model(x[:, :5], cache=[])
         chunk, _, cache = model(x[:, 5:10], cache=cache)
-        pair, _, cache = model(x[:, 10:], cache=cache)  # two new tokens: the smallest chunk that needs a mask
+        # two new tokens: the smallest chunk that needs a mask
+        pair, _, cache = model(x[:, 10:], cache=cache)
     assert torch.allclose(prefix, full[:, :5], atol=1e-5)
-    assert torch.allclose(chunk, full[:, 5:10], atol=1e-5)  # a wrong mask changes every row but the last
+    # a wrong mask changes every row but the last
+    assert torch.allclose(chunk, full[:, 5:10], atol=1e-5)
     assert torch.allclose(pair, full[:, 10:], atol=1e-5)
     assert cache[0][0].shape == (2, 2, 12, 16)  # (B, nh, T, hs): the cache holds all 12 positions
     with pytest.raises(ValueError, match="sequence of 17 tokens exceeds block_size 16"):
@@ -184,7 +209,9 @@ def test_generation_past_block_size_and_top_k():
     torch.manual_seed(0)
     model = GPT(tiny())
     g = torch.Generator().manual_seed(0)
-    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 40, temperature=1.0, top_k=5, generator=g)
+    out = model.generate(
+        torch.zeros(1, 1, dtype=torch.long), 40, temperature=1.0, top_k=5, generator=g
+    )
     assert out.shape == (1, 41)
     assert model.training  # generate restores the mode
 
@@ -241,12 +268,14 @@ def test_sequence_too_long_is_refused():
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
 def test_chunked_head_and_loss_match_the_whole_logits_in_loss_and_every_gradient(tie, chunk):
-    """ChunkedHeadLoss against F.cross_entropy over the whole logits: fp32 loss and gradients of every
-    parameter within 1e-5, for chunks smaller than, not dividing, and larger than the 3 x 16 tokens."""
+    """ChunkedHeadLoss against F.cross_entropy over the whole logits: fp32 loss and gradients of
+    every parameter within 1e-5, for chunks smaller than, not dividing, and larger than the 3 x 16
+    tokens."""
     import copy
 
     torch.manual_seed(0)
-    whole = GPT(tiny(vocab_size=300, vocab_multiple=64, tie_weights=tie))  # padded to 320: 20 unused rows
+    # padded to 320: 20 unused rows
+    whole = GPT(tiny(vocab_size=300, vocab_multiple=64, tie_weights=tie))
     chunked = copy.deepcopy(whole)
     chunked.loss_chunk = chunk
     # 3 x 16 = 48 tokens, not the model's width (32): a token count read from the wrong axis fails
@@ -266,9 +295,9 @@ def test_chunked_head_and_loss_match_the_whole_logits_in_loss_and_every_gradient
 
 def test_chunked_head_and_loss_on_bf16_weights_keep_dtypes_and_sum_gradients_in_fp32():
     """Under fsdp's mixed precision the head's weight itself is bf16: the chunk's gradients are cast
-    to the weight's dtype for the matmuls, and the weight's gradient sums its chunks in fp32. Against
-    fp64 over the whole logits, 512 chunks of one token: max relative error of the weight's gradient
-    measured 6.9e-3 (one bf16 rounding of each product); summed in bf16 it is 2.0e-2."""
+    to the weight's dtype for the matmuls, and the weight's gradient sums its chunks in fp32.
+    Against fp64 over the whole logits, 512 chunks of one token: max relative error of the weight's
+    gradient measured 6.9e-3 (one bf16 rounding of each product); summed in bf16 it is 2.0e-2."""
     from gptlab.model import ChunkedHeadLoss
 
     torch.manual_seed(0)
@@ -308,9 +337,12 @@ def test_position_tables_are_the_formulas():
     assert torch.allclose(sin.double(), angle.sin(), atol=1e-4, rtol=0)
 
 
-def test_under_torch_compile_the_rotation_is_done_in_real_arithmetic_in_the_input_dtype(monkeypatch):
+def test_under_torch_compile_the_rotation_is_done_in_real_arithmetic_in_the_input_dtype(
+    monkeypatch,
+):
     """What apply_rotary runs when torch.compile traces it (is_compiling): rotate_pairs on the same
-    arguments, whose result keeps a bf16 input's dtype (measured: the same values as eager, 0 apart)."""
+    arguments, whose result keeps a bf16 input's dtype (measured: the same values as eager, 0
+    apart)."""
     from gptlab.model import apply_rotary, rotary_tables, rotate_pairs
 
     torch.manual_seed(0)
@@ -335,10 +367,10 @@ def test_swiglu_is_silu_of_the_gate_times_the_up_projection():
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
 def test_every_position_scheme_makes_the_model_see_token_order(pos_emb):
-    """Without positions, a one-layer causal model's last output depends on the set of earlier tokens,
-    not their order: swapping two of them must change it under each scheme. Sharpened attention
-    (x10), seed 0, measured: learned 3.5e-2, sinusoidal 3.8e-5, rotary 4.2e-2; with the positions
-    taken out (the control below) 6e-8, float rounding."""
+    """Without positions, a one-layer causal model's last output depends on the set of earlier
+    tokens, not their order: swapping two of them must change it under each scheme. Sharpened
+    attention (x10), seed 0, measured: learned 3.5e-2, sinusoidal 3.8e-5, rotary 4.2e-2; with the
+    positions taken out (the control below) 6e-8, float rounding."""
     torch.manual_seed(0)
     model = GPT(tiny(pos_emb=pos_emb, n_layer=1)).eval()
     with torch.no_grad():

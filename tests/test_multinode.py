@@ -1,13 +1,14 @@
-"""Many nodes on one machine, end to end: launch/local_slurm.sh with GPTLAB_SLURM_NODES=2 (each node a
-network and UTS namespace of its own), and gptlab's multi-node path on it: the rendezvous across nodes,
-the same losses as one process, slurm.json and MLflow, launch/sbatch_gptlab.sh, a task killed on the
-second node, a requeue, and a `down` that leaves nothing behind.
+"""Many nodes on one machine, end to end: launch/local_slurm.sh with GPTLAB_SLURM_NODES=2 (each node
+a network and UTS namespace of its own), and gptlab's multi-node path on it: the rendezvous across
+nodes, the same losses as one process, slurm.json and MLflow, launch/sbatch_gptlab.sh, a task killed
+on the second node, a requeue, and a `down` that leaves nothing behind.
 
-The cluster tests (slow) bring the 2-node cluster up themselves and, when the last one ends, put back
-the cluster they found (in CI the 1-node cluster that .ci/setup.d starts for the whole session: the
-other SLURM tests reach services on the host's loopback, which a node in a namespace cannot). Like
-tests/test_slurm.py they need a running local cluster, and root; without them they are skipped, except
-in CI (CI=true). The first tests, on the rendezvous port and on reading srun's reports, need neither.
+The cluster tests (slow) bring the 2-node cluster up themselves and, when the last one ends, put
+back the cluster they found (in CI the 1-node cluster that .ci/setup.d starts for the whole session:
+the other SLURM tests reach services on the host's loopback, which a node in a namespace cannot).
+Like tests/test_slurm.py they need a running local cluster, and root; without them they are skipped,
+except in CI (CI=true). The first tests, on the rendezvous port and on reading srun's reports, need
+neither.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def _local_slurm(action: str, nodes: int | None = None, timeout: float = 300) ->
     if nodes is not None:
         env["GPTLAB_SLURM_NODES"] = str(nodes)
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(SCRIPT), action], env=env, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        ["bash", str(SCRIPT), action], env=env, capture_output=True, text=True, timeout=timeout
+    )
     return r, time.monotonic() - t0
 
 
 def _ours() -> bool:
-    """The clients talk to launch/local_slurm.sh's cluster (never bring another SLURM up or down)."""
+    """The clients talk to launch/local_slurm.sh's cluster (never bring another SLURM up or
+    down)."""
     conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
     try:
         return MARK in conf.read_text()
@@ -69,7 +73,9 @@ def _ours() -> bool:
 
 
 def _node_count() -> int:
-    r = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, timeout=30
+    )
     return len(set(r.stdout.split())) if r.returncode == 0 else 0
 
 
@@ -81,7 +87,10 @@ def two_nodes():
     if problem is None and os.geteuid() != 0:
         problem = "not root: launch/local_slurm.sh makes network namespaces"
     if problem:
-        message = f"no local SLURM cluster to make 2 nodes of ({problem}); start one: bash launch/local_slurm.sh up"
+        message = (
+            f"no local SLURM cluster to make 2 nodes of ({problem}); "
+            "start one: bash launch/local_slurm.sh up"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message + " (.ci/run should have)")
         pytest.skip(message)
@@ -92,12 +101,15 @@ def two_nodes():
     try:
         yield
     finally:
-        r, took = _local_slurm("up", nodes=found)  # what this module found (after its own `down`, too)
+        # what this module found (after its own `down`, too)
+        r, took = _local_slurm("up", nodes=found)
         print(f"\nlocal_slurm.sh up (back to {found} node(s)): {took:.1f} s")
         assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _run(cmd: List[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def _run(
+    cmd: List[str], cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
     return r
@@ -105,16 +117,23 @@ def _run(cmd: List[str], cwd: Path | None = None, timeout: float = 60) -> subpro
 
 def _job_state(job_id: str) -> str:
     """The controller's word on a job (sacct's once the controller has forgotten it)."""
-    r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True, timeout=30
+    )
     match = re.search(r"\bJobState=(\S+)", r.stdout)
     if match:
         return match.group(1)
-    r = subprocess.run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], capture_output=True, text=True)
+    r = subprocess.run(
+        ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"],
+        capture_output=True,
+        text=True,
+    )
     return (r.stdout.split() or ["UNKNOWN"])[0]
 
 
 def _job_records(job_id: str) -> str:
-    """What accounting (every start of the job) and the controller say of a job: for failure messages."""
+    """What accounting (every start of the job) and the controller say of a job: for failure
+    messages."""
     acct = ["sacct", "-D", "-j", job_id, "-P", "-o", "JobID,State,Start,End,ExitCode,NodeList"]
     parts = []
     for cmd in (acct, ["scontrol", "show", "job", "-o", job_id]):
@@ -131,14 +150,18 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None)
             return value
         if proc is not None and proc.poll() is not None:
             out = proc.stdout.read() if proc.stdout else ""
-            pytest.fail(f"the launcher ended (exit {proc.returncode}) before {what}:\n{out[-4000:]}")
+            pytest.fail(
+                f"the launcher ended (exit {proc.returncode}) before {what}:\n{out[-4000:]}"
+            )
         time.sleep(0.25)
     pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
 def _losses(run_dir: Path) -> Tuple[List[float], List[float]]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["train_loss"] for r in rows if "train_loss" in r], [r["val_loss"] for r in rows if "val_loss" in r]
+    return [r["train_loss"] for r in rows if "train_loss" in r], [
+        r["val_loss"] for r in rows if "val_loss" in r
+    ]
 
 
 def _mlflow_run(cwd: Path, run_dir: Path):
@@ -157,11 +180,14 @@ def _mlflow_run(cwd: Path, run_dir: Path):
 
 
 def _task_pid(job_id: str, rank: int) -> Tuple[int, str]:
-    """(pid, node) of the python process of SLURM task `rank` of job `job_id` (every node shares /proc)."""
+    """(pid, node) of the python process of SLURM task `rank` of job `job_id` (every node shares
+    /proc)."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = dict(
-                line.split("=", 1) for line in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in line
+                line.split("=", 1)
+                for line in Path(f"/proc/{pid}/environ").read_text().split("\0")
+                if "=" in line
             )
             cmd = Path(f"/proc/{pid}/cmdline").read_text()
         except OSError:
@@ -209,24 +235,30 @@ def test_a_rendezvous_port_in_use_ends_the_task_with_one_line(capsys):
 
 
 def test_srun_reports_of_dead_tasks_are_read_and_a_requeue_is_no_failure():
-    killed = "srun: error: gptlab-n2: task 1: Killed\nsrun: launch/slurm: _step_signal: Terminating StepId=61.0\n"
+    killed = (
+        "srun: error: gptlab-n2: task 1: Killed\n"
+        "srun: launch/slurm: _step_signal: Terminating StepId=61.0\n"
+    )
     assert srun_failures(killed) == (["rank 1 on gptlab-n2: Killed"], False)
     assert srun_failures("srun: error: n7: tasks 8-15: Exited with exit code 1\n")[0] == [
         "ranks 8-15 on n7: Exited with exit code 1"
     ]
     requeue = (
-        "slurmstepd-gptlab-n1: error: *** JOB 74 ON gptlab-n1 CANCELLED AT 2026-11-30T14:38:57 DUE TO JOB REQUEUE ***\n"
+        "slurmstepd-gptlab-n1: error: *** JOB 74 ON gptlab-n1 CANCELLED AT 2026-11-30T14:38:57 DUE "
+        "TO JOB REQUEUE ***\n"
         "srun: error: gptlab-n2: task 1: Terminated\n"
         "srun: error: gptlab-n1: task 0: Exited with exit code 255\n"
     )
     assert srun_failures(requeue) == ([], False)
-    assert srun_failures(requeue + killed)[0] == ["rank 1 on gptlab-n2: Killed"]  # the next start's failure
+    # the next start's failure
+    assert srun_failures(requeue + killed)[0] == ["rank 1 on gptlab-n2: Killed"]
     # read in whole lines as they come, as the launcher's watcher does
     cut = requeue.index("\n") + 1
     first, inside = srun_failures(requeue[:cut])
     assert first == [] and inside
     assert srun_failures(requeue[cut:], inside) == ([], False)
-    # slurmstepd may terminate rank 0 before it exits by itself (seen in CI): the requeue still ends there
+    # slurmstepd may terminate rank 0 before it exits by itself (seen in CI): the requeue still ends
+    # there
     terminated = requeue.replace("task 0: Exited with exit code 255", "task 0: Terminated")
     assert srun_failures(terminated) == ([], False)
     assert srun_failures(terminated + killed)[0] == ["rank 1 on gptlab-n2: Killed"]
@@ -234,7 +266,8 @@ def test_srun_reports_of_dead_tasks_are_read_and_a_requeue_is_no_failure():
 
 def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
     """SubmissionReporter puts ControllerCheckedWatcher in submitit's place for a SLURM sweep (the
-    launcher's jobs wait through it), and submitit's own back when the sweep ends; not for others."""
+    launcher's jobs wait through it), and submitit's own back when the sweep ends; not for
+    others."""
     from omegaconf import OmegaConf
     from submitit.slurm.slurm import SlurmJob
 
@@ -244,13 +277,20 @@ def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
     stock = SlurmJob.watcher
     for launcher, installed in (("slurm_local", True), ("local", False)):
         config = OmegaConf.create(
-            {"hydra": {"runtime": {"choices": {"hydra/launcher": launcher}}, "sweep": {"dir": str(tmp_path)}}}
+            {
+                "hydra": {
+                    "runtime": {"choices": {"hydra/launcher": launcher}},
+                    "sweep": {"dir": str(tmp_path)},
+                }
+            }
         )
         reporter = SubmissionReporter(poll_s=0.05)
         reporter.on_multirun_start(config)
         try:
             assert isinstance(SlurmJob.watcher, ControllerCheckedWatcher) is installed
-            assert "_stock_watcher" not in {k for k, v in reporter.__getstate__().items() if v is not None}
+            assert "_stock_watcher" not in {
+                k for k, v in reporter.__getstate__().items() if v is not None
+            }
         finally:
             reporter.on_multirun_end(config)
         assert SlurmJob.watcher is stock
@@ -258,7 +298,9 @@ def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
 
 @on_two_nodes
 def test_two_nodes_each_with_its_own_name_and_address():
-    states = dict(line.split() for line in _run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.splitlines())
+    states = dict(
+        line.split() for line in _run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.splitlines()
+    )
     assert states == {"gptlab-n1": "idle", "gptlab-n2": "idle"}, states
     t0 = time.monotonic()
     names = _run(["srun", f"--partition={PARTITION}", "-N2", "-n2", "hostname"]).stdout.split()
@@ -275,25 +317,40 @@ def test_two_nodes_each_with_its_own_name_and_address():
 
 def _sweep(cwd: Path, *extra: str) -> subprocess.Popen:
     cwd.mkdir()
-    return start_cli(["gptlab.train", "-m", "hydra/launcher=slurm_local", *extra], cwd, merge_stderr=True)
+    return start_cli(
+        ["gptlab.train", "-m", "hydra/launcher=slurm_local", *extra], cwd, merge_stderr=True
+    )
 
 
 def _sbatch(cwd: Path, nodes: int, tasks_per_node: int, *overrides: str) -> str:
     cwd.mkdir()
     r = subprocess.run(
-        ["sbatch", "--parsable", f"--partition={PARTITION}", f"--nodes={nodes}",
-         f"--ntasks-per-node={tasks_per_node}", f"--output={cwd}/slurm-%j.out", str(SBATCH_SCRIPT), *overrides],
-        cwd=cwd, env=cli_env({"GPTLAB_PYTHON": sys.executable}), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            f"--partition={PARTITION}",
+            f"--nodes={nodes}",
+            f"--ntasks-per-node={tasks_per_node}",
+            f"--output={cwd}/slurm-%j.out",
+            str(SBATCH_SCRIPT),
+            *overrides,
+        ],
+        cwd=cwd,
+        env=cli_env({"GPTLAB_PYTHON": sys.executable}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.strip().split(";")[0]
 
 
 @on_two_nodes
 def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
-    """Global batch 8 on 1 process, on 2 nodes x 1 task and 2 nodes x 2 tasks (submitit; DDP, and HSDP
-    on a 2 x 2 mesh), and on 2 x 1 through launch/sbatch_gptlab.sh: the same losses; each job says
-    which nodes it ran on, in slurm.json and in MLflow (world size, nodes). The five run at once."""
+    """Global batch 8 on 1 process, on 2 nodes x 1 task and 2 nodes x 2 tasks (submitit; DDP, and
+    HSDP on a 2 x 2 mesh), and on 2 x 1 through launch/sbatch_gptlab.sh: the same losses; each job
+    says which nodes it ran on, in slurm.json and in MLflow (world size, nodes). The five run at
+    once."""
     args = [*COMMON, f"data.path={shakespeare}"]
     t0 = time.monotonic()
     ref = start_cli(["gptlab.train", *args, "hardware=cpu"], tmp_path, merge_stderr=True)
@@ -301,18 +358,31 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
         "2x1": _sweep(tmp_path / "2x1", *args, "hardware.nodes=2"),
         "2x2": _sweep(tmp_path / "2x2", *args, "hardware.nodes=2", "hardware.nproc_per_node=2"),
         # sharded within each node, replicated across the two
-        "hsdp": _sweep(tmp_path / "hsdp", *args, "hardware.nodes=2", "hardware.nproc_per_node=2", "parallelism=hsdp"),
+        "hsdp": _sweep(
+            tmp_path / "hsdp",
+            *args,
+            "hardware.nodes=2",
+            "hardware.nproc_per_node=2",
+            "parallelism=hsdp",
+        ),
     }
     sbatch_job = _sbatch(tmp_path / "sbatch", 2, 1, *args)
     try:
         out = {name: p.communicate(timeout=300)[0] for name, p in {"ref": ref, **sweeps}.items()}
-        _wait(lambda: _job_state(sbatch_job) not in ("PENDING", "RUNNING", "COMPLETING"), 300, "the sbatch job")
+        _wait(
+            lambda: _job_state(sbatch_job) not in ("PENDING", "RUNNING", "COMPLETING"),
+            300,
+            "the sbatch job",
+        )
     finally:
         for p in (ref, *sweeps.values()):
             if p.poll() is None:
                 p.kill()
         subprocess.run(["scancel", sbatch_job], capture_output=True)
-    print(f"\n1 process + 2x1, 2x2, 2x2 hsdp sweeps + sbatch 2x1, at once: {time.monotonic() - t0:.1f} s")
+    print(
+        f"\n1 process + 2x1, 2x2, 2x2 hsdp sweeps + sbatch 2x1, at once: "
+        f"{time.monotonic() - t0:.1f} s"
+    )
     for name, p in {"ref": ref, **sweeps}.items():
         assert p.returncode == 0, f"{name}:\n{out[name][-3000:]}"
     sbatch_log = next((tmp_path / "sbatch").glob("slurm-*.out")).read_text()
@@ -334,13 +404,23 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
         assert run.info.status == "FINISHED", name
         assert run.data.params["derived.world_size"] == str(world), name
         assert run.data.params["hardware.nodes"] == "2", name  # the config, flattened into params
-    logs = "".join(p.read_text() for p in (tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_log.*"))
+    logs = "".join(
+        p.read_text() for p in (tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_log.*")
+    )
     assert "= 2 x 1 accum x 4 ranks" in logs, logs[-2000:]
-    hsdp_logs = "".join(p.read_text() for p in (tmp_path / "hsdp").glob("outputs/sweeps/*/.submitit/*/*_log.out"))
+    hsdp_logs = "".join(
+        p.read_text() for p in (tmp_path / "hsdp").glob("outputs/sweeps/*/.submitit/*/*_log.out")
+    )
     assert "hsdp mesh 2x2 (replicate x shard)" in hsdp_logs, hsdp_logs[-2000:]
     assert "socket.cpp" not in logs + sbatch_log  # every rank's address has a name on both sides
-    script = next((tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_submission.sh")).read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "export SLURM_KILL_BAD_EXIT=1"):
+    script = next(
+        (tmp_path / "2x2").glob("outputs/sweeps/*/.submitit/*/*_submission.sh")
+    ).read_text()
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=2",
+        "export SLURM_KILL_BAD_EXIT=1",
+    ):
         assert line in script, script
     assert "hardware.nodes=2 hardware.nproc_per_node=1" in sbatch_log, sbatch_log[:2000]
 
@@ -348,17 +428,26 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
 @on_two_nodes
 def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp_path, shakespeare):
     proc = _sweep(
-        tmp_path / "kill", "model=gpt_nano", f"data.path={shakespeare}", "hardware.nodes=2",
-        "train.max_steps=100000", "train.log_every=10", "train.checkpoint_every=10", "train.eval_every=100000",
-        "train.eval_steps=2", "train.sample_tokens=0",
-    )  # fmt: skip
+        tmp_path / "kill",
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "hardware.nodes=2",
+        "train.max_steps=100000",
+        "train.log_every=10",
+        "train.checkpoint_every=10",
+        "train.eval_every=100000",
+        "train.eval_steps=2",
+        "train.sample_tokens=0",
+    )
     cwd = tmp_path / "kill"
     try:
         checkpoints = lambda: list(cwd.glob("outputs/sweeps/*/0/checkpoints/ckpt_*"))  # noqa: E731
         _wait(checkpoints, 180, "a first checkpoint", proc)
         run_dir = checkpoints()[0].parent.parent
         job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
-        pid, node = _wait(lambda: _task_pid(job_id, 1) if _task_pid(job_id, 1)[0] else None, 30, "rank 1's pid")
+        pid, node = _wait(
+            lambda: _task_pid(job_id, 1) if _task_pid(job_id, 1)[0] else None, 30, "rank 1's pid"
+        )
         assert node == "gptlab-n2"
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -370,7 +459,10 @@ def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
-    print(f"\nSIGKILL of rank 1 on gptlab-n2: job {state} after {ended:.1f} s, launcher exited after {reported:.1f} s")
+    print(
+        f"\nSIGKILL of rank 1 on gptlab-n2: job {state} after {ended:.1f} s, launcher exited after "
+        f"{reported:.1f} s"
+    )
     assert state == "FAILED"
     assert proc.returncode != 0
     line = f"SLURM job {job_id}: rank 1 on gptlab-n2: Killed"
@@ -383,12 +475,13 @@ def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp
 
 @on_two_nodes
 def test_a_taken_rendezvous_port_fails_the_job_at_once_with_one_line(tmp_path, shakespeare):
-    """Something on the first node listens on the job's rendezvous port: rank 0 says so in one line and
-    exits, and kill-on-bad-exit ends rank 1 (waiting for the rendezvous) at once."""
+    """Something on the first node listens on the job's rendezvous port: rank 0 says so in one line
+    and exits, and kill-on-bad-exit ends rank 1 (waiting for the rendezvous) at once."""
     port = 31999  # given as MASTER_PORT, which wins over the port derived from the job id
     holder = subprocess.Popen(
         ["nsenter", "--net=/run/netns/gptlab-n1", sys.executable, "-c",
-         f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); print('ready', flush=True); "
+         f"import socket, time; s = socket.socket(); s.bind(('', {port})); s.listen(); "
+         f"print('ready', flush=True); "
          "time.sleep(600)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -398,10 +491,22 @@ def test_a_taken_rendezvous_port_fails_the_job_at_once_with_one_line(tmp_path, s
         assert holder.stdout.readline().strip() == "ready"
         t0 = time.monotonic()
         r = subprocess.run(
-            [sys.executable, "-m", "gptlab.train", "-m", "hydra/launcher=slurm_local", *COMMON,
-             f"data.path={shakespeare}", "hardware.nodes=2"],
-            cwd=cwd, env=cli_env({"MASTER_PORT": str(port)}), capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "gptlab.train",
+                "-m",
+                "hydra/launcher=slurm_local",
+                *COMMON,
+                f"data.path={shakespeare}",
+                "hardware.nodes=2",
+            ],
+            cwd=cwd,
+            env=cli_env({"MASTER_PORT": str(port)}),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         took = time.monotonic() - t0
     finally:
         holder.kill()
@@ -409,20 +514,26 @@ def test_a_taken_rendezvous_port_fails_the_job_at_once_with_one_line(tmp_path, s
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     job_id = next(cwd.glob("outputs/sweeps/*/.submitit/*/*_submission.sh")).parent.name
-    state, elapsed = _run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ElapsedRaw"]).stdout.split("|")
+    state, elapsed = _run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ElapsedRaw"]
+    ).stdout.split("|")
     print(
-        f"\nrendezvous port taken: job {state} after {elapsed.strip()} s in SLURM, launcher exited after {took:.1f} s"
+        f"\nrendezvous port taken: job {state} after {elapsed.strip()} s in SLURM, launcher exited "
+        f"after {took:.1f} s"
     )
     assert state == "FAILED" and int(elapsed) < 30
-    line = f"gptlab: error: rank 0 cannot listen on the rendezvous port {port} on gptlab-n1 (Address already in use)"
+    line = (
+        f"gptlab: error: rank 0 cannot listen on the rendezvous port {port} on gptlab-n1 "
+        "(Address already in use)"
+    )
     assert line in out, out[-3000:]
     assert f"SLURM job {job_id}: rank 0 on gptlab-n1: Exited with exit code 2" in out, out[-3000:]
 
 
 @on_two_nodes
 def test_usr2_requeues_a_two_node_job_that_resumes_in_the_same_run_folder(tmp_path, shakespeare):
-    """SIGUSR2 to every task (preemption): they agree to stop, rank 0 saves, submitit requeues the job,
-    and the new start, on both nodes again, resumes in the same run folder and MLflow run."""
+    """SIGUSR2 to every task (preemption): they agree to stop, rank 0 saves, submitit requeues the
+    job, and the new start, on both nodes again, resumes in the same run folder and MLflow run."""
     proc = _sweep(
         tmp_path / "requeue", "model=gpt_nano", f"data.path={shakespeare}", "hardware.nodes=2",
         "train.max_steps=60", "train.log_every=5", "train.eval_every=60", "train.eval_steps=2",
@@ -432,12 +543,22 @@ def test_usr2_requeues_a_two_node_job_that_resumes_in_the_same_run_folder(tmp_pa
     t0 = time.monotonic()
     try:
         metrics = lambda: list(cwd.glob("outputs/sweeps/*/0/metrics.jsonl"))  # noqa: E731
-        _wait(lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 2, 180, "training to start", proc)
+        _wait(
+            lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 2,
+            180,
+            "training to start",
+            proc,
+        )
         run_dir = metrics()[0].parent
         job_id = str(json.loads((run_dir / "slurm.json").read_text())["job_id"])
         _run(["scancel", "--signal=USR2", job_id])
         # SLURM holds a requeued job for a while (BeginTime); let it start again at once
-        _wait(lambda: "BeginTime" in _run(["squeue", "-h", "-j", job_id, "-o", "%r"]).stdout, 120, "the requeue", proc)
+        _wait(
+            lambda: "BeginTime" in _run(["squeue", "-h", "-j", job_id, "-o", "%r"]).stdout,
+            120,
+            "the requeue",
+            proc,
+        )
         _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
         out = proc.communicate(timeout=300)[0]
     finally:
@@ -460,12 +581,19 @@ def _leftovers() -> Dict[str, List[str]]:
             cmd = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
         except OSError:
             continue
-        if re.search(r"\b(slurmctld|slurmd|slurmstepd|slurmdbd)\b", cmd) or f"--datadir={STATE_DIR}" in cmd:
+        if (
+            re.search(r"\b(slurmctld|slurmd|slurmstepd|slurmdbd)\b", cmd)
+            or f"--datadir={STATE_DIR}" in cmd
+        ):
             daemons.append(f"{pid}: {cmd}")
     return {
         "netns": [ln for ln in netns.splitlines() if ln.startswith("gptlab-")],
         "links": [ln for ln in links.splitlines() if re.search(r"\d+: (gptlab-br0|gl-n\d+)\b", ln)],
-        "hosts": [ln for ln in Path("/etc/hosts").read_text().splitlines() if HOSTS_MARK in ln or "gptlab-n" in ln],
+        "hosts": [
+            ln
+            for ln in Path("/etc/hosts").read_text().splitlines()
+            if HOSTS_MARK in ln or "gptlab-n" in ln
+        ],
         "daemons": daemons,
     }
 

@@ -37,7 +37,9 @@ def test_warmup_then_cosine_to_floor():
 
 
 def test_lr_scaling_rules():
-    assert scaled_lr(OptimizerConfig(lr=1e-3, lr_scaling="sqrt"), 8) == pytest.approx(1e-3 * math.sqrt(8))
+    assert scaled_lr(OptimizerConfig(lr=1e-3, lr_scaling="sqrt"), 8) == pytest.approx(
+        1e-3 * math.sqrt(8)
+    )
     assert scaled_lr(OptimizerConfig(lr=1e-3, lr_scaling="linear"), 8) == pytest.approx(8e-3)
     assert scaled_lr(OptimizerConfig(lr=1e-3), 8) == pytest.approx(1e-3)
 
@@ -60,7 +62,8 @@ def test_warmup_peaks_exactly_at_the_peak_and_never_above():
     cfg = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
     lrs = [lr_at(s, 1e-3, cfg, 110) for s in range(111)]
     assert lrs[9] == lrs[10] == 1e-3 and max(lrs) == 1e-3
-    assert lrs[:10] == pytest.approx([1e-4 * (s + 1) for s in range(10)])  # linear from peak / warmup
+    # linear from peak / warmup
+    assert lrs[:10] == pytest.approx([1e-4 * (s + 1) for s in range(10)])
     assert min(lrs) == pytest.approx(1e-4)
     no_warmup = OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=0.1)
     assert lr_at(0, 1e-3, no_warmup, 100) == 1e-3  # no warmup: the peak from the first step
@@ -70,17 +73,23 @@ def test_warmup_peaks_exactly_at_the_peak_and_never_above():
 
 @pytest.mark.parametrize("schedule", ["linear", "constant"])
 def test_linear_and_constant_schedules_and_decay_steps(schedule):
-    cfg = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=50)
+    cfg = OptimizerConfig(
+        lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=50
+    )
     lrs = [lr_at(s, 1e-3, cfg, 110) for s in range(111)]
     assert lrs[9] == lrs[10] == 1e-3 and max(lrs) == 1e-3
     if schedule == "constant":
         assert set(lrs[10:]) == {1e-3}
     else:
         assert lrs[30] == pytest.approx(0.55e-3)  # half way from step 10 to decay_steps = 50
-        assert lrs[50] == pytest.approx(1e-4) and lrs[110] == pytest.approx(1e-4)  # the floor after decay_steps
-        assert all(a - b == pytest.approx(0.9e-3 / 40) for a, b in zip(lrs[10:50], lrs[11:51]))  # a straight line
+        # the floor after decay_steps
+        assert lrs[50] == pytest.approx(1e-4) and lrs[110] == pytest.approx(1e-4)
+        # a straight line
+        assert all(a - b == pytest.approx(0.9e-3 / 40) for a, b in zip(lrs[10:50], lrs[11:51]))
     # decay no longer than the warmup: the peak ever after
-    short = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=10)
+    short = OptimizerConfig(
+        lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=10
+    )
     assert lr_at(40, 1e-3, short, 110) == 1e-3
 
 
@@ -94,7 +103,11 @@ def test_adamw_takes_the_configured_hyperparameters():
     model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
     cfg = OptimizerConfig(betas=[0.8, 0.9], eps=1e-6, fused=False)
     opt = build_optimizer(model, cfg, 3e-4, "cuda")  # fused=false wins over the device's default
-    assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["eps"] == 1e-6 and opt.defaults["lr"] == 3e-4
+    assert (
+        opt.defaults["betas"] == (0.8, 0.9)
+        and opt.defaults["eps"] == 1e-6
+        and opt.defaults["lr"] == 3e-4
+    )
     assert not opt.defaults["fused"]
     frozen = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
     frozen.wpe.weight.requires_grad_(False)
@@ -103,17 +116,19 @@ def test_adamw_takes_the_configured_hyperparameters():
 
 
 def test_orthogonalize_pushes_every_singular_value_near_one():
-    """Newton-Schulz on a stack of gradient-like matrices (singular values spread 10x), fp32 and bf16:
-    every singular value lands in [0.68, 1.14] (measured, both dtypes)."""
+    """Newton-Schulz on a stack of gradient-like matrices (singular values spread 10x), fp32 and
+    bf16: every singular value lands in [0.68, 1.14] (measured, both dtypes)."""
     torch.manual_seed(0)
     g = torch.randn(3, 64, 200) * torch.linspace(0.1, 1, 64)[:, None]
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 10
     for dtype in (torch.float32, torch.bfloat16):
         s = torch.linalg.svdvals(orthogonalize(g.to(dtype), 5).float())
         assert s.min() > 0.6 and s.max() < 1.2, (dtype, s.min(), s.max())
-    # each matrix is scaled to unit norm first, so the result does not depend on the gradient's scale
+    # each matrix is scaled to unit norm first, so the result does not depend on the gradient's
+    # scale
     assert torch.allclose(orthogonalize(g * 1e-3, 5), orthogonalize(g, 5), atol=1e-5)
-    assert torch.equal(orthogonalize(torch.zeros(2, 3), 5), torch.zeros(2, 3))  # no NaN from a zero gradient
+    # no NaN from a zero gradient
+    assert torch.equal(orthogonalize(torch.zeros(2, 3), 5), torch.zeros(2, 3))
     one = orthogonalize(g[0], 5)  # a single matrix is one stack of one
     assert one.shape == (64, 200) and torch.allclose(one, orthogonalize(g[:1], 5)[0])
 
@@ -131,7 +146,10 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert muon["muon"] and sorted(names[id(p)] for p in muon["params"]) == sorted(
         n for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("h.")
     )
-    assert not embeddings["muon"] and {names[id(p)] for p in embeddings["params"]} == {"wte.weight", "wpe.weight"}
+    assert not embeddings["muon"] and {names[id(p)] for p in embeddings["params"]} == {
+        "wte.weight",
+        "wpe.weight",
+    }
     assert embeddings["weight_decay"] == muon["weight_decay"] == 0.1
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
@@ -140,7 +158,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert not unfused.defaults["fused"]
 
 
-@pytest.mark.parametrize("avx512_bf16, amx, native", [(False, False, False), (True, False, True), (False, True, True)])
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, native", [(False, False, False), (True, False, True), (False, True, True)]
+)
 def test_fast_bf16_is_cuda_and_cpus_with_native_bf16(monkeypatch, avx512_bf16, amx, native):
     """A CPU has native bf16 with AVX-512-BF16 or AMX; oneDNN's emulation on other AVX-512 CPUs is
     slower than fp32, so it does not count."""
@@ -170,9 +190,27 @@ def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
     mine = [torch.randn(64, 64, requires_grad=True) for _ in range(2)]
     ref = [p.detach().clone().requires_grad_() for p in mine]
     other = [p.detach().clone().requires_grad_() for p in mine]
-    opt = Muon([{"params": mine, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5, True)
-    unfused = Muon([{"params": other, "weight_decay": 0.1, "muon": False}], 1e-2, (0.9, 0.95), 1e-8, 0.95, 5, False)
-    fused = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt = Muon(
+        [{"params": mine, "weight_decay": 0.1, "muon": False}],
+        1e-2,
+        (0.9, 0.95),
+        1e-8,
+        0.95,
+        5,
+        True,
+    )
+    unfused = Muon(
+        [{"params": other, "weight_decay": 0.1, "muon": False}],
+        1e-2,
+        (0.9, 0.95),
+        1e-8,
+        0.95,
+        5,
+        False,
+    )
+    fused = torch.optim.AdamW(
+        ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True
+    )
     for _ in range(20):
         grads = [torch.randn(64, 64) for _ in mine]
         for ps in (mine, ref, other):
@@ -184,13 +222,17 @@ def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
     # the fused kernel, bitwise; the for-each one ends 1.5e-8 to 3e-8 away here (measured)
     assert all(torch.equal(a, b) for a, b in zip(mine, ref))
     assert not all(torch.equal(a, b) for a, b in zip(other, ref))  # fused=False: the other kernel
-    assert all(int(opt.state[p]["step"]) == 20 and opt.state[p]["step"].dtype == torch.float32 for p in mine)
+    assert all(
+        int(opt.state[p]["step"]) == 20 and opt.state[p]["step"].dtype == torch.float32
+        for p in mine
+    )
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-newton-schulz", "fp32-newton-schulz"])
 def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, monkeypatch):
-    """Three steps by hand: Nesterov momentum, Newton-Schulz, 0.2 sqrt(max dim) scale, decoupled decay;
-    the AdamW groups equal torch.optim.AdamW's steps to rounding. Both Newton-Schulz precisions."""
+    """Three steps by hand: Nesterov momentum, Newton-Schulz, 0.2 sqrt(max dim) scale, decoupled
+    decay; the AdamW groups equal torch.optim.AdamW's steps to rounding. Both Newton-Schulz
+    precisions."""
     monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: bf16)
     cfg = OptimizerConfig(name="muon", weight_decay=0.1, betas=[0.9, 0.95], muon_momentum=0.9)
     model, ref = muon_model(), muon_model()
@@ -232,12 +274,17 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, mo
             for n in names:
                 dict(ref.named_parameters())[n].copy_(expect[n])
     got = dict(model.named_parameters())
-    # bf16 Newton-Schulz (this machine): a stacked bmm rounds unlike one matrix's mm, 5.5e-5 apart measured
-    # after 3 steps of ~1e-2 each; fp32: the same to 2e-6. A 5% error in the update's scale is 5e-4.
+    # bf16 Newton-Schulz (this machine): a stacked bmm rounds unlike one matrix's mm, 5.5e-5 apart
+    # measured after 3 steps of ~1e-2 each; fp32: the same to 2e-6. A 5% error in the update's scale
+    # is 5e-4.
     tol = 1e-4 if dtype == torch.bfloat16 else 2e-6
     for n, p in ref.named_parameters():
         assert torch.allclose(got[n], p, atol=tol), (n, (got[n] - p).abs().max())
-    assert any(not torch.equal(got[n], ref_before) for n, ref_before in muon_model().named_parameters() if n in names)
+    assert any(
+        not torch.equal(got[n], ref_before)
+        for n, ref_before in muon_model().named_parameters()
+        if n in names
+    )
 
 
 def test_an_unknown_optimizer_is_refused():
@@ -248,11 +295,12 @@ def test_an_unknown_optimizer_is_refused():
         to_config(compose_config(["optimizer.name=lion"]))
 
 
-@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module.*returned a view tensor")  # as distributed.py does
+# as distributed.py does
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module.*returned a view tensor")
 def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
-    """fully_shard in a gloo group of one, in this process: Muon's parameters, gradients and momentum
-    buffers are DTensors; each update is gathered whole, orthogonalised and cut back to the shard, so
-    three steps equal the unsharded model's (fp32 Newton-Schulz: bitwise, measured)."""
+    """fully_shard in a gloo group of one, in this process: Muon's parameters, gradients and
+    momentum buffers are DTensors; each update is gathered whole, orthogonalised and cut back to the
+    shard, so three steps equal the unsharded model's (fp32 Newton-Schulz: bitwise, measured)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -310,7 +358,8 @@ def test_the_weight_average_follows_its_recurrence_after_every_step(name):
         for p, e in zip(params, expected):
             torch.testing.assert_close(opt.state[p]["ema"], e, rtol=1e-5, atol=1e-6)
     assert all(opt.state[p]["ema_updates"] == 120 for p in params)  # saved with the average
-    # a loaded state's count is read once on the next step: a copy goes on exactly as the original does
+    # a loaded state's count is read once on the next step: a copy goes on exactly as the original
+    # does
     twin = copy.deepcopy(model)
     again = build_optimizer(twin, OptimizerConfig(name=name, ema_decay=0.9), 1e-2, "cpu")
     for _ in range(3):  # its own count (3) goes stale: loading forgets it
@@ -320,7 +369,10 @@ def test_the_weight_average_follows_its_recurrence_after_every_step(name):
     for m, o in ((model, opt), (twin, again)):
         step_with_random_grads(m, o, torch.Generator().manual_seed(7))
     for p, q in zip(params, twin.parameters()):
-        assert torch.equal(again.state[q]["ema"], opt.state[p]["ema"]) and again.state[q]["ema_updates"] == 121
+        assert (
+            torch.equal(again.state[q]["ema"], opt.state[p]["ema"])
+            and again.state[q]["ema_updates"] == 121
+        )
     # the weights themselves moved away from the average (it lags them)
     assert any(not torch.equal(p, opt.state[p]["ema"]) for p in params)
 
@@ -357,16 +409,22 @@ def test_load_average_takes_the_saved_average_under_any_name_of_a_tied_weight():
     assert model.lm_head.weight is model.wte.weight
     state = {n: torch.full_like(p, float(i)) for i, (n, p) in enumerate(model.named_parameters())}
     # a checkpoint names a tied weight once, by either of its names
-    saved = {"state": {("lm_head.weight" if n == "wte.weight" else n): {"ema": v} for n, v in state.items()}}
+    saved = {
+        "state": {
+            ("lm_head.weight" if n == "wte.weight" else n): {"ema": v} for n, v in state.items()
+        }
+    }
     assert load_average(model, saved)
     for n, p in model.named_parameters():
         assert torch.equal(p, state[n]), n
-    assert not load_average(model, None) and not load_average(model, {"state": {"h.0.ln_1.weight": {}}})
+    assert not load_average(model, None) and not load_average(
+        model, {"state": {"h.0.ln_1.weight": {}}}
+    )
 
 
 def test_a_run_without_the_average_drops_a_resumed_one_instead_of_evaluating_it_stale():
-    """Resuming an averaging run's state with ema_decay=0: the old average would never move again, yet
-    be swapped in for evaluation and saved for sample and export. It is dropped on load."""
+    """Resuming an averaging run's state with ema_decay=0: the old average would never move again,
+    yet be swapped in for evaluation and saved for sample and export. It is dropped on load."""
     model = muon_model()
     averaging = build_optimizer(model, OptimizerConfig(ema_decay=0.5), 1e-2, "cpu")
     step_with_random_grads(model, averaging, torch.Generator().manual_seed(2))

@@ -24,7 +24,13 @@ def cfg_for(*overrides):
     [
         ["model=gpt_char"],
         ["model=gpt_nano"],
-        ["model=gpt1b", "model.n_layer=1", "model.n_embd=64", "model.n_head=4", "model.ffn_dim=100"],
+        [
+            "model=gpt1b",
+            "model.n_layer=1",
+            "model.n_embd=64",
+            "model.n_head=4",
+            "model.ffn_dim=100",
+        ],
         [
             "model=gpt_nano",
             "model.mlp=swiglu",
@@ -41,9 +47,12 @@ def test_param_count_matches_the_model(overrides):
     assert param_count(cfg, 65) == model.num_params()
 
 
-def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0, wrap=None) -> float:
-    """Weights + the optimizer's state + the allocator's peak during one training step (after a first
-    step), with the optimizer the config chooses (the default's Muon and weight average included).
+def measured_peak_bytes(
+    cfg, checkpointing: bool, vocab: int = 65, loss_chunk: int = 0, wrap=None
+) -> float:
+    """Weights + the optimizer's state + the allocator's peak during one training step (after a
+    first step), with the optimizer the config chooses (the default's Muon and weight average
+    included).
 
     wrap: what to do to the model before training it (tests/fsdp_memory_probe.py shards it); the
     static bytes are then this rank's shards."""
@@ -73,8 +82,8 @@ def measured_peak_bytes(cfg, checkpointing: bool, vocab: int = 65, loss_chunk: i
     return static + peak
 
 
-# AdamW at 16 sequences, where the figures below were measured; "default" is the default job as it runs
-# (Muon with its weight average, rotary, 32 sequences)
+# AdamW at 16 sequences, where the figures below were measured; "default" is the default job as it
+# runs (Muon with its weight average, rotary, 32 sequences)
 CALIBRATED = ["optimizer=adamw", "model.pos_emb=learned", "train.batch_size=16"]
 
 
@@ -85,44 +94,58 @@ def test_memory_estimate_within_7_percent_of_measured(model, checkpointing):
     cfg = cfg_for(*setting, f"parallelism.activation_checkpointing={str(checkpointing).lower()}")
     predicted = make_plan(cfg).memory["total"]
     measured = measured_peak_bytes(cfg, checkpointing)
-    print(f"{model} ckpt={checkpointing}: predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB")
+    print(
+        f"{model} ckpt={checkpointing}: predicted {predicted / 2**20:.2f} MiB, measured "
+        f"{measured / 2**20:.2f} MiB"
+    )
     # measured (torch 2.13, CPU): gpt_char 43.30 / 43.16 MiB (+0.3%) and 20.54 / 20.61 (-0.3%) with
-    # checkpointing; gpt_nano 2.97 / 2.86 (+3.8%) and 1.71 / 1.62 (+5.6%); the default job 85.29 / 85.05
-    # (+0.3%) and 33.77 / 34.25 (-1.4%). One AdamW moment is 7-13%.
+    # checkpointing; gpt_nano 2.97 / 2.86 (+3.8%) and 1.71 / 1.62 (+5.6%); the default job 85.29 /
+    # 85.05 (+0.3%) and 33.77 / 34.25 (-1.4%). One AdamW moment is 7-13%.
     assert predicted == pytest.approx(measured, rel=0.07)
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 256])
 def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, monkeypatch):
-    """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and the
-    memory model follows the allocator both ways (an over-estimate of 21% whole, 13% chunked)."""
+    """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and
+    the memory model follows the allocator both ways (an over-estimate of 21% whole, 13%
+    chunked)."""
     monkeypatch.setattr(costs, "vocab_for", lambda cfg: (8192, False))
     cfg = cfg_for("model=gpt_char", *CALIBRATED, f"parallelism.loss_chunk={loss_chunk}")
     predicted = make_plan(cfg).memory["total"]
     measured = measured_peak_bytes(cfg, False, vocab=8192, loss_chunk=loss_chunk)
-    print(f"loss_chunk={loss_chunk}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
-    # measured (torch 2.13, CPU): 182.2 predicted / 150.3 MiB measured whole (+21%), 66.2 / 58.8 chunked
-    # (+13%): the estimate errs on the safe side, by about that much and not more
+    print(
+        f"loss_chunk={loss_chunk}: predicted {predicted / 2**20:.1f} MiB, measured "
+        f"{measured / 2**20:.1f} MiB"
+    )
+    # measured (torch 2.13, CPU): 182.2 predicted / 150.3 MiB measured whole (+21%), 66.2 / 58.8
+    # chunked (+13%): the estimate errs on the safe side, by about that much and not more
     over = {0: (0.17, 0.25), 256: (0.08, 0.17)}[loss_chunk]
     assert over[0] < predicted / measured - 1 < over[1]
 
 
 def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
     assert make_plan(cfg_for("model=gpt_char")).shape.loss_chunk == 0  # 65 symbols: never worth it
-    assert make_plan(cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2")).shape.loss_chunk == 1024
     assert (
-        make_plan(cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "parallelism.loss_chunk=0")).shape.loss_chunk
+        make_plan(cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2")).shape.loss_chunk == 1024
+    )
+    assert (
+        make_plan(
+            cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "parallelism.loss_chunk=0")
+        ).shape.loss_chunk
         == 0
     )
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
 def test_activations_per_layer_match_autograds_saved_tensors(pos_emb):
-    """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast; rotary
-    positions keep their rotated q and k besides."""
+    """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast;
+    rotary positions keep their rotated q and k besides."""
     for precision, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         cfg = cfg_for(
-            "model=gpt_char", "model.n_layer=1", f"hardware.precision={precision}", f"model.pos_emb={pos_emb}"
+            "model=gpt_char",
+            "model.n_layer=1",
+            f"hardware.precision={precision}",
+            f"model.pos_emb={pos_emb}",
         )
         model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
         B, T = 4, cfg.model.block_size
@@ -156,7 +179,9 @@ def test_gpt1b_recipe_fits_40gb_only_with_checkpointing():
     assert abs(plan.params - 1_011_224_385) / 1_011_224_385 < 0.001  # the reference's count
     assert plan.fits and plan.memory_ckpt["total"] < 40 * 2**30
     assert plan.memory_no_ckpt["total"] > plan.usable_bytes
-    no_ckpt = make_plan(cfg_for("experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"))
+    no_ckpt = make_plan(
+        cfg_for("experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false")
+    )
     assert not no_ckpt.fits and no_ckpt.largest_fit is not None and no_ckpt.largest_fit < 8
 
 
@@ -180,7 +205,12 @@ def test_micro_batch_auto_uses_the_planner():
     )
     assert bigger.micro_batch_size > mb
     with pytest.raises(GptlabError, match="would fit"):
-        cfg_for("model=gpt2_124m", "data.tokenizer.kind=gpt2", "train.micro_batch_size=auto", "hardware.memory_gb=0.5")
+        cfg_for(
+            "model=gpt2_124m",
+            "data.tokenizer.kind=gpt2",
+            "train.micro_batch_size=auto",
+            "hardware.memory_gb=0.5",
+        )
     with pytest.raises(GptlabError, match="train.micro_batch_size"):
         cfg_for("train.micro_batch_size=lots")
 
@@ -192,7 +222,11 @@ def test_plan_cli_gpt1b(tmp_path):
     assert "with activation checkpointing: fits at micro-batch 8" in ok.stdout
     assert "without activation checkpointing: does not fit at micro-batch 8" in ok.stdout
     no = run_cli(
-        ["gptlab.plan", "experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"],
+        [
+            "gptlab.plan",
+            "experiment=gpt1b_shakespeare",
+            "parallelism.activation_checkpointing=false",
+        ],
         cwd=REPO,
         timeout=120,
     )
@@ -204,28 +238,46 @@ def test_plan_cli_gpt1b(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_memory_estimate_within_25_percent_of_measured_on_two_processes(tmp_path):
-    """The sharded memory model against the allocator's peak of a real 2-process fsdp step (gloo)."""
+    """The sharded memory model against the allocator's peak of a real 2-process fsdp step
+    (gloo)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     models, checkpointing = ("gpt_nano", "gpt_char"), ("false", "true")
-    specs = [f"model={m} parallelism.activation_checkpointing={ac}" for m in models for ac in checkpointing]
+    specs = [
+        f"model={m} parallelism.activation_checkpointing={ac}"
+        for m in models
+        for ac in checkpointing
+    ]
     torchrun = str(Path(sys.executable).parent / "torchrun")
     probe = REPO / "tests" / "fsdp_memory_probe.py"
-    r = subprocess.run([torchrun, "--nproc_per_node=2", str(probe), *specs], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path)  # fmt: skip
+    r = subprocess.run(
+        [torchrun, "--nproc_per_node=2", str(probe), *specs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     measured = json.loads(r.stdout.strip().splitlines()[-1])
     for spec in specs:
         cfg = cfg_for(*spec.split(), "hardware=cpu_x2", "parallelism=fsdp")
         predicted = make_plan(cfg).memory["total"]
-        print(f"{spec}: predicted {predicted / 2**20:.2f} MiB, measured {measured[spec] / 2**20:.2f} MiB")
+        print(
+            f"{spec}: predicted {predicted / 2**20:.2f} MiB, measured "
+            f"{measured[spec] / 2**20:.2f} MiB"
+        )
         assert predicted == pytest.approx(measured[spec], rel=0.25), spec
     # sharding is what the estimate is about: the same run unsharded needs more per device
-    assert make_plan(cfg_for("model=gpt_char", "hardware=cpu_x2")).memory["weights"] == pytest.approx(
-        2 * make_plan(cfg_for("model=gpt_char", "hardware=cpu_x2", "parallelism=fsdp")).memory["weights"]
+    assert make_plan(cfg_for("model=gpt_char", "hardware=cpu_x2")).memory[
+        "weights"
+    ] == pytest.approx(
+        2
+        * make_plan(cfg_for("model=gpt_char", "hardware=cpu_x2", "parallelism=fsdp")).memory[
+            "weights"
+        ]
     )
 
 
@@ -238,13 +290,15 @@ def test_a_ddp_run_that_does_not_fit_is_told_the_fsdp_setting_that_would():
     assert main(["experiment=gpt_2b7_fsdp"])["fits"]
     # a smaller model that DDP holds only with checkpointing: fsdp is named first, without it
     args = ["model=gpt2_1558m", "data=fineweb_edu", "hardware=a100x8", "train.batch_size=128"]
-    with pytest.raises(GptlabError, match=r"would fit: parallelism=fsdp parallelism.activation_checkpointing=false"):
+    with pytest.raises(
+        GptlabError, match=r"would fit: parallelism=fsdp parallelism.activation_checkpointing=false"
+    ):
         main([*args, "train.micro_batch_size=8"])
 
 
 def test_the_readmes_planner_figures(capsys):
-    """README quotes these for the 1B recipe: 20.9 GiB with checkpointing (fits), 40.9 GiB without,
-    more than the 36.8 GiB usable, and the two settings that would fit."""
+    """docs/speed.md quotes these for the 1B recipe: 20.9 GiB with checkpointing (fits), 40.9 GiB
+    without, more than the 36.8 GiB usable, and the two settings that would fit."""
     from gptlab.plan import main
 
     gib = 2**30
@@ -260,14 +314,20 @@ def test_the_readmes_planner_figures(capsys):
     assert "without activation checkpointing: does not fit at micro-batch 8" in report
     with pytest.raises(GptlabError) as e:
         main(["experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false"])
-    # the README's quote of this error (a comment of two lines under the command) is the error
-    lines = (REPO / "README.md").read_text().splitlines()
-    command = "python -m gptlab.plan experiment=gpt1b_shakespeare parallelism.activation_checkpointing=false"
+    # docs/speed.md's quote of this error (a comment of two lines under the command) is the error
+    lines = (REPO / "docs" / "speed.md").read_text().splitlines()
+    command = (
+        "python -m gptlab.plan experiment=gpt1b_shakespeare "
+        "parallelism.activation_checkpointing=false"
+    )
     at = next(i for i, line in enumerate(lines) if line.startswith(command))
     quoted = " ".join(line[2:] for line in lines[at + 1 : at + 3])
     assert quoted == f"gptlab.plan: error: {e.value}"
     assert "needs 40.9 GiB per device, more than the 36.8 GiB usable" in quoted
-    assert "would fit: parallelism=fsdp" in quoted and "parallelism.activation_checkpointing=true (20.9 GiB)" in quoted
+    assert (
+        "would fit: parallelism=fsdp" in quoted
+        and "parallelism.activation_checkpointing=true (20.9 GiB)" in quoted
+    )
 
 
 def test_plan_json_is_one_object_of_the_plans_figures(capsys):
@@ -277,7 +337,8 @@ def test_plan_json_is_one_object_of_the_plans_figures(capsys):
     printed = capsys.readouterr().out.strip()
     assert "\n" not in printed
 
-    assert json.loads(printed) == json.loads(json.dumps(out))  # what main returns is what it printed
+    # what main returns is what it printed
+    assert json.loads(printed) == json.loads(json.dumps(out))
     cfg = cfg_for("model=gpt_nano")
     plan = make_plan(cfg)
     assert out["params"] == plan.params == param_count(cfg, 65) and out["expected_mfu"] == 0.3
@@ -287,14 +348,16 @@ def test_plan_json_is_one_object_of_the_plans_figures(capsys):
 
 
 def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
-    """The whole report, line for line: README's block for the 1B recipe, and an fsdp recipe's labels
-    (the 1/8 shards, the gradients in flight, the gathered weights) with a multi-hour estimate."""
+    """The whole report, line for line: docs/speed.md's block for the 1B recipe, and an fsdp
+    recipe's labels (the 1/8 shards, the gradients in flight, the gathered weights) with a
+    multi-hour estimate."""
     from gptlab.plan import main
 
     main(["experiment=gpt1b_shakespeare"])
     report = capsys.readouterr().out
-    lines = (REPO / "README.md").read_text().splitlines()
-    at = lines.index("The first command's report (the 1B recipe on 8 A100-40GB; `tests/test_plan.py` checks that "
+    lines = (REPO / "docs" / "speed.md").read_text().splitlines()
+    at = lines.index("The first command's report (the 1B recipe on 8 A100-40GB; "
+                     "`tests/test_plan.py` checks that "
                      "it is the real output):")  # fmt: skip
     assert lines[at + 2] == "```text"
     end = lines.index("```", at + 3)
@@ -302,9 +365,12 @@ def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
 
     main(["experiment=gpt_2b7_fsdp"])
     assert capsys.readouterr().out == (
-        "gpt_2b7 on a100x8 (8 x cuda, bf16, fsdp): 2,649,052,160 parameters (2649.1M), vocab 50304\n"
-        "FLOPs per token: 16.879 GFLOP (6N + attention); 20.570 GFLOP with checkpointing's recomputation\n"
-        "batch: 512 sequences x 1024 tokens = 524,288 tokens per step; per device 64 = micro-batch 16 x 4 "
+        "gpt_2b7 on a100x8 (8 x cuda, bf16, fsdp): 2,649,052,160 parameters (2649.1M), vocab "
+        "50304\n"
+        "FLOPs per token: 16.879 GFLOP (6N + attention); 20.570 GFLOP with checkpointing's "
+        "recomputation\n"
+        "batch: 512 sequences x 1024 tokens = 524,288 tokens per step; per device 64 = micro-batch "
+        "16 x 4 "
         "accumulation steps\n"
         "memory per device at micro-batch 16:    checkpointing  no checkpointing\n"
         "  weights (fp32, 1/8 each)                       1.23 GiB          1.23 GiB\n"
@@ -317,11 +383,14 @@ def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
         "  logits / recompute peak                        1.41 GiB          0.29 GiB\n"
         "  peak (estimate)                               13.99 GiB         52.59 GiB\n"
         "  device memory 40.0 GiB, usable 36.8 GiB (92%)\n"
-        "     with activation checkpointing: fits at micro-batch 16; largest micro-batch that fits: 64 "
+        "     with activation checkpointing: fits at micro-batch 16; largest micro-batch that "
+        "fits: 64 "
         "(1 accumulation step)\n"
-        "  without activation checkpointing: does not fit at micro-batch 16; largest micro-batch that fits: 8 "
+        "  without activation checkpointing: does not fit at micro-batch 16; largest micro-batch "
+        "that fits: 8 "
         "(8 accumulation steps)\n"
-        "expected at 40% MFU of 312 TFLOP/s per device (config): 8,864 ms per step, 59,151 tokens/s, "
+        "expected at 40% MFU of 312 TFLOP/s per device (config): 8,864 ms per step, 59,151 "
+        "tokens/s, "
         "19,073 steps in 46.96 h\n"
         "configured (activation checkpointing on): FITS\n"
     )
@@ -337,34 +406,56 @@ def test_report_durations_plurals_and_a_device_where_nothing_fits(capsys):
         main(["experiment=gpt1b_shakespeare", "hardware.memory_gb=8"])
     report = capsys.readouterr().out
     assert "  device memory 8.0 GiB, usable 7.4 GiB (92%)\n" in report
-    assert "     with activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n" in report
-    assert "  without activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n" in report
+    assert (
+        "     with activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n"
+        in report
+    )
+    assert (
+        "  without activation checkpointing: does not fit at micro-batch 8; no micro-batch fits\n"
+        in report
+    )
     assert report.endswith("configured (activation checkpointing on): DOES NOT FIT\n")
 
 
 # AdamW, as the GPT-2 recipes run (the root default, muon, keeps a weight average: other figures)
-GPT2_ON_A_SMALL_GPU = ["model=gpt2_124m", "data=fineweb_edu", "hardware=h200", "train.batch_size=16", "optimizer=adamw"]
+GPT2_ON_A_SMALL_GPU = [
+    "model=gpt2_124m",
+    "data=fineweb_edu",
+    "hardware=h200",
+    "train.batch_size=16",
+    "optimizer=adamw",
+]
 
 
 def test_auto_micro_batch_is_the_largest_that_fits_the_usable_memory():
     """gpt2_124m, 16 sequences a step on a GPU of 3 GiB (2.76 usable): 2 a micro-batch without
-    checkpointing (4 needs more: with 3 / 0.92 = 3.26 GiB usable it would be 4), all 16 with it; a batch of
-    one sequence is a micro-batch of one; when none fits, the error is about micro-batch 1."""
+    checkpointing (4 needs more: with 3 / 0.92 = 3.26 GiB usable it would be 4), all 16 with it; a
+    batch of one sequence is a micro-batch of one; when none fits, the error is about micro-batch
+    1."""
 
     def auto(*overrides):
-        return cfg_for(*GPT2_ON_A_SMALL_GPU, "train.micro_batch_size=auto", *overrides).micro_batch_size
+        return cfg_for(
+            *GPT2_ON_A_SMALL_GPU, "train.micro_batch_size=auto", *overrides
+        ).micro_batch_size
 
     assert auto("hardware.memory_gb=3", "parallelism.activation_checkpointing=false") == 2
-    assert auto(f"hardware.memory_gb={3 / 0.92**2}", "parallelism.activation_checkpointing=false") == 4
+    assert (
+        auto(f"hardware.memory_gb={3 / 0.92**2}", "parallelism.activation_checkpointing=false") == 4
+    )
     assert auto("hardware.memory_gb=3", "parallelism.activation_checkpointing=true") == 16
     assert auto("hardware.memory_gb=3", "train.batch_size=1") == 1
-    with pytest.raises(GptlabError, match="^train.batch_size: 1 sequences do not split over 2 processes"):
-        cfg_for("hardware=cpu_x2", "train.batch_size=1", "train.micro_batch_size=auto")  # refused before planning
+    with pytest.raises(
+        GptlabError, match="^train.batch_size: 1 sequences do not split over 2 processes"
+    ):
+        # refused before planning
+        cfg_for("hardware=cpu_x2", "train.batch_size=1", "train.micro_batch_size=auto")
     with pytest.raises(GptlabError) as e:
         auto("hardware.memory_gb=0.5", "parallelism.activation_checkpointing=true")
     assert str(e.value).startswith(
-        "train.micro_batch_size=1: needs 1.8 GiB per device, more than the 0.5 GiB usable of hardware=h200; "
-        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and optimizer state alone "
+        "train.micro_batch_size=1: needs 1.8 GiB per device, more than the 0.5 GiB usable of "
+        "hardware=h200; "
+        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and "
+        "optimizer state alone "
         "take 1.7 GiB, which more data-parallel GPUs do not shrink"
     )
 
@@ -374,23 +465,31 @@ def test_auto_micro_batch_is_the_largest_that_fits_the_usable_memory():
     [
         (True, 2, "train.micro_batch_size=2 with 8 accumulation steps"),
         (False, 2, "activation checkpointing with train.micro_batch_size=2"),
-        (False, 4, "parallelism.activation_checkpointing=true (2.6 GiB), or train.micro_batch_size=4 with 4 "
+        (False, 4, "parallelism.activation_checkpointing=true (2.6 GiB), or "
+                   "train.micro_batch_size=4 with 4 "
                    "accumulation steps"),
     ],
 )  # fmt: skip
 def test_what_would_fit_names_the_change_that_fits_this_device(checkpointing, memory_gb, would_fit):
-    """One process, so no fsdp: a smaller micro-batch at the configured checkpointing, else checkpointing
-    on (alone, or with a smaller micro-batch)."""
+    """One process, so no fsdp: a smaller micro-batch at the configured checkpointing, else
+    checkpointing on (alone, or with a smaller micro-batch)."""
     from gptlab.plan import main
 
     ckpt = str(checkpointing).lower()
     need = "2.6" if checkpointing else "6.9"
     with pytest.raises(GptlabError) as e:
-        main([*GPT2_ON_A_SMALL_GPU, "train.micro_batch_size=16", f"parallelism.activation_checkpointing={ckpt}",
-              f"hardware.memory_gb={memory_gb}"])  # fmt: skip
+        main(
+            [
+                *GPT2_ON_A_SMALL_GPU,
+                "train.micro_batch_size=16",
+                f"parallelism.activation_checkpointing={ckpt}",
+                f"hardware.memory_gb={memory_gb}",
+            ]
+        )
     usable = f"{memory_gb * 0.92:.1f}"
     assert str(e.value) == (
-        f"train.micro_batch_size=16: needs {need} GiB per device, more than the {usable} GiB usable of "
+        f"train.micro_batch_size=16: needs {need} GiB per device, more than the {usable} GiB "
+        f"usable of "
         f"hardware=h200; would fit: {would_fit}"
     )
 
@@ -401,16 +500,44 @@ def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
     main(["experiment=gpt1b_shakespeare", "plan.json=true"])
     out = json.loads(capsys.readouterr().out)  # what was printed
     assert sorted(out) == sorted(
-        ["model", "hardware", "world_size", "params", "flops_per_token", "hardware_flops_per_token",
-         "micro_batch_size", "accum_steps", "activation_checkpointing", "device_bytes", "usable_bytes", "memory",
-         "memory_ckpt", "memory_no_ckpt", "fits", "fits_ckpt", "fits_no_ckpt", "largest_micro_batch",
-         "expected_mfu", "expected_peak_flops_per_device", "expected_peak_source", "expected_tokens_per_step",
-         "expected_tokens_per_s", "expected_step_s", "expected_train_s"]
-    )  # fmt: skip
+        [
+            "model",
+            "hardware",
+            "world_size",
+            "params",
+            "flops_per_token",
+            "hardware_flops_per_token",
+            "micro_batch_size",
+            "accum_steps",
+            "activation_checkpointing",
+            "device_bytes",
+            "usable_bytes",
+            "memory",
+            "memory_ckpt",
+            "memory_no_ckpt",
+            "fits",
+            "fits_ckpt",
+            "fits_no_ckpt",
+            "largest_micro_batch",
+            "expected_mfu",
+            "expected_peak_flops_per_device",
+            "expected_peak_source",
+            "expected_tokens_per_step",
+            "expected_tokens_per_s",
+            "expected_step_s",
+            "expected_train_s",
+        ]
+    )
     assert (out["model"], out["hardware"], out["world_size"]) == ("gpt1b", "a100x8", 8)
-    assert out["device_bytes"] == 40 * 2**30 and out["usable_bytes"] == pytest.approx(0.92 * 40 * 2**30)
+    assert out["device_bytes"] == 40 * 2**30 and out["usable_bytes"] == pytest.approx(
+        0.92 * 40 * 2**30
+    )
     assert (out["fits"], out["fits_ckpt"], out["fits_no_ckpt"]) == (True, True, False)
-    assert out["largest_micro_batch"] == 8 and out["accum_steps"] == 1 and isinstance(out["accum_steps"], int)
+    assert (
+        out["largest_micro_batch"] == 8
+        and out["accum_steps"] == 1
+        and isinstance(out["accum_steps"], int)
+    )
     assert out["expected_tokens_per_step"] == 64 * 2048 and out["expected_peak_source"] == "config"
     assert out["expected_step_s"] == pytest.approx(0.925, abs=5e-4)  # the report's 925 ms
     assert out["expected_train_s"] == pytest.approx(15_000 * out["expected_step_s"])
@@ -432,30 +559,48 @@ def test_the_shape_is_the_models_block_by_block(overrides):
     shape, params, assumed = shape_for(cfg)
     assert shape.layer_params == sum(p.numel() for p in model.h[0].parameters())
     assert (params, assumed) == (model.num_params(), True)
-    assert shape.swiglu == ("model.mlp=swiglu" in overrides) and shape.n_head == cfg.model.n_head == 2
+    assert (
+        shape.swiglu == ("model.mlp=swiglu" in overrides) and shape.n_head == cfg.model.n_head == 2
+    )
     swiglu_weights = costs.matmul_params(2, 32, cfg.model.hidden_dim, 65, True)
     assert (shape.matmul_params == swiglu_weights) == shape.swiglu
     assert (shape.device, shape.reshard, shape.world_size, shape.shards) == ("cpu", True, 1, 1)
 
 
 def test_the_shape_knows_fused_attention_and_hsdps_shards():
-    """The fused attention kernels keep no T x T matrix, except the math backend, and on the CPU with
-    dropout (SDPA's CPU kernels take none). hsdp splits over the ranks of a node; fsdp over all."""
+    """The fused attention kernels keep no T x T matrix, except the math backend, and on the CPU
+    with dropout (SDPA's CPU kernels take none). hsdp splits over the ranks of a node; fsdp over
+    all."""
     flash = {
-        (backend, device, dropout): shape_for(cfg_for(f"hardware={device}", f"hardware.attention_backend={backend}",
-                                                      f"model.dropout={dropout}", "hardware.memory_gb=8"))[0].flash
-        for backend in ("auto", "math") for device in ("cpu", "gpu") for dropout in (0.0, 0.1)
-    }  # fmt: skip
+        (backend, device, dropout): shape_for(
+            cfg_for(
+                f"hardware={device}",
+                f"hardware.attention_backend={backend}",
+                f"model.dropout={dropout}",
+                "hardware.memory_gb=8",
+            )
+        )[0].flash
+        for backend in ("auto", "math")
+        for device in ("cpu", "gpu")
+        for dropout in (0.0, 0.1)
+    }
     assert [k for k, fused in flash.items() if fused] == [
         ("auto", "cpu", 0.0),
         ("auto", "gpu", 0.0),
         ("auto", "gpu", 0.1),
     ]
-    two_nodes = ["hardware=a100x8", "hardware.nodes=2", "train.batch_size=64", "train.micro_batch_size=4"]
+    two_nodes = [
+        "hardware=a100x8",
+        "hardware.nodes=2",
+        "train.batch_size=64",
+        "train.micro_batch_size=4",
+    ]
     assert shape_for(cfg_for(*two_nodes, "parallelism=hsdp"))[0].shards == 8
     assert shape_for(cfg_for(*two_nodes, "parallelism=fsdp"))[0].shards == 16
     assert (
-        shape_for(cfg_for(*two_nodes, "parallelism=fsdp", "parallelism.reshard_after_forward=false"))[0].reshard
+        shape_for(
+            cfg_for(*two_nodes, "parallelism=fsdp", "parallelism.reshard_after_forward=false")
+        )[0].reshard
         is False
     )
 
@@ -465,8 +610,11 @@ def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
         return costs.vocab_for(to_config(compose_config(list(overrides))))
 
     assert vocab("model.vocab_size=100") == (100, False)
-    assert vocab("data=fineweb_edu", "data.tokenizer.kind=gpt2") == (50257, False)  # tiktoken's GPT-2 encoding
-    assert vocab("data=shakespeare", "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=4096") == (4096, False)
+    # tiktoken's GPT-2 encoding
+    assert vocab("data=fineweb_edu", "data.tokenizer.kind=gpt2") == (50257, False)
+    assert vocab(
+        "data=shakespeare", "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=4096"
+    ) == (4096, False)
     assert vocab() == (65, True)  # Tiny Shakespeare's characters, until the text is read
     assert vocab("data=text_files", "data.tokenizer.kind=char") == (256, True)  # bytes, until read
 
@@ -475,42 +623,61 @@ def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
     assert peak(hw) == (312e12, "config")  # bf16
     assert peak(dataclasses.replace(hw, precision="fp32")) == (156e12, "config")  # TF32 on
     assert peak(dataclasses.replace(hw, precision="fp32", tf32=False)) == (19.5e12, "config")
-    assert peak(dataclasses.replace(hw, peak_tflops=None, peak_tflops_tf32=None, peak_tflops_fp32=None)) == (
+    assert peak(
+        dataclasses.replace(hw, peak_tflops=None, peak_tflops_tf32=None, peak_tflops_fp32=None)
+    ) == (
         0.0,
         "unknown",
     )
-    monkeypatch.setattr(costs, "measured_cpu_peak", lambda dtype: {"float32": 1e11, "bfloat16": 3e11}[dtype])
+    monkeypatch.setattr(
+        costs, "measured_cpu_peak", lambda dtype: {"float32": 1e11, "bfloat16": 3e11}[dtype]
+    )
     assert peak(cfg_for().hardware) == (1e11, "measured")
     assert peak(cfg_for("hardware.precision=bf16").hardware) == (3e11, "measured")
 
     monkeypatch.setattr(costs, "machine_memory_bytes", lambda: 24 * 2**30)
     assert costs.device_memory_bytes(cfg_for()) == 24 * 2**30
-    assert costs.device_memory_bytes(cfg_for("hardware=cpu_x2")) == 12 * 2**30  # one machine, two processes
-    assert costs.device_memory_bytes(cfg_for("hardware=cpu_x2", "hardware.memory_gb=3")) == 3 * 2**30
+    # one machine, two processes
+    assert costs.device_memory_bytes(cfg_for("hardware=cpu_x2")) == 12 * 2**30
+    assert (
+        costs.device_memory_bytes(cfg_for("hardware=cpu_x2", "hardware.memory_gb=3")) == 3 * 2**30
+    )
     if not torch.cuda.is_available():
         with pytest.raises(GptlabError) as e:
             costs.device_memory_bytes(to_config(compose_config(["hardware=gpu"])))
         assert str(e.value) == (
-            "hardware.memory_gb: unknown for hardware=gpu without a visible GPU; set it, e.g. hardware.memory_gb=80"
+            "hardware.memory_gb: unknown for hardware=gpu without a visible GPU; set it, e.g. "
+            "hardware.memory_gb=80"
         )
     assert costs._divisors(1) == [1] and costs._divisors(12) == [1, 2, 3, 4, 6, 12]
-    assert make_plan(cfg_for("model=gpt_nano"), micro_batch=2).micro_batch == 2  # the one asked about
+    # the one asked about
+    assert make_plan(cfg_for("model=gpt_nano"), micro_batch=2).micro_batch == 2
 
 
 def test_two_processes_that_do_not_fit_are_told_the_fsdp_setting():
-    """The smallest data-parallel job (2 processes) is offered fsdp, with a smaller micro-batch where
-    only that fits, and with checkpointing on where only that fits."""
+    """The smallest data-parallel job (2 processes) is offered fsdp, with a smaller micro-batch
+    where only that fits, and with checkpointing on where only that fits."""
     from gptlab.plan import main
 
-    args = ["model=gpt2_124m", "data=fineweb_edu", "hardware=h200", "hardware.nproc_per_node=2", "train.batch_size=32",
-            "train.micro_batch_size=16", "parallelism.activation_checkpointing=false", "optimizer=adamw"]  # fmt: skip
+    args = [
+        "model=gpt2_124m",
+        "data=fineweb_edu",
+        "hardware=h200",
+        "hardware.nproc_per_node=2",
+        "train.batch_size=32",
+        "train.micro_batch_size=16",
+        "parallelism.activation_checkpointing=false",
+        "optimizer=adamw",
+    ]
     for memory_gb, offer in (
         (7, "parallelism=fsdp parallelism.activation_checkpointing=false (6.3 GiB per device)"),
         (
             4,
-            "parallelism=fsdp parallelism.activation_checkpointing=false train.micro_batch_size=4 (2.5 GiB per device)",
+            "parallelism=fsdp parallelism.activation_checkpointing=false train.micro_batch_size=4 "
+            "(2.5 GiB per device)",
         ),
-        (1.5, "parallelism=fsdp train.micro_batch_size=2 (1.3 GiB per device)"),  # the fsdp preset's checkpointing
+        # the fsdp preset's checkpointing
+        (1.5, "parallelism=fsdp train.micro_batch_size=2 (1.3 GiB per device)"),
     ):
         with pytest.raises(GptlabError) as e:
             main([*args, f"hardware.memory_gb={memory_gb}"])
@@ -519,22 +686,25 @@ def test_two_processes_that_do_not_fit_are_told_the_fsdp_setting():
 
 def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
     """The 1B recipe without checkpointing at micro-batch 2 on a 21 GB device: no micro-batch fits
-    without checkpointing, micro-batch 2 fits with it, and that is one option, not two. The report of
-    a run configured without checkpointing, line for line."""
+    without checkpointing, micro-batch 2 fits with it, and that is one option, not two. The report
+    of a run configured without checkpointing, line for line."""
     from gptlab.plan import main
 
     with pytest.raises(GptlabError) as e:
         main(["experiment=gpt1b_shakespeare", "parallelism.activation_checkpointing=false",
               "train.micro_batch_size=2", "hardware.memory_gb=21"])  # fmt: skip
     assert str(e.value).endswith(
-        "would fit: parallelism=fsdp parallelism.activation_checkpointing=false (8.5 GiB per device), "
+        "would fit: parallelism=fsdp parallelism.activation_checkpointing=false (8.5 GiB per "
+        "device), "
         "or parallelism.activation_checkpointing=true (19.1 GiB)"
     )
     assert capsys.readouterr().out == (
-        "gpt1b on a100x8 (8 x cuda, bf16, ddp): 1,011,496,960 parameters (1011.5M), vocab 65 (assumed until the data "
+        "gpt1b on a100x8 (8 x cuda, bf16, ddp): 1,011,496,960 parameters (1011.5M), vocab 65 "
+        "(assumed until the data "
         "is read)\n"
         "FLOPs per token: 7.047 GFLOP (6N + attention)\n"
-        "batch: 64 sequences x 2048 tokens = 131,072 tokens per step; per device 8 = micro-batch 2 x 4 accumulation "
+        "batch: 64 sequences x 2048 tokens = 131,072 tokens per step; per device 8 = micro-batch 2 "
+        "x 4 accumulation "
         "steps\n"
         "memory per device at micro-batch 2:    checkpointing  no checkpointing\n"
         "  weights (fp32)                                 3.77 GiB          3.77 GiB\n"
@@ -547,10 +717,12 @@ def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
         "  logits / recompute peak                        0.30 GiB          0.00 GiB\n"
         "  peak (estimate)                               19.14 GiB         22.94 GiB\n"
         "  device memory 21.0 GiB, usable 19.3 GiB (92%)\n"
-        "     with activation checkpointing: fits at micro-batch 2; largest micro-batch that fits: 2 (4 accumulation "
+        "     with activation checkpointing: fits at micro-batch 2; largest micro-batch that fits: "
+        "2 (4 accumulation "
         "steps)\n"
         "  without activation checkpointing: does not fit at micro-batch 2; no micro-batch fits\n"
-        "expected at 40% MFU of 312 TFLOP/s per device (config): 925 ms per step, 141,673 tokens/s, 15,000 steps in "
+        "expected at 40% MFU of 312 TFLOP/s per device (config): 925 ms per step, 141,673 "
+        "tokens/s, 15,000 steps in "
         "3.85 h\n"
         "configured (activation checkpointing off): DOES NOT FIT\n"
     )
@@ -564,21 +736,25 @@ def test_a_sharded_run_that_does_not_fit_is_not_told_to_shard():
     with pytest.raises(GptlabError) as e:
         main(["experiment=gpt_2b7_fsdp", "hardware.memory_gb=2"])
     assert str(e.value) == (
-        "train.micro_batch_size=16: needs 14.0 GiB per device, more than the 1.8 GiB usable of hardware=a100x8; "
-        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and optimizer state alone "
+        "train.micro_batch_size=16: needs 14.0 GiB per device, more than the 1.8 GiB usable of "
+        "hardware=a100x8; "
+        "would fit: a device with more memory (hardware.memory_gb): weights, gradients and "
+        "optimizer state alone "
         "take 6.3 GiB; a smaller model.n_layer / model.n_embd"
     )
     with pytest.raises(GptlabError) as e:
         main(["experiment=gpt_2b7_fsdp", "hardware.memory_gb=14"])
     assert str(e.value).endswith(
-        "GiB usable of hardware=a100x8; would fit: train.micro_batch_size=8 with 8 accumulation steps"
+        "GiB usable of hardware=a100x8; would fit: train.micro_batch_size=8 with 8 "
+        "accumulation steps"
     )
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 def test_the_plans_flops_are_what_the_model_does(mlp):
-    """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's second
-    forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP (4 x n_embd)."""
+    """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's
+    second forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP
+    (4 x n_embd)."""
     from test_metrics import counted_flops_per_token
 
     from gptlab.costs import flops_for, loss_chunk
@@ -607,14 +783,20 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     ids=["adamw", "adamw-ema", "muon", "muon-ema", "muon-untied-swiglu"],
 )
 def test_the_optimizer_state_is_what_the_optimizer_keeps(overrides):
-    """The planner's optimizer bytes against the fp32 numbers a real optimizer holds after one step."""
+    """The planner's optimizer bytes against the fp32 numbers a real optimizer holds after one
+    step."""
     cfg = cfg_for("model=gpt_nano", *overrides)
     model = GPT(dataclasses.replace(cfg.model, vocab_size=65))
     opt = build_optimizer(model, cfg.optimizer, 1e-3, "cpu")
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
-    held = sum(t.numel() for s in opt.state.values() for k, t in s.items() if k not in ("step", "ema_updates"))
+    held = sum(
+        t.numel()
+        for s in opt.state.values()
+        for k, t in s.items()
+        if k not in ("step", "ema_updates")
+    )
     shape, params, _ = shape_for(cfg)
     assert params == model.num_params()
     assert shape.optimizer_floats * params == pytest.approx(held, rel=1e-12)

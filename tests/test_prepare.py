@@ -1,4 +1,5 @@
-"""`python -m gptlab.prepare` as a user runs it: the shards it writes train; the Hub offline is one line.
+"""`python -m gptlab.prepare` as a user runs it: the shards it writes train; the Hub offline is one
+line.
 
 The library it calls (sources, tokenizing, shards) is tested in test_data_prepare.py.
 """
@@ -34,7 +35,8 @@ def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
             "train.log_every=3",
             "train.sample_tokens=10",
             "tracking.mlflow=false",
-            "optimizer.warmup_steps=0",  # six steps at the peak lr: enough to learn the commonest tokens
+            # six steps at the peak lr: enough to learn the commonest tokens
+            "optimizer.warmup_steps=0",
             "optimizer.lr=1e-2",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],
@@ -48,22 +50,29 @@ def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     val = [r["val_loss"] for r in rows if "val_loss" in r]
     # measured (torch 2.13, CPU): train loss 8.32 at step 1 (ln 4096 = 8.32, untrained), val 7.70 at
-    # step 3 and 7.44 at step 6: the model learns from the reused shards, which a model fed the wrong
-    # tokens or targets would not
+    # step 3 and 7.44 at step 6: the model learns from the reused shards, which a model fed the
+    # wrong tokens or targets would not
     assert results["steps"] == 6 and len(val) == 2 and val[1] < val[0] < 7.9 and val[1] < 7.6
 
 
 @pytest.mark.slow
 def test_prepare_from_the_hub_offline_is_one_line_without_retries(tmp_path):
-    """Unreachable Hub (a closed local port stands in for no network): gptlab's line, no Hugging Face retries."""
+    """Unreachable Hub (a closed local port stands in for no network): gptlab's line, no Hugging
+    Face retries."""
     r = run_cli(
         ["gptlab.prepare", "data=fineweb_edu", "data.progress=false"],
         cwd=tmp_path,
-        env_extra={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "GPTLAB_CACHE_DIR": str(tmp_path)},
+        env_extra={
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_OFFLINE": "0",
+            "GPTLAB_CACHE_DIR": str(tmp_path),
+        },
         timeout=120,
     )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("gptlab.prepare: error: data.hf_dataset=HuggingFaceFW/fineweb-edu: "), lines[0]
+    assert lines[0].startswith(
+        "gptlab.prepare: error: data.hf_dataset=HuggingFaceFW/fineweb-edu: "
+    ), lines[0]
     assert "http://127.0.0.1:9" in lines[0] and lines[0].endswith("with data.path=")
     assert "Retry" not in r.stderr and r.stdout == ""

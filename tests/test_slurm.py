@@ -1,11 +1,12 @@
 """The local SLURM cluster (launch/local_slurm.sh) and the Hydra launcher presets, end to end.
 
-These tests need a running cluster: `bash launch/local_slurm.sh up` (.ci/run starts one). Without one
-they are skipped, except in CI (CI=true), where a missing cluster is a failure.
+These tests need a running cluster: `bash launch/local_slurm.sh up` (.ci/run starts one). Without
+one they are skipped, except in CI (CI=true), where a missing cluster is a failure.
 
 The jobs that record in MLflow log to the session's team server (launch/mlflow_server.sh: mlflow
 server on PostgreSQL, at $GPTLAB_TEST_MLFLOW_URI, which .ci/setup.d/mlflow_server.sh starts), as a
-cluster's jobs would. Without it (outside CI) they log to an `mlflow server` on a SQLite file instead.
+cluster's jobs would. Without it (outside CI) they log to an `mlflow server` on a SQLite file
+instead.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def _cluster_problem() -> str | None:
         lines = (r.stderr or r.stdout).strip().splitlines()
         return f"sinfo failed: {lines[-1] if lines else f'exit {r.returncode}'}"
     states = r.stdout.split()
-    if not any(s.rstrip("*~#").startswith(("idle", "mixed", "allocated", "completing")) for s in states):
+    if not any(
+        s.rstrip("*~#").startswith(("idle", "mixed", "allocated", "completing")) for s in states
+    ):
         return f"no usable node (sinfo states: {states})"
     return None
 
@@ -52,7 +55,9 @@ def _cluster_problem() -> str | None:
 def slurm_cluster():
     problem = _cluster_problem()
     if problem:
-        message = f"no local SLURM cluster ({problem}); start one with `bash launch/local_slurm.sh up`"
+        message = (
+            f"no local SLURM cluster ({problem}); start one with `bash launch/local_slurm.sh up`"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(message + " (.ci/run should have)")
         pytest.skip(message)
@@ -75,7 +80,8 @@ def tracking_server(tmp_path_factory):
 
 
 def new_experiment(name: str) -> str:
-    return f"{name}-{uuid.uuid4().hex[:6]}"  # the session's server outlives a test: names never repeat
+    # the session's server outlives a test: names never repeat
+    return f"{name}-{uuid.uuid4().hex[:6]}"
 
 
 def sweep_runs(uri: str, experiment: str):
@@ -132,7 +138,9 @@ def test_cluster_runs_srun_and_sbatch_with_fake_gpus(tmp_path):
     assert re.match(r"batch job \d+ on \S+", out.read_text()), out.read_text()
 
 
-def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_controller_runs_it(tmp_path):
+def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_controller_runs_it(
+    tmp_path,
+):
     """submitit takes sacct's first ended state as final; a requeued job can read so while SLURM's
     controller has it pending again. The watcher that SubmissionReporter installs for SLURM sweeps
     (ControllerCheckedWatcher) asks the controller first."""
@@ -141,10 +149,17 @@ def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_control
     from gptlab.slurm import ControllerCheckedWatcher, controller_state
 
     r = _run(
-        ["sbatch", "--parsable", f"--partition={PARTITION}", "--time=2", f"--output={tmp_path}/%j.out",
-         "--wrap", "exit 3"],
+        [
+            "sbatch",
+            "--parsable",
+            f"--partition={PARTITION}",
+            "--time=2",
+            f"--output={tmp_path}/%j.out",
+            "--wrap",
+            "exit 3",
+        ],
         tmp_path,
-    )  # fmt: skip
+    )
     job = r.stdout.strip().split(";")[0]
     stock, ours = SlurmInfoWatcher(delay_s=600), ControllerCheckedWatcher(delay_s=600)
     try:
@@ -152,21 +167,31 @@ def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_control
         for watcher in (stock, ours):
             watcher.register_job(job)
             while watcher.get_state(job, mode="force") != "FAILED":
-                assert time.monotonic() < deadline, f"job {job}: {watcher.get_state(job, mode='cache')}"
+                assert time.monotonic() < deadline, (
+                    f"job {job}: {watcher.get_state(job, mode='cache')}"
+                )
                 time.sleep(0.5)
-        assert stock.is_done(job, mode="cache") and ours.is_done(job, mode="cache")  # both agree: it ended
-        # the job comes back (held, so that it stays pending): what both last read from sacct is stale
+        # both agree: it ended
+        assert stock.is_done(job, mode="cache") and ours.is_done(job, mode="cache")
+        # the job comes back (held, so that it stays pending): what both last read from sacct is
+        # stale
         _run(["scontrol", "requeuehold", job], tmp_path)
         assert controller_state(job) == "PENDING"
         assert stock.get_state(job, mode="cache") == ours.get_state(job, mode="cache") == "FAILED"
-        assert stock.is_done(job, mode="cache")  # submitit's own: ended (the launcher would give up)
+        # submitit's own: ended (the launcher would give up)
+        assert stock.is_done(job, mode="cache")
         assert not ours.is_done(job, mode="cache")  # gptlab's: the controller has it pending
-        assert not ours.is_done(job, mode="force")  # and sacct, asked again, says so too (or not yet)
+        # and sacct, asked again, says so too (or not yet)
+        assert not ours.is_done(job, mode="force")
     finally:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
     deadline = time.monotonic() + 60
-    while not ours.is_done(job, mode="force"):  # cancelled: the controller and accounting agree again
-        assert time.monotonic() < deadline, (controller_state(job), ours.get_state(job, mode="cache"))
+    # cancelled: the controller and accounting agree again
+    while not ours.is_done(job, mode="force"):
+        assert time.monotonic() < deadline, (
+            controller_state(job),
+            ours.get_state(job, mode="cache"),
+        )
         time.sleep(0.5)
     assert controller_state(job) == "CANCELLED"
 
@@ -197,17 +222,25 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
     assert len(sweeps) == 1, sweeps
     sweep = sweeps[0]
     for num in ("0", "1", "2"):
-        assert (sweep / num / "results.json").is_file(), sorted(p.name for p in (sweep / num).iterdir())
+        assert (sweep / num / "results.json").is_file(), sorted(
+            p.name for p in (sweep / num).iterdir()
+        )
         # the run folder says which SLURM job it was and where that job's logs are
         job = json.loads((sweep / num / "slurm.json").read_text())
         assert Path(job["stdout"]).is_file() and job["job_id"]
-    # One array job of three tasks, on the local partition, one task each (hardware=cpu); its logs sit
-    # next to the job folders.
+    # One array job of three tasks, on the local partition, one task each (hardware=cpu); its logs
+    # sit next to the job folders.
     (submission,) = sweep.glob(".submitit/*/*_submission.sh")
     script = submission.read_text()
     # the launching command said which job it submitted and where its logs are
     assert f"submitted SLURM job {submission.parent.name}; logs: " in r.stdout, r.stdout[-2000:]
-    for flag in ("--array=0-2", f"--partition={PARTITION}", "--ntasks-per-node=1", "--nodes=1", "--signal=USR2@"):
+    for flag in (
+        "--array=0-2",
+        f"--partition={PARTITION}",
+        "--ntasks-per-node=1",
+        "--nodes=1",
+        "--signal=USR2@",
+    ):
         assert flag in script, script
     job_id = submission.parent.name
     for num in ("0", "1", "2"):
@@ -231,7 +264,12 @@ def _submit_held(args: List[str], sweep: Path, cwd: Path) -> tuple[subprocess.Po
         "+hydra.launcher.additional_parameters.hold=true",
     ]
     proc = subprocess.Popen(
-        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -243,7 +281,10 @@ def _submit_held(args: List[str], sweep: Path, cwd: Path) -> tuple[subprocess.Po
         time.sleep(0.5)
     _stop(proc)
     out = proc.communicate(timeout=30)[0]
-    pytest.fail(f"no submission appeared under {sweep}/.submitit (launcher exit {proc.returncode}):\n{out[-4000:]}")
+    pytest.fail(
+        f"no submission appeared under {sweep}/.submitit (launcher exit "
+        f"{proc.returncode}):\n{out[-4000:]}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -264,10 +305,12 @@ def _job_field(job_id: str, field: str, cwd: Path) -> str:
 
 
 def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
-    # The real preset, submitted to the local cluster. Only cpus_per_task is lowered: 8 tasks x 8 CPUs
-    # would not fit the 16 CPUs declared here. The job is held, checked, cancelled; it never runs.
-    # The composed 1B recipe, as `--cfg job` shows it ...
-    shown = run_cli(["gptlab.train", "experiment=gpt1b_shakespeare", "--cfg", "job"], cwd=tmp_path, timeout=60)
+    # The real preset, submitted to the local cluster. Only cpus_per_task is lowered: 8 tasks x 8
+    # CPUs would not fit the 16 CPUs declared here. The job is held, checked, cancelled; it never
+    # runs. The composed 1B recipe, as `--cfg job` shows it ...
+    shown = run_cli(
+        ["gptlab.train", "experiment=gpt1b_shakespeare", "--cfg", "job"], cwd=tmp_path, timeout=60
+    )
     assert shown.returncode == 0, shown.stderr
     for line in (
         "name: gpt1b",
@@ -284,7 +327,11 @@ def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
     # ... then submitted with the 8-GPU preset.
     sweep = tmp_path / "sweep"
     proc, job_id, script = _submit_held(
-        ["hydra/launcher=slurm_a100x8", "experiment=gpt1b_shakespeare", "hydra.launcher.cpus_per_task=2"],
+        [
+            "hydra/launcher=slurm_a100x8",
+            "experiment=gpt1b_shakespeare",
+            "hydra.launcher.cpus_per_task=2",
+        ],
         sweep,
         tmp_path,
     )
@@ -304,8 +351,8 @@ def test_slurm_a100x8_asks_for_one_node_8_tasks_8_gpus(tmp_path):
         assert _job_field(job_id, "NumTasks", tmp_path) == "8"
         assert "gpu:8" in _job_field(job_id, "TresPerNode", tmp_path)
         _run(["scancel", job_id], tmp_path)
-        # With accounting (sacct) up, submitit sees the cancellation and the launcher ends with an error
-        # instead of polling forever.
+        # With accounting (sacct) up, submitit sees the cancellation and the launcher ends with an
+        # error instead of polling forever.
         out = proc.communicate(timeout=90)[0]
         assert proc.returncode != 0 and "CANCELLED" in out, out[-4000:]
     finally:
@@ -338,18 +385,35 @@ def assert_resumed_in_one_run(run_dir: Path, job_id, max_steps: int) -> dict:
     run_ids = re.findall(r"MLflow run ([0-9a-f]{32})", logs)
     assert len(run_ids) == 2 and len(set(run_ids)) == 1, run_ids  # both starts wrote one MLflow run
     assert results["mlflow_run_id"] == run_ids[0]
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
+    steps = [
+        json.loads(x)["step"]
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "train_loss" in x
+    ]
     assert steps == sorted(set(steps)) and steps[-1] == max_steps, (steps, stopped)
     return results
 
 
-def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespeare, tmp_path, tracking_server):
+def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(
+    shakespeare, tmp_path, tracking_server
+):
     """SIGUSR2 (what SLURM sends before preemption or the time limit): the job saves a checkpoint,
     submitit requeues it, and the new start resumes in the same run folder and MLflow run."""
-    args = ["gptlab.train", "-m", "hydra/launcher=slurm_local", "model=gpt_nano", f"data.path={shakespeare}",
-            "train.max_steps=200", "train.log_every=10", "train.eval_every=100", "train.eval_steps=2",
-            "train.sample_tokens=0", "hydra.launcher.max_num_timeout=2", f"tracking.uri={tracking_server}",
-            f"tracking.experiment={new_experiment('requeue')}"]  # fmt: skip
+    args = [
+        "gptlab.train",
+        "-m",
+        "hydra/launcher=slurm_local",
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "train.max_steps=200",
+        "train.log_every=10",
+        "train.eval_every=100",
+        "train.eval_steps=2",
+        "train.sample_tokens=0",
+        "hydra.launcher.max_num_timeout=2",
+        f"tracking.uri={tracking_server}",
+        f"tracking.experiment={new_experiment('requeue')}",
+    ]
     proc = start_cli(args, tmp_path, merge_stderr=True)
     try:
         deadline = time.time() + 180
@@ -362,7 +426,10 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
         job_id = json.loads((run_dir / "slurm.json").read_text())["job_id"]
         _run(["scancel", "--signal=USR2", str(job_id)], tmp_path)
         # SLURM holds a requeued job for a while (BeginTime); let it start again at once
-        while "BeginTime" not in _run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], tmp_path).stdout:
+        while (
+            "BeginTime"
+            not in _run(["squeue", "-h", "-j", str(job_id), "-o", "%r"], tmp_path).stdout
+        ):
             assert proc.poll() is None and time.time() < deadline + 60, "the job was not requeued"
             time.sleep(0.5)
         _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], tmp_path)
@@ -374,7 +441,9 @@ def test_preempted_job_is_requeued_and_finishes_in_the_same_run_folder(shakespea
     assert_resumed_in_one_run(run_dir, job_id, 200)
 
 
-def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(shakespeare, tmp_path, tracking_server):
+def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(
+    shakespeare, tmp_path, tracking_server
+):
     """Two 2-task gloo DDP jobs on SLURM, recorded through the tracking server."""
     experiment = new_experiment("slurm-ddp")
     r = run_cli(

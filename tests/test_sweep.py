@@ -27,20 +27,28 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job(sweep):
     client = client_for(cwd)
     parent = client.get_run(info["parent_run_id"])
     assert parent.info.run_name == "gpt_nano-shakespeare_char-cpu sweep optimizer.lr=1e-3,3e-3,-1"
-    assert parent.data.params["optimizer.lr"] == "1e-3,3e-3,-1" and parent.data.params["train.max_steps"] == "12"
-    assert parent.data.tags["launcher"] == "basic" and parent.data.tags["sweep_dir"] == str(sweep_dir)
+    assert (
+        parent.data.params["optimizer.lr"] == "1e-3,3e-3,-1"
+        and parent.data.params["train.max_steps"] == "12"
+    )
+    assert parent.data.tags["launcher"] == "basic" and parent.data.tags["sweep_dir"] == str(
+        sweep_dir
+    )
     assert parent.info.status == "FAILED" and parent.data.tags["error"] == "1 of 3 jobs failed"
     kids = {
         k.info.run_name: k
         for k in client.search_runs(
-            [info["experiment_id"]], filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'"
+            [info["experiment_id"]],
+            filter_string=f"tags.`mlflow.parentRunId` = '{info['parent_run_id']}'",
         )
     }
     base = "gpt_nano-shakespeare_char-cpu optimizer.lr="
     assert set(kids) == {base + "0.001", base + "0.003", base + "-1"}
     assert kids[base + "0.001"].info.status == kids[base + "0.003"].info.status == "FINISHED"
     failed = kids[base + "-1"]
-    assert failed.info.status == "FAILED" and failed.data.tags["error"].startswith("GptlabError: optimizer.lr")
+    assert failed.info.status == "FAILED" and failed.data.tags["error"].startswith(
+        "GptlabError: optimizer.lr"
+    )
     assert kids[base + "0.003"].data.tags["run_dir"] == str(sweep_dir / "1")
     best = min(kids[base + v].data.metrics["summary/best_val_loss"] for v in ("0.001", "0.003"))
     assert parent.data.metrics["summary/best_val_loss"] == best
@@ -64,7 +72,10 @@ def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     (sweep,) = list((tmp_path / "outputs" / "sweeps").iterdir())
-    assert [json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1")] == [5, 5]
+    assert [json.loads((sweep / j / "results.json").read_text())["steps"] for j in ("0", "1")] == [
+        5,
+        5,
+    ]
     # each job trained with its own lr: every lr job 1 logged is job 0's times 3 (the same schedule)
     lrs = {}
     for job in ("0", "1"):
@@ -79,7 +90,12 @@ def test_sigterm_to_a_sweep_stops_the_sweep(tmp_path, shakespeare):
     """Hydra's basic launcher runs the jobs one after another in this process: the job that gets the
     signal saves and stops, and no later job starts."""
     sweep = tmp_path / "sweep"
-    args = ["gptlab.train", "-m", *_long_run(shakespeare, f"hydra.sweep.dir={sweep}"), "optimizer.lr=1e-3,2e-3"]
+    args = [
+        "gptlab.train",
+        "-m",
+        *_long_run(shakespeare, f"hydra.sweep.dir={sweep}"),
+        "optimizer.lr=1e-3,2e-3",
+    ]
     proc = start_cli(args, tmp_path)
     try:
         _wait_for_lines(sweep / "0" / "metrics.jsonl", 3, proc)

@@ -1,5 +1,6 @@
-"""gptlab.sync: run folders recorded in MLflow later (a store that was down, locked or out of reach),
-completed without duplicates; and concurrent runs on one fresh SQLite store, all recorded."""
+"""gptlab.sync: run folders recorded in MLflow later (a store that was down, locked or out of
+reach), completed without duplicates; and concurrent runs on one fresh SQLite store, all
+recorded."""
 
 import json
 import logging
@@ -49,29 +50,41 @@ def expected_points(run_dir):
 
 
 def param_count(run_dir):
-    """The params a run folder records: its resolved config, flattened, and its derived.* figures."""
+    """The params a run folder records: its resolved config, flattened, and its derived.*
+    figures."""
     import yaml
 
     derived = json.loads((run_dir / "derived.json").read_text())
-    return len(flatten(yaml.safe_load((run_dir / "config_resolved.yaml").read_text()))) + len(derived)
+    return len(flatten(yaml.safe_load((run_dir / "config_resolved.yaml").read_text()))) + len(
+        derived
+    )
 
 
 def recorded_points(uri, run_id):
     """Metric name -> the steps of its points in the run (a step twice is a duplicate)."""
     c = client(uri)
     names = [*METRIC_NAMES.values(), *SUMMARY_METRICS.values()]
-    return {n: [m.step for m in c.get_metric_history(run_id, n)] for n in names if c.get_metric_history(run_id, n)}
+    return {
+        n: [m.step for m in c.get_metric_history(run_id, n)]
+        for n in names
+        if c.get_metric_history(run_id, n)
+    }
 
 
 def assert_complete(uri, run, run_dir):
     points = recorded_points(uri, run.info.run_id)
-    assert {n: sorted(s) for n, s in points.items()} == {n: sorted(s) for n, s in expected_points(run_dir).items()}
+    assert {n: sorted(s) for n, s in points.items()} == {
+        n: sorted(s) for n, s in expected_points(run_dir).items()
+    }
     assert all(len(s) == len(set(s)) for s in points.values()), points  # no point twice
     artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
     assert {"config_resolved.yaml", "results.json", "loss.png"} <= artifacts, artifacts
     assert run.data.params["model.name"] == "gpt_nano" and "derived.params" in run.data.params
-    derived = json.loads((run_dir / "derived.json").read_text())  # every derived.* figure the run logged
-    assert {k: run.data.params[f"derived.{k}"] for k in derived} == {k: str(v) for k, v in derived.items()}
+    # every derived.* figure the run logged
+    derived = json.loads((run_dir / "derived.json").read_text())
+    assert {k: run.data.params[f"derived.{k}"] for k in derived} == {
+        k: str(v) for k, v in derived.items()
+    }
     assert run.data.tags["run_dir"] == str(run_dir.resolve()) and run.info.status == "FINISHED"
 
 
@@ -90,7 +103,9 @@ class Lines(logging.Handler):
 def offline_run(tmp_path_factory, shakespeare):
     """A finished run whose store was unreachable: everything in its folder, nothing in MLflow."""
     run_dir = tmp_path_factory.mktemp("offline") / "run"
-    overrides = nano_overrides(shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5")
+    overrides = nano_overrides(
+        shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5"
+    )
     said, logger = Lines(), logging.getLogger("gptlab.records.tracker")
     logger.addHandler(said)
     try:
@@ -111,7 +126,8 @@ def test_the_warning_says_how_to_record_the_run_later(offline_run):
     run_dir, messages = offline_run
     (message,) = [m for m in messages if "MLflow disabled" in m]
     assert message == (
-        f"MLflow disabled for this run: server {DOWN} unreachable (Connection refused); the run folder still "
+        f"MLflow disabled for this run: server {DOWN} unreachable (Connection refused); the run "
+        f"folder still "
         f"records everything; record it later with: python -m gptlab.sync {run_dir.resolve()}"
     )
 
@@ -140,7 +156,14 @@ def test_folders_are_given_one_way():
 
 
 def test_folders_are_taken_as_typed():
-    names = ["outputs/sweeps/2026-11-30_06-22-48.746659", "my runs/it's", "a,b", "1e5", "true", "[x]"]
+    names = [
+        "outputs/sweeps/2026-11-30_06-22-48.746659",
+        "my runs/it's",
+        "a,b",
+        "1e5",
+        "true",
+        "[x]",
+    ]
     assert list(compose("sync", gather_words(names)).sync.folders) == names
     assert list(compose("sync").sync.folders) == [] and compose("sync").tracking.uri is None
 
@@ -151,19 +174,23 @@ def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     (run,) = all_runs(uri)
     points, params = sum(len(s) for s in expected_points(folder).values()), param_count(folder)
     assert line == (
-        f"{folder}: recorded as run {run.info.run_id} ({points} metric points, {params} params, 4 artifacts, FINISHED)"
+        f"{folder}: recorded as run {run.info.run_id} ({points} metric points, {params} params, 4 "
+        f"artifacts, FINISHED)"
     )
     assert_complete(uri, run, folder)
-    assert run.info.run_name == "gpt_nano-shakespeare_char-cpu" and run.data.tags["recorded_by"] == "gptlab.sync"
+    assert (
+        run.info.run_name == "gpt_nano-shakespeare_char-cpu"
+        and run.data.tags["recorded_by"] == "gptlab.sync"
+    )
     assert client(uri).get_experiment(run.info.experiment_id).name == "gpt_nano-shakespeare_char"
     assert capsys.readouterr().out == line + "\n"
     # again, and again through the folder that holds it: the same single run, nothing sent
     assert sync([folder], uri) == [f"{folder}: up to date"]
     assert main([str(tmp_path), f"tracking.uri={uri}"]) == [f"{folder}: up to date"]
     (again,) = all_runs(uri)
-    assert again.info.run_id == run.info.run_id and recorded_points(uri, run.info.run_id) == recorded_points(
-        uri, again.info.run_id
-    )
+    assert again.info.run_id == run.info.run_id and recorded_points(
+        uri, run.info.run_id
+    ) == recorded_points(uri, again.info.run_id)
 
 
 def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
@@ -174,14 +201,22 @@ def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
     exp = c.create_experiment("elsewhere")
     run = c.create_run(exp, tags={"run_dir": str(folder)}, run_name="half")
     rows = read_metrics(folder)
-    half = [Metric(n, v, 0, row["step"]) for row in rows[: len(rows) // 2] for n, v in mlflow_metrics(row).items()]
+    half = [
+        Metric(n, v, 0, row["step"])
+        for row in rows[: len(rows) // 2]
+        for n, v in mlflow_metrics(row).items()
+    ]
     c.log_batch(run.info.run_id, metrics=half, params=[])
     c.log_param(run.info.run_id, "model.name", "gpt_nano")
     (line,) = sync([folder], uri)
-    sent, params = sum(len(s) for s in expected_points(folder).values()) - len(half), param_count(folder) - 1
+    sent, params = (
+        sum(len(s) for s in expected_points(folder).values()) - len(half),
+        param_count(folder) - 1,
+    )
     assert (
         line
-        == f"{folder}: recorded as run {run.info.run_id} ({sent} metric points, {params} params, 4 artifacts, FINISHED)"
+        == f"{folder}: recorded as run {run.info.run_id} ({sent} metric points, {params} params, 4 "
+        f"artifacts, FINISHED)"
     )
     (done,) = all_runs(uri)
     assert done.info.run_name == "half"  # the run it was, completed in place
@@ -192,7 +227,8 @@ def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
 def test_results_json_names_the_run_and_a_run_without_results_stays_running(folder, tmp_path):
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     c = client(uri)
-    run = c.create_run(c.create_experiment("x"), run_name="by id")  # no run_dir tag: found by results.json's id
+    # no run_dir tag: found by results.json's id
+    run = c.create_run(c.create_experiment("x"), run_name="by id")
     results = json.loads((folder / "results.json").read_text())
     (folder / "results.json").write_text(json.dumps({**results, "mlflow_run_id": run.info.run_id}))
     assert sync([folder], uri)[0].startswith(f"{folder}: recorded as run {run.info.run_id} (")
@@ -201,10 +237,15 @@ def test_results_json_names_the_run_and_a_run_without_results_stays_running(fold
     live = Path(shutil.copytree(folder, tmp_path / "live"))
     (live / "results.json").unlink()
     (line,) = sync([live], uri)
-    assert line.endswith("(no results.json yet: its status is left as it is)") and "recorded as run" in line
+    assert (
+        line.endswith("(no results.json yet: its status is left as it is)")
+        and "recorded as run" in line
+    )
     (rec,) = [r for r in all_runs(uri) if r.data.tags.get("run_dir") == str(live)]
     assert rec.info.status == "RUNNING"
-    assert sync([live], uri) == [f"{live}: up to date (no results.json yet: its status is left as it is)"]
+    assert sync([live], uri) == [
+        f"{live}: up to date (no results.json yet: its status is left as it is)"
+    ]
     # a run of tracking.mlflow=false is not recorded; a deleted run stays deleted
     off = Path(shutil.copytree(folder, tmp_path / "off"))
     config = (off / "config_resolved.yaml").read_text()
@@ -215,11 +256,13 @@ def test_results_json_names_the_run_and_a_run_without_results_stays_running(fold
 
 
 def test_an_earlier_run_moved_aside_in_the_folder_is_not_mixed_with_this_one(folder, tmp_path):
-    """train.resume=never moves an earlier run's files to previous/<time>/; its MLflow run had the same
-    run_dir tag, and must not be completed with the new run's records."""
+    """train.resume=never moves an earlier run's files to previous/<time>/; its MLflow run had the
+    same run_dir tag, and must not be completed with the new run's records."""
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     c = client(uri)
-    earlier = c.create_run(c.create_experiment("x"), tags={"run_dir": str(folder)}, run_name="earlier")
+    earlier = c.create_run(
+        c.create_experiment("x"), tags={"run_dir": str(folder)}, run_name="earlier"
+    )
     (folder / "previous" / "2026-11-30_05-00-00").mkdir(parents=True)
     (folder / "previous" / "2026-11-30_05-00-00" / "results.json").write_text(
         json.dumps({"mlflow_run_id": earlier.info.run_id})
@@ -256,7 +299,10 @@ def test_a_sweep_folder_nests_its_jobs_under_a_parent_made_from_sweep_json(folde
     runs = all_runs(uri)
     (parent,) = [r for r in runs if r.data.tags.get("run_type") == "sweep"]
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert parent.info.run_name == info["run_name"] and parent.data.params["optimizer.lr"] == "1e-3,3e-3"
+    assert (
+        parent.info.run_name == info["run_name"]
+        and parent.data.params["optimizer.lr"] == "1e-3,3e-3"
+    )
     assert sorted(k.info.run_name for k in kids) == [
         "gpt_nano-shakespeare_char-cpu optimizer.lr=0.001",
         "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003",
@@ -266,7 +312,10 @@ def test_a_sweep_folder_nests_its_jobs_under_a_parent_made_from_sweep_json(folde
     parent = client(uri).get_run(parent.info.run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["jobs"] == "2"
     assert "summary/best_val_loss" in parent.data.metrics
-    assert main([str(sweep), f"tracking.uri={uri}"]) == [f"{sweep / '0'}: up to date", f"{sweep / '1'}: up to date"]
+    assert main([str(sweep), f"tracking.uri={uri}"]) == [
+        f"{sweep / '0'}: up to date",
+        f"{sweep / '1'}: up to date",
+    ]
     assert len(all_runs(uri)) == 3
 
 
@@ -276,11 +325,14 @@ def test_an_unreachable_store_is_one_line_and_exit_code_2(folder, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert lines[0] == (
-        f"gptlab.sync: error: {folder.resolve()}: not recorded: MLflow server {DOWN} unreachable (Connection "
-        "refused); start it (or name another store with tracking.uri=...), then run gptlab.sync again (it sends "
+        f"gptlab.sync: error: {folder.resolve()}: not recorded: MLflow server {DOWN} unreachable "
+        f"(Connection "
+        "refused); start it (or name another store with tracking.uri=...), then run gptlab.sync "
+        "again (it sends "
         "only what the store lacks)"
     )
-    r = run_cli(["gptlab.sync", str(folder)], cwd=tmp_path, timeout=120)  # the store the run was configured with
+    # the store the run was configured with
+    r = run_cli(["gptlab.sync", str(folder)], cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and f"MLflow server {DOWN} unreachable" in r.stderr
 
 
@@ -296,10 +348,13 @@ def configured_store(run_dir, uri):
 
 @pytest.mark.slow
 def test_every_folder_is_tried_and_each_one_not_recorded_is_one_line(offline_run, tmp_path):
-    """With no folders: every run folder under outputs/, in order; a store that does not answer fails
-    its folders (one line each), the folders after it are still recorded, and the exit code is 2."""
+    """With no folders: every run folder under outputs/, in order; a store that does not answer
+    fails its folders (one line each), the folders after it are still recorded, and the exit code is
+    2."""
     runs = tmp_path / "outputs" / "runs"
-    down, local, down_too = (Path(shutil.copytree(offline_run[0], runs / name)) for name in ("a", "b", "c"))
+    down, local, down_too = (
+        Path(shutil.copytree(offline_run[0], runs / name)) for name in ("a", "b", "c")
+    )
     configured_store(local, None)  # the local store, outputs/mlflow.db
     r = run_cli(["gptlab.sync"], cwd=tmp_path, timeout=180)
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
@@ -308,7 +363,10 @@ def test_every_folder_is_tried_and_each_one_not_recorded_is_one_line(offline_run
         f"gptlab.sync: error: {down.resolve()}",
         f"gptlab.sync: error: {down_too.resolve()}",
     ], r.stderr
-    assert all(f"MLflow server {DOWN} unreachable" in line and "gptlab.sync again" in line for line in lines)
+    assert all(
+        f"MLflow server {DOWN} unreachable" in line and "gptlab.sync again" in line
+        for line in lines
+    )
     (recorded,) = r.stdout.strip().splitlines()
     assert recorded.startswith(f"{local.resolve()}: recorded as run ")
     (run,) = all_runs(f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
@@ -329,11 +387,16 @@ client.set_terminated(run.info.run_id)
 
 
 def test_processes_that_open_one_fresh_sqlite_store_at_once_all_record(tmp_path):
-    """Each process's first connection creates and migrates the store; without the lock they race."""
+    """Each process's first connection creates and migrates the store; without the lock they
+    race."""
     uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
     start = str(time.time() + 3)
     procs = [
-        subprocess.Popen([sys.executable, "-c", RACE, uri, start], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, uri, start],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for _ in range(4)
     ]
     outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
@@ -385,7 +448,8 @@ def train_args(shakespeare, *extra):
 
 @pytest.mark.slow
 def test_concurrent_runs_on_one_fresh_sqlite_store_are_all_recorded(shakespeare, tmp_path):
-    """Four runs started at once on a store that does not exist yet: each one creates (and migrates) it."""
+    """Four runs started at once on a store that does not exist yet: each one creates (and migrates)
+    it."""
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     procs = [
         start_cli(
@@ -408,9 +472,12 @@ def test_concurrent_runs_on_one_fresh_sqlite_store_are_all_recorded(shakespeare,
 
 @pytest.mark.slow
 def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_path):
-    """The acceptance case: the store is down during the run; later, sync records all of it, once."""
+    """The acceptance case: the store is down during the run; later, sync records all of it,
+    once."""
     run_dir = tmp_path / "run"
-    r = run_cli(train_args(shakespeare, f"tracking.uri={DOWN}", f"hydra.run.dir={run_dir}"), cwd=tmp_path)
+    r = run_cli(
+        train_args(shakespeare, f"tracking.uri={DOWN}", f"hydra.run.dir={run_dir}"), cwd=tmp_path
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"record it later with: python -m gptlab.sync {run_dir}" in r.stderr
     server, uri = start_mlflow_server(tmp_path / "server")
@@ -430,21 +497,26 @@ def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_
         assert artifacts == {"config_resolved.yaml", "results.json", "samples.txt", "loss.png"}
         params = dict(run.data.params)
         r = run_cli(["gptlab.sync", str(run_dir), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
-        assert r.returncode == 0 and r.stdout == f"{run_dir}: up to date\n", r.stdout + r.stderr[-2000:]
+        assert r.returncode == 0 and r.stdout == f"{run_dir}: up to date\n", (
+            r.stdout + r.stderr[-2000:]
+        )
         (again,) = all_runs(uri)
         assert again.info.run_id == run.info.run_id and dict(again.data.params) == params
         assert recorded_points(uri, run.info.run_id) == points
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "server"]  # sync left nothing behind
+    # sync left nothing behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "server"]
 
 
 @pytest.fixture(scope="module")
 def offline_sweep(shakespeare, tmp_path_factory):
     """(sweep folder, the finished command) of a 2-job sweep whose store was down throughout."""
     sweep = tmp_path_factory.mktemp("offline_sweep") / "sweep"
-    args = train_args(shakespeare, f"tracking.uri={DOWN}", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}")
+    args = train_args(
+        shakespeare, f"tracking.uri={DOWN}", "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"
+    )
     r = run_cli([args[0], "-m", *args[1:]], cwd=sweep.parent)
     assert r.returncode == 0, r.stderr[-3000:]
     return sweep, r
@@ -455,23 +527,30 @@ def test_a_sweep_on_a_store_that_is_down_says_so_once_and_each_job_in_one_line(o
     """No urllib3 retry lines, no MLflow exception quoted: the parent's one line and each job's."""
     sweep, r = offline_sweep
     for text in (r.stdout, r.stderr):
-        assert "Retrying" not in text and "Max retries" not in text and "Traceback" not in text, text[-3000:]
+        assert "Retrying" not in text and "Max retries" not in text and "Traceback" not in text, (
+            text[-3000:]
+        )
     lines = r.stderr.strip().splitlines()
     assert all(line.startswith("gptlab: ") for line in lines), r.stderr
     (parent,) = [line for line in lines if "no MLflow parent run" in line]
     assert parent == (
-        f"gptlab: no MLflow parent run for this sweep: server {DOWN} unreachable (Connection refused); the sweep "
+        f"gptlab: no MLflow parent run for this sweep: server {DOWN} unreachable (Connection "
+        f"refused); the sweep "
         "goes on unrecorded in MLflow (each run folder keeps everything); record it later with: "
         f"python -m gptlab.sync {sweep.resolve()}"
     )
     jobs = [line for line in lines if "MLflow disabled for this run" in line]
-    assert [job.rpartition(" ")[2] for job in jobs] == [str(sweep.resolve() / "0"), str(sweep.resolve() / "1")]
+    assert [job.rpartition(" ")[2] for job in jobs] == [
+        str(sweep.resolve() / "0"),
+        str(sweep.resolve() / "1"),
+    ]
     assert len(lines) == 3, r.stderr
 
 
 @pytest.mark.slow
 def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(offline_sweep, tmp_path):
-    """A sweep whose store was down has no sweep.json: its parent run is made from Hydra's multirun.yaml."""
+    """A sweep whose store was down has no sweep.json: its parent run is made from Hydra's
+    multirun.yaml."""
     sweep, _ = offline_sweep
     assert not (sweep / "sweep.json").exists()
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
@@ -490,7 +569,9 @@ def test_an_offline_sweep_is_recorded_as_a_parent_with_its_jobs(offline_sweep, t
         assert_complete(uri, kid, Path(kid.data.tags["run_dir"]))
     assert client(uri).get_run(parent.info.run_id).info.status == "FINISHED"
     r = run_cli(["gptlab.sync", str(sweep), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
-    assert r.stdout == f"{sweep / '0'}: up to date\n{sweep / '1'}: up to date\n", r.stdout + r.stderr[-2000:]
+    assert r.stdout == f"{sweep / '0'}: up to date\n{sweep / '1'}: up to date\n", (
+        r.stdout + r.stderr[-2000:]
+    )
     assert len(all_runs(uri)) == 3
 
 
@@ -499,17 +580,23 @@ def comparable(run, folder_tags=("run_dir", "sweep_dir", "mlflow.parentRunId", "
     loses its tracking.uri=..., the one override the two sweeps differ in)."""
     tags = {k: v for k, v in run.data.tags.items() if k not in folder_tags}
     if "overrides" in tags:
-        tags["overrides"] = " ".join(o for o in tags["overrides"].split() if not o.startswith("tracking.uri="))
+        tags["overrides"] = " ".join(
+            o for o in tags["overrides"].split() if not o.startswith("tracking.uri=")
+        )
     return run.info.run_name, tags
 
 
 @pytest.mark.slow
-def test_a_sweep_synced_later_is_named_and_tagged_as_the_same_sweep_recorded_live(offline_sweep, shakespeare, tmp_path):
+def test_a_sweep_synced_later_is_named_and_tagged_as_the_same_sweep_recorded_live(
+    offline_sweep, shakespeare, tmp_path
+):
     """One function names and tags a run (records/identity.py): live and synced records agree,
     host and git_commit included (the run folder's run.json keeps them)."""
     offline, _ = offline_sweep
     synced_uri = f"sqlite:///{tmp_path / 'synced' / 'mlflow.db'}"
-    r = run_cli(["gptlab.sync", str(offline), f"tracking.uri={synced_uri}"], cwd=tmp_path, timeout=180)
+    r = run_cli(
+        ["gptlab.sync", str(offline), f"tracking.uri={synced_uri}"], cwd=tmp_path, timeout=180
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     live_uri = f"sqlite:///{tmp_path / 'live' / 'mlflow.db'}"
     sweep_dir = f"hydra.sweep.dir={tmp_path / 'sweep'}"

@@ -53,7 +53,8 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == [1, 5, 10, 15, 20]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [10, 20]
-    # every point MLflow holds is the run folder's own value at that step (metrics.jsonl is the record)
+    # every point MLflow holds is the run folder's own value at that step (metrics.jsonl is the
+    # record)
     from gptlab.records.store import METRIC_NAMES
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,7 +70,9 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((run_dir / "results.json").read_text())["mlflow_run_id"] == run.info.run_id
     out = capsys.readouterr().out
-    assert "open the UI with: python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char" in out
+    assert (
+        "open the UI with: python -m gptlab.ui tracking.experiment=gpt_nano-shakespeare_char" in out
+    )
     # opt-in system metrics, sampled by MLflow's own monitor
     assert "system/cpu_utilization_percentage" in run.data.metrics
     assert "system/system_memory_usage_megabytes" in run.data.metrics
@@ -78,17 +81,24 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
 
         events = EventAccumulator(str(run_dir / "tensorboard"))
         events.Reload()
-        assert {"train/loss", "val/loss", "opt/lr", "perf/tokens_per_s"} <= set(events.Tags()["scalars"])
+        assert {"train/loss", "val/loss", "opt/lr", "perf/tokens_per_s"} <= set(
+            events.Tags()["scalars"]
+        )
         assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
 
 
 def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespeare, capsys):
     run_dir = tmp_path / "run"
-    overrides = nano_overrides(shakespeare, "tracking.mlflow=true", "tracking.uri=http://127.0.0.1:9")
+    overrides = nano_overrides(
+        shakespeare, "tracking.mlflow=true", "tracking.uri=http://127.0.0.1:9"
+    )
     results = run_training(compose_config(overrides), run_dir)
-    err = capsys.readouterr().err  # gptlab's console: one warning line, not Python's warning and its source line
+    # gptlab's console: one warning line, not Python's warning and its source line
+    err = capsys.readouterr().err
     (line,) = [line for line in err.splitlines() if "MLflow" in line]
-    assert line.startswith("gptlab: MLflow disabled for this run: server http://127.0.0.1:9 unreachable (Connection ")
+    assert line.startswith(
+        "gptlab: MLflow disabled for this run: server http://127.0.0.1:9 unreachable (Connection "
+    )
     assert "tracking.py:" not in err and "Warning" not in err
     assert results["steps"] == 20 and results["mlflow_run_id"] is None
     assert (run_dir / "results.json").is_file()
@@ -114,28 +124,42 @@ def test_the_stores_mlflow_knows_are_accepted_without_being_opened(uri):
     check_uri(uri)
 
 
-@pytest.mark.parametrize("uri", ["garbage://x", "htp://127.0.0.1:5000", "sqlit:///outputs/mlflow.db"])
+@pytest.mark.parametrize(
+    "uri", ["garbage://x", "htp://127.0.0.1:5000", "sqlit:///outputs/mlflow.db"]
+)
 def test_a_scheme_mlflow_does_not_know_is_refused_naming_the_ones_it_does(uri):
     with pytest.raises(GptlabError) as e:
         check_uri(uri)
-    assert str(e.value).startswith(f"tracking.uri={uri}: {uri.partition(':')[0]!r} is not a scheme MLflow knows;")
-    assert all(s in str(e.value) for s in ("folder path", "sqlite:///", "http(s)://", "postgresql://"))
+    assert str(e.value).startswith(
+        f"tracking.uri={uri}: {uri.partition(':')[0]!r} is not a scheme MLflow knows;"
+    )
+    assert all(
+        s in str(e.value) for s in ("folder path", "sqlite:///", "http(s)://", "postgresql://")
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sweep", [False, True])
 def test_a_store_mlflow_does_not_know_is_one_line_at_the_start(tmp_path, shakespeare, sweep):
-    """Not a run (or a sweep) that trains unrecorded under a warning about MLflow's model registry."""
+    """Not a run (or a sweep) that trains unrecorded under a warning about MLflow's model
+    registry."""
     overrides = nano_overrides(shakespeare, "tracking.mlflow=true", "tracking.uri=garbage://x")
-    r = run_cli(["gptlab.train", *(["-m", "optimizer.lr=1e-3,3e-3"] if sweep else []), *overrides], cwd=tmp_path)
+    r = run_cli(
+        ["gptlab.train", *(["-m", "optimizer.lr=1e-3,3e-3"] if sweep else []), *overrides],
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
-    assert line.startswith("gptlab.train: error: tracking.uri=garbage://x: 'garbage' is not a scheme MLflow knows;")
+    assert line.startswith(
+        "gptlab.train: error: tracking.uri=garbage://x: 'garbage' is not a scheme MLflow knows;"
+    )
     assert "registry" not in r.stderr and "tracking.py:" not in r.stderr
     assert "step" not in r.stdout and "Launching" not in r.stdout  # nothing ran
 
 
-def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(tmp_path, shakespeare, monkeypatch):
+def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(
+    tmp_path, shakespeare, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "outputs" / "runs" / "diverged"
     cfg = compose_config(nano_overrides(shakespeare, "tracking.mlflow=true", "optimizer.lr=1e7"))
@@ -151,10 +175,13 @@ def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_miss
     tmp_path, shakespeare, monkeypatch, capsys
 ):
     for name in ("matplotlib", "torch.utils.tensorboard"):
-        monkeypatch.setitem(sys.modules, name, None)  # `import` now raises ImportError, as if not installed
+        # `import` now raises ImportError, as if not installed
+        monkeypatch.setitem(sys.modules, name, None)
     run_dir = tmp_path / "run"
     results = run_training(
-        compose_config(nano_overrides(shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")),
+        compose_config(
+            nano_overrides(shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")
+        ),
         run_dir,
     )
     assert results["steps"] == 20 and (run_dir / "results.json").is_file()
@@ -179,8 +206,12 @@ def test_ui_command_names_the_store_and_the_experiment(tmp_path, monkeypatch):
         "tracking.uri='sqlite:////data/my runs/mlflow.db'",
         "tracking.experiment='lr sweep'",
     ]
-    assert runs_url("http://127.0.0.1:5000", "3").startswith("http://127.0.0.1:5000/#/experiments/3/runs?")
-    assert "orderByKey=metrics.%60summary%2Fbest_val_loss%60" in runs_url("http://h:1", "3", best_first=True)
+    assert runs_url("http://127.0.0.1:5000", "3").startswith(
+        "http://127.0.0.1:5000/#/experiments/3/runs?"
+    )
+    assert "orderByKey=metrics.%60summary%2Fbest_val_loss%60" in runs_url(
+        "http://h:1", "3", best_first=True
+    )
 
 
 def test_a_sweep_job_is_named_after_its_own_overrides():
@@ -188,14 +219,18 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
         "overrides": ["model=gpt_nano", "train.save_checkpoints=false", "optimizer.lr=1e-3,3e-3"],
         "swept": ["optimizer.lr"],
     }
-    job = ["model=gpt_nano", "train.save_checkpoints=False", "optimizer.lr=0.003"]  # as Hydra passes it on
+    # as Hydra passes it on
+    job = ["model=gpt_nano", "train.save_checkpoints=False", "optimizer.lr=0.003"]
     assert (
         sweep_run_name("gpt_nano-shakespeare_char-cpu", job, sweep)
         == "gpt_nano-shakespeare_char-cpu optimizer.lr=0.003"
     )
-    # a sweeper that makes the values itself (Optuna, ...): whatever the job has that the sweep had not
+    # a sweeper that makes the values itself (Optuna, ...): whatever the job has that the sweep had
+    # not
     assert (
-        sweep_run_name("b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]})
+        sweep_run_name(
+            "b", ["model=gpt_nano", "optimizer.lr=0.0042"], {"overrides": ["model=gpt_nano"]}
+        )
         == "b optimizer.lr=0.0042"
     )
 
@@ -203,7 +238,11 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     cfg, outputs = typed("tracking", plots=False), tmp_path / "outputs"
     first = Tracker(
-        tmp_path / "run", cfg, default_uri(outputs), RunIdentity("exp", "name", {}), {"train.max_steps": 10, "a": 1}
+        tmp_path / "run",
+        cfg,
+        default_uri(outputs),
+        RunIdentity("exp", "name", {}),
+        {"train.max_steps": 10, "a": 1},
     )
     first.log_metrics(5, {"train_loss": 3.0, "tokens": 100})
     first.finish("KILLED")  # stopped (preempted) with a checkpoint holding first.run_id
@@ -221,17 +260,22 @@ def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     client = client_for(tmp_path)
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
-    assert run.data.params == {"train.max_steps": "10", "a": "1", "b": "2"}  # logged params cannot change
-    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [(5, 3.0), (10, 2.0)]
+    # logged params cannot change
+    assert run.data.params == {"train.max_steps": "10", "a": "1", "b": "2"}
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "train/loss")] == [
+        (5, 3.0),
+        (10, 2.0),
+    ]
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
-# ---- the sender: a store that is slow, stopped or gone never holds the step loop -------------------
+# ---- the sender: a store that is slow, stopped or gone never holds the step loop ---------------
 
 
 class StalledClient:
-    """An MlflowClient whose store stops answering writes (a SIGSTOPped server) until `answer` is set;
-    `fail` failures (no answer) come first. Run creation and params answer at once, as they did."""
+    """An MlflowClient whose store stops answering writes (a SIGSTOPped server) until `answer` is
+    set; `fail` failures (no answer) come first. Run creation and params answer at once, as they
+    did."""
 
     def __init__(self, fail: int = 0):
         import threading
@@ -284,7 +328,11 @@ def stalled(monkeypatch, tmp_path):
     monkeypatch.setattr(tracking, "FINAL_FLUSH_S", 0.5)
     cfg = typed("tracking", "tracking.uri=http://127.0.0.1:9", plots=False, flush_every=5)
     tracker = Tracker(
-        tmp_path / "run", cfg, default_uri(tmp_path / "outputs"), RunIdentity("exp", "name", {}), {"a": 1}
+        tmp_path / "run",
+        cfg,
+        default_uri(tmp_path / "outputs"),
+        RunIdentity("exp", "name", {}),
+        {"a": 1},
     )
     yield tracker, client
     client.answer.set()  # let an abandoned sender thread end
@@ -302,9 +350,10 @@ def log_steps(tracker, steps):
 
 def test_a_stopped_server_never_holds_the_step_loop_and_the_end_names_gptlab_sync(stalled, caplog):
     tracker, client = stalled
-    slowest = log_steps(tracker, range(1, 301))  # 600 points: 30 batches queued behind a store that waits
-    # queued, not sent: no call waits on the store, which never answers here (0.2 ms typical; the bound
-    # leaves room for a busy machine)
+    # 600 points: 30 batches queued behind a store that waits
+    slowest = log_steps(tracker, range(1, 301))
+    # queued, not sent: no call waits on the store, which never answers here (0.2 ms typical; the
+    # bound leaves room for a busy machine)
     assert slowest < 2, slowest
     t = time.perf_counter()
     with caplog.at_level("WARNING", logger="gptlab"):
@@ -317,7 +366,8 @@ def test_a_stopped_server_never_holds_the_step_loop_and_the_end_names_gptlab_syn
         "MLflow server http://127.0.0.1:9 unreachable: 600 points not sent (nor the run's status); "
         f"they are in {run_dir / 'metrics.jsonl'} — run `python -m gptlab.sync {run_dir}`"
     )
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 300  # the run folder has them all
+    # the run folder has them all
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 300
 
 
 def test_points_reach_a_server_that_answers_again_in_order_and_once(stalled):
@@ -333,7 +383,9 @@ def test_points_reach_a_server_that_answers_again_in_order_and_once(stalled):
     assert tracker.mlflow.unsent == []
 
 
-def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past_its_bound(monkeypatch):
+def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past_its_bound(
+    monkeypatch,
+):
     import threading
 
     from gptlab.records.tracker import Call, Sender

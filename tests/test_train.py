@@ -33,9 +33,12 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
     assert r.returncode == 0, r.stderr[-2000:]
     # plain progress lines when not on a terminal, then the UI command for the store used
     assert "step 10/30 | loss" in r.stdout
-    assert "--- sample ---" in r.stdout and "results: best val loss" in r.stdout  # the train module's own lines
+    # the train module's own lines
+    assert "--- sample ---" in r.stdout and "results: best val loss" in r.stdout
     # the run's lines, stamped, in its log file; MLflow's and other libraries' INFO chatter nowhere
-    assert "INFO" not in r.stdout + r.stderr and "alembic" not in r.stdout + r.stderr, r.stderr[-2000:]
+    assert "INFO" not in r.stdout + r.stderr and "alembic" not in r.stdout + r.stderr, r.stderr[
+        -2000:
+    ]
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/outputs/mlflow.db" in r.stdout
     (run_dir,) = list((tmp_path / "outputs" / "runs").iterdir())
     results = json.loads((run_dir / "results.json").read_text())
@@ -44,9 +47,14 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
     assert rows[-1]["step"] == 30 and "val_loss" in rows[-1]
     assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "samples.txt").is_file()
     log_lines = (run_dir / "train.log").read_text()
-    assert "][gptlab.console][INFO] step 10/30 | loss" in log_lines and "results: best val loss" in log_lines
+    assert (
+        "][gptlab.console][INFO] step 10/30 | loss" in log_lines
+        and "results: best val loss" in log_lines
+    )
     db = sqlite3.connect(tmp_path / "outputs" / "mlflow.db")
-    (status,) = db.execute("select status from runs where run_uuid = ?", (results["mlflow_run_id"],)).fetchone()
+    (status,) = db.execute(
+        "select status from runs where run_uuid = ?", (results["mlflow_run_id"],)
+    ).fetchone()
     assert status == "FINISHED"
 
 
@@ -56,26 +64,46 @@ def test_train_command_writes_run_folder_and_mlflow_run(tmp_path, shakespeare):
 def _start(args, cwd, script=None):
     """The command in a session of its own, as a terminal's foreground job: killpg is its Ctrl-C."""
     head = [sys.executable, str(script)] if script else [sys.executable, "-m", "gptlab.train"]
-    return subprocess.Popen([*head, *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [*head, *args],
+        cwd=cwd,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for_lines(path, n, proc, timeout=180):
     deadline = time.time() + timeout
     while not (path.exists() and len(path.read_text().splitlines()) >= n):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:] if proc.poll() else ""
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.communicate()[1][-3000:] if proc.poll() else ""
+        )
         time.sleep(0.2)
 
 
 def _long_run(shakespeare, *extra):
-    return ["model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=100000", "train.log_every=10",
-            "train.eval_every=0", "tracking.mlflow=false", "train.sample_tokens=0", "parallelism.timeout_s=30",
-            "data.progress=false", *extra]  # fmt: skip
+    return [
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        "train.max_steps=100000",
+        "train.log_every=10",
+        "train.eval_every=0",
+        "tracking.mlflow=false",
+        "train.sample_tokens=0",
+        "parallelism.timeout_s=30",
+        "data.progress=false",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["cpu", "cpu_x2"])
-def test_ctrl_c_saves_at_the_stop_step_and_says_where_the_next_start_resumes(tmp_path, shakespeare, hardware):
+def test_ctrl_c_saves_at_the_stop_step_and_says_where_the_next_start_resumes(
+    tmp_path, shakespeare, hardware
+):
     """Ctrl-C (SIGINT to the terminal's whole process group: with two processes the launcher and its
     workers) stops as SIGTERM does: one checkpoint at the stop step, one line naming it and the
     command that continues, exit 0; that command then resumes from it."""
@@ -97,10 +125,14 @@ def test_ctrl_c_saves_at_the_stop_step_and_says_where_the_next_start_resumes(tmp
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("ckpt_*")) == [ckpt.name]
     said = [ln for ln in out.splitlines() if "received" in ln]
     assert said == [
-        f"SIGINT received: stopped at step {step}; the next start resumes from {ckpt} (step {step}): "
+        f"SIGINT received: stopped at step {step}; the next start resumes from {ckpt} (step "
+        f"{step}): "
         f"run the same command with hydra.run.dir={run_dir}"
     ]
-    r = run_cli(["gptlab.train", *[a for a in args if "max_steps" not in a], f"train.max_steps={step + 2}"], tmp_path)
+    r = run_cli(
+        ["gptlab.train", *[a for a in args if "max_steps" not in a], f"train.max_steps={step + 2}"],
+        tmp_path,
+    )
     assert r.returncode == 0 and f"resuming from {ckpt} (step {step})" in r.stdout, r.stderr[-2000:]
 
 
@@ -108,7 +140,7 @@ SLOW_STOP = """
 import sys, time
 import gptlab.loop as loop
 real = loop.save_checkpoint
-def save_checkpoint(run, p, val):  # a stop's save takes long, as on a big model: time for a second Ctrl-C
+def save_checkpoint(run, p, val):  # a slow save, as a big model's: time for a 2nd Ctrl-C
     if p.stopped_by is not None:
         (run.run_dir / "saving").touch()
         time.sleep(300)
@@ -122,18 +154,24 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["cpu", "cpu_x2"])
-def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resumes(tmp_path, shakespeare, hardware):
+def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resumes(
+    tmp_path, shakespeare, hardware
+):
     script = tmp_path / "slow_stop.py"
     script.write_text(SLOW_STOP)
     run_dir = tmp_path / "run"
-    args = _long_run(shakespeare, f"hydra.run.dir={run_dir}", f"hardware={hardware}", "train.checkpoint_every=10")
+    args = _long_run(
+        shakespeare, f"hydra.run.dir={run_dir}", f"hardware={hardware}", "train.checkpoint_every=10"
+    )
     proc = _start(args, tmp_path, script)
     try:
         _wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
         os.killpg(proc.pid, signal.SIGINT)
         deadline = time.time() + 60
         while not (run_dir / "saving").exists():
-            assert time.time() < deadline and proc.poll() is None, "the first Ctrl-C did not start the stop"
+            assert time.time() < deadline and proc.poll() is None, (
+                "the first Ctrl-C did not start the stop"
+            )
             time.sleep(0.1)
         time.sleep(1.5)  # a second press, not the first one delivered twice
         os.killpg(proc.pid, signal.SIGINT)
@@ -150,5 +188,6 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resu
         f"gptlab.train: interrupted; the next start resumes from {latest} (step {step}): "
         f"run the same command with hydra.run.dir={run_dir}"
     ]
-    checkpoint.TrainingState.load(latest)  # whole: the interrupted save left nothing under a checkpoint's name
+    # whole: the interrupted save left nothing under a checkpoint's name
+    checkpoint.TrainingState.load(latest)
     assert not (run_dir / "results.json").exists()

@@ -1,7 +1,8 @@
-"""Data: sources (download / local / Hugging Face), tokenizers, prepare (text -> token shards) and loaders.
+"""Data: sources (download / local / Hugging Face), tokenizers, prepare (text -> token shards) and
+loaders.
 
-The public surface is ``DataConfig``, ``prepare_data(cfg)`` and the loaders; ``build.py`` wires them.
-Names are imported on first use (PEP 562), so the tokenizer worker processes that ``prepare``
+The public surface is ``DataConfig``, ``prepare_data(cfg)`` and the loaders; ``build.py`` wires
+them. Names are imported on first use (PEP 562), so the tokenizer worker processes that ``prepare``
 spawns import tiktoken and numpy, not torch.
 """
 

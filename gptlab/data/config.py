@@ -1,4 +1,5 @@
-"""The ``data`` config group's schema (and its ``tokenizer`` sub-config): types only, values in conf/data/."""
+"""The ``data`` config group's schema (and its ``tokenizer`` sub-config): types only, values in
+conf/data/."""
 
 from dataclasses import dataclass
 from typing import Optional

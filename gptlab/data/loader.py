@@ -32,7 +32,9 @@ def _windows(tokens, starts: np.ndarray, block_size: int) -> Batch:
     return t[:, :-1], t[:, 1:]
 
 
-def window_starts(n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int) -> np.ndarray:
+def window_starts(
+    n_tokens: int, block_size: int, count: int, seed: int, step: int, stream: int
+) -> np.ndarray:
     """`count` window offsets for (seed, step, stream); stream separates train (0) from eval (1)."""
     rng = np.random.default_rng([seed, stream, step])
     return rng.integers(0, n_tokens - block_size - 1, size=count, endpoint=True)
@@ -74,7 +76,8 @@ class _StepLoader:
         )
         self._ahead: Optional[Tuple[Any, Future]] = None
 
-    # subclasses: the position as a hashable value, the step's batches at a position, the next position
+    # subclasses: the position as a hashable value, the step's batches at a position, the next
+    # position
     def _position(self) -> Any: ...
 
     def _batches_at(self, pos: Any) -> List[Batch]: ...
@@ -85,8 +88,11 @@ class _StepLoader:
 
     def _split(self, x: torch.Tensor, y: torch.Tensor) -> List[Batch]:
         mb = self.micro_batch_size
-        out = [(x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb]) for i in range(self.accum_steps)]
-        if self.pin_memory:  # page-locked host memory lets .to(cuda, non_blocking=True) overlap compute
+        out = [
+            (x[i * mb : (i + 1) * mb], y[i * mb : (i + 1) * mb]) for i in range(self.accum_steps)
+        ]
+        # page-locked host memory lets .to(cuda, non_blocking=True) overlap compute
+        if self.pin_memory:
             out = [(a.contiguous().pin_memory(), b.contiguous().pin_memory()) for a, b in out]
         return out
 
@@ -119,7 +125,9 @@ class RandomWindowLoader(_StepLoader):
         return pos + 1
 
     def _batches_at(self, step: int) -> List[Batch]:
-        starts = window_starts(len(self.tokens), self.block_size, self.batch_size, self.seed, step, 0)
+        starts = window_starts(
+            len(self.tokens), self.block_size, self.batch_size, self.seed, step, 0
+        )
         per_rank = self.micro_batch_size * self.accum_steps
         mine = starts[self.rank * per_rank : (self.rank + 1) * per_rank]
         x, y = _windows(self.tokens, mine, self.block_size)
@@ -136,7 +144,8 @@ class RandomWindowLoader(_StepLoader):
 
 
 class SequentialLoader(_StepLoader):
-    """Epochs over the shards, front to back; each rank reads its disjoint rows of each global batch."""
+    """Epochs over the shards, front to back; each rank reads its disjoint rows of each global
+    batch."""
 
     kind = "sequential"
 
@@ -160,8 +169,11 @@ class SequentialLoader(_StepLoader):
             if shards is None or len(shards) == 1:
                 stream = self.tokens
             else:
-                stream = self.tokens.reordered(np.random.default_rng([self.seed, 2, epoch]).permutation(len(shards)))
-            self._streams = {epoch: stream}  # one epoch kept (replaced whole: the prefetch thread reads it too)
+                stream = self.tokens.reordered(
+                    np.random.default_rng([self.seed, 2, epoch]).permutation(len(shards))
+                )
+            # one epoch kept (replaced whole: the prefetch thread reads it too)
+            self._streams = {epoch: stream}
         return stream
 
     def _position(self) -> Tuple[int, int]:
@@ -183,14 +195,22 @@ class SequentialLoader(_StepLoader):
         T = self.block_size
         rows = self.micro_batch_size * self.accum_steps
         start = p + self.rank * rows * T
-        buf = torch.from_numpy(np.asarray(self._stream(epoch)[start : start + rows * T + 1], dtype=np.int64))
+        buf = torch.from_numpy(
+            np.asarray(self._stream(epoch)[start : start + rows * T + 1], dtype=np.int64)
+        )
         x = buf[:-1].view(rows, T)
         y = buf[1:].view(rows, T)
         return self._split(x, y)
 
     def state_dict(self) -> Dict[str, Any]:
-        # Global tokens, not per-rank counters: any world size / accumulation resumes at the same token.
-        return {"kind": self.kind, "epoch": self.epoch, "position": self.position, "seed": self.seed}
+        # Global tokens, not per-rank counters: any world size / accumulation resumes at the same
+        # token.
+        return {
+            "kind": self.kind,
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         _check_kind(state, self.kind)
@@ -211,7 +231,13 @@ def _check_kind(state: Dict[str, Any], kind: str) -> None:
 
 
 def eval_batches(
-    tokens, block_size: int, batch_size: int, n_batches: int, seed: int, rank: int = 0, world_size: int = 1
+    tokens,
+    block_size: int,
+    batch_size: int,
+    n_batches: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> List[Batch]:
     """A fixed set of validation batches (the same at every evaluation), split across ranks."""
     out = []
@@ -232,7 +258,8 @@ def build_train_loader(
     sampling: str = "random",
     pin_memory: bool = False,
 ) -> _StepLoader:
-    """The training loader for a prepared split: random windows or sequential epochs (data.sampling)."""
+    """The training loader for a prepared split: random windows or sequential epochs
+    (data.sampling)."""
     if sampling == "random":
         cls = RandomWindowLoader
     elif sampling == "sequential":

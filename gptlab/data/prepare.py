@@ -44,7 +44,15 @@ from gptlab.data.shards import (
     shard_plan,
     token_dtype,
 )
-from gptlab.data.sources import CLEANERS, Source, cache_root, doc_hash, is_val_document, limited, open_source
+from gptlab.data.sources import (
+    CLEANERS,
+    Source,
+    cache_root,
+    doc_hash,
+    is_val_document,
+    limited,
+    open_source,
+)
 from gptlab.data.tokenizers import (
     CharTokenizer,
     Tokenizer,
@@ -61,7 +69,8 @@ logger = logging.getLogger(__name__)
 SOURCES = ("shakespeare", "text_files", "hf")
 TOKENIZERS = ("char", "bpe", "gpt2")
 TOKENIZER_FILE = "tokenizer.tiktoken"
-BATCH_CHARS = 4 << 20  # text per worker task: big enough to amortise pickling, small enough to bound memory
+# text per worker task: big enough to amortise pickling, small enough to bound memory
+BATCH_CHARS = 4 << 20
 
 
 @dataclass
@@ -87,7 +96,8 @@ class PreparedData:
         return self.meta["tokenizer_sha256"]
 
     def tokens(self, split: str):
-        """The split as one flat read-only token array: a memory map when it is one shard, else TokenShards."""
+        """The split as one flat read-only token array: a memory map when it is one shard, else
+        TokenShards."""
         shards = open_shards(self.root / split, self.meta)
         return shards[0] if len(shards) == 1 else TokenShards(shards)
 
@@ -111,7 +121,9 @@ def _check_choices(cfg: DataConfig) -> None:
     if cfg.shard_divisor < 1 or cfg.shard_tokens < 1:
         raise GptlabError("data.shard_divisor and data.shard_tokens must be positive")
     if cfg.max_documents is not None and cfg.max_documents < 1:
-        raise GptlabError(f"data.max_documents={cfg.max_documents}: must be positive, or null for all documents")
+        raise GptlabError(
+            f"data.max_documents={cfg.max_documents}: must be positive, or null for all documents"
+        )
     if cfg.workers < 0:
         raise GptlabError(f"data.workers={cfg.workers}: must be >= 0 (0 tokenizes in this process)")
 
@@ -143,21 +155,27 @@ def dataset_key(cfg: DataConfig, source: Source) -> Tuple[str, Dict[str, Any]]:
 
 
 def _read_ranks_file(path: str) -> Tuple[str, str]:
-    """The text of a tiktoken ranks file and its SHA-256; one line naming data.tokenizer.path when it is not one."""
+    """The text of a tiktoken ranks file and its SHA-256; one line naming data.tokenizer.path when
+    it is not one."""
     p = Path(path).expanduser()
     if p.is_dir():
-        raise GptlabError(f"data.tokenizer.path={path} is a folder: give a tiktoken ranks file (.tiktoken)")
+        raise GptlabError(
+            f"data.tokenizer.path={path} is a folder: give a tiktoken ranks file (.tiktoken)"
+        )
     if not p.is_file():
         raise GptlabError(f"data.tokenizer.path={path}: no such ranks file")
     try:
         text = p.read_bytes().decode("utf-8")
         ranks = parse_ranks(text)
-        if any(bytes([b]) not in ranks for b in range(256)):  # a byte-level BPE starts from every byte
+        # a byte-level BPE starts from every byte
+        if any(bytes([b]) not in ranks for b in range(256)):
             raise ValueError(f"{len(ranks)} tokens, not all 256 single bytes among them")
     except (UnicodeDecodeError, ValueError) as e:  # binascii.Error is a ValueError
         raise GptlabError(
-            f"data.tokenizer.path={path} is not a tiktoken ranks file (one 'base64(token) rank' a line: "
-            f"{str(e).splitlines()[0][:80]}); give one that gptlab.prepare saved (tokenizer.tiktoken)"
+            f"data.tokenizer.path={path} is not a tiktoken ranks file (one 'base64(token) rank' a "
+            f"line: "
+            f"{str(e).splitlines()[0][:80]}); give one that gptlab.prepare saved "
+            f"(tokenizer.tiktoken)"
         ) from None
     return text, hashlib.sha256(text.encode()).hexdigest()
 
@@ -170,11 +188,18 @@ _W: Dict[str, Any] = {}
 def _worker_init(
     tok_meta: Dict[str, Any], cleaner: str, dedup: bool, sep: Optional[Tuple[str, int]], dtype: str
 ) -> None:
-    _W.update(tok=load_tokenizer(tok_meta), clean=CLEANERS[cleaner], dedup=dedup, sep=sep, dtype=np.dtype(dtype))
+    _W.update(
+        tok=load_tokenizer(tok_meta),
+        clean=CLEANERS[cleaner],
+        dedup=dedup,
+        sep=sep,
+        dtype=np.dtype(dtype),
+    )
 
 
 def _encode_batch(docs: List[str]) -> Tuple[np.ndarray, np.ndarray, List[int], int]:
-    """Clean, hash and encode a batch: (tokens of the kept documents, their lengths, hashes, bytes read)."""
+    """Clean, hash and encode a batch: (tokens of the kept documents, their lengths, hashes, bytes
+    read)."""
     clean, tok, sep, dtype = _W["clean"], _W["tok"], _W["sep"], _W["dtype"]
     nbytes = sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
     texts = [clean(d) for d in docs] if clean else docs
@@ -182,7 +207,8 @@ def _encode_batch(docs: List[str]) -> Tuple[np.ndarray, np.ndarray, List[int], i
     encoded = tok.encode_ordinary_batch(texts)
     parts, lengths = [], np.zeros(len(texts), dtype=np.int64)
     for i, (text, ids) in enumerate(zip(texts, encoded)):
-        if not text:  # an empty document (or one the cleaner emptied) adds nothing, not even a separator
+        # an empty document (or one the cleaner emptied) adds nothing, not even a separator
+        if not text:
             continue
         ids = np.asarray(ids, dtype=dtype)
         if sep is not None:
@@ -215,10 +241,10 @@ def _encoded(docs: Iterator[str], workers: int, init_args: tuple) -> Iterator[tu
         return
     import multiprocessing as mp
 
-    # spawn, not fork: the parent may hold threads (torch, the BPE trainer's pool) that fork would copy
-    # mid-lock. A spawned child re-imports the parent's __main__ (here `gptlab.prepare` or `gptlab.train`,
-    # so Hydra and torch: seconds per worker); hiding __main__ while the workers start avoids that, and
-    # they import only this module when they unpickle their first task.
+    # spawn, not fork: the parent may hold threads (torch, the BPE trainer's pool) that fork would
+    # copy mid-lock. A spawned child re-imports the parent's __main__ (here `gptlab.prepare` or
+    # `gptlab.train`, so Hydra and torch: seconds per worker); hiding __main__ while the workers
+    # start avoids that, and they import only this module when they unpickle their first task.
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -236,7 +262,9 @@ def _encoded(docs: Iterator[str], workers: int, init_args: tuple) -> Iterator[tu
 
 
 class _Progress:
-    def __init__(self, enabled: bool, total_bytes: Optional[int], total_docs: Optional[int], desc: str):
+    def __init__(
+        self, enabled: bool, total_bytes: Optional[int], total_docs: Optional[int], desc: str
+    ):
         self.bar = None
         self.docs, self.bytes, self.t0 = 0, 0, time.perf_counter()
         if enabled:
@@ -260,7 +288,9 @@ class _Progress:
         if self.bar is not None:
             dt = max(time.perf_counter() - self.t0, 1e-9)
             self.bar.update(nbytes if self.by_bytes else docs)
-            self.bar.set_postfix_str(f"{self.docs / dt:,.0f} docs/s {self.bytes / dt / 1e6:,.1f} MB/s", refresh=False)
+            self.bar.set_postfix_str(
+                f"{self.docs / dt:,.0f} docs/s {self.bytes / dt / 1e6:,.1f} MB/s", refresh=False
+            )
 
     def close(self) -> float:
         if self.bar is not None:
@@ -334,7 +364,9 @@ def _open_prepared(root: Path) -> PreparedData:
     try:
         meta = json.loads((root / "meta.json").read_text())
     except ValueError as e:  # edited or damaged by hand: the shards cannot be trusted either
-        raise GptlabError(f"{root / 'meta.json'} is not valid JSON ({e}); delete {root} to prepare it again") from None
+        raise GptlabError(
+            f"{root / 'meta.json'} is not valid JSON ({e}); delete {root} to prepare it again"
+        ) from None
     if meta.get("format_version") != FORMAT_VERSION:
         raise GptlabError(
             f"{root}: made by token-file format {meta.get('format_version')}, "
@@ -379,7 +411,8 @@ def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -
         shutil.rmtree(tmp, ignore_errors=True)
         return _open_prepared(root)
     log(
-        f"prepared {cfg.name}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
+        f"prepared {cfg.name}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
+        f"tokens in "
         f"{meta['train_shards']}+{meta['val_shards']} shards, vocab {meta['vocab_size']:,} "
         f"({meta['dtype']}), {meta['prepare_mb_per_s']:.1f} MB/s -> {root}"
     )
@@ -389,8 +422,8 @@ def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -
 def _prepare_into(
     cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path, log: Callable[[str], None]
 ) -> Dict[str, Any]:
-    """Tokenize the source into tmp: the tokenizer, then pass 1 (documents into flat files per split),
-    then pass 2 (flat files into shards), then meta.json last."""
+    """Tokenize the source into tmp: the tokenizer, then pass 1 (documents into flat files per
+    split), then pass 2 (flat files into shards), then meta.json last."""
     tok, ranks = _build_tokenizer(cfg, source, log)
     if ranks is not None:
         (tmp / TOKENIZER_FILE).write_text(ranks)
@@ -399,7 +432,11 @@ def _prepare_into(
     splits = ("train", "val") if cfg.split == "documents" else ("all",)
     encoded = _encode_documents(cfg, source, tok, dtype, splits, tmp)
     _check_has_text(cfg, encoded)
-    header = {"format_version": FORMAT_VERSION, "vocab_size": tok.vocab_size, "tokenizer_sha256": tok_sha}
+    header = {
+        "format_version": FORMAT_VERSION,
+        "vocab_size": tok.vocab_size,
+        "tokenizer_sha256": tok_sha,
+    }
     counts = _shard_splits(cfg, dtype, header, encoded["written"], tmp)
     for s in splits:
         (tmp / f"{s}.flat").unlink()
@@ -409,7 +446,9 @@ def _prepare_into(
         **header,
         "dataset": cfg.name,
         "settings": settings,
-        "tokenizer": tok.to_meta() if ranks is None else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok_sha},
+        "tokenizer": tok.to_meta()
+        if ranks is None
+        else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok_sha},
         "dtype": dtype.name,
         "documents": encoded["documents"],
         "empty_documents": encoded["empty"],
@@ -437,22 +476,28 @@ def _source_key(cfg: DataConfig) -> str:
 
 
 def _check_has_text(cfg: DataConfig, encoded: Dict[str, Any]) -> None:
-    """One line naming the source when no document had any text (not a split that came out empty)."""
+    """One line naming the source when no document had any text (not a split that came out
+    empty)."""
     if sum(encoded["written"].values()) > 0:
         return
     n, empty = encoded["documents"], encoded["empty"]
     if n == 0:
-        why = "no documents" + (f" (data.max_documents={cfg.max_documents})" if cfg.max_documents is not None else "")
+        why = "no documents" + (
+            f" (data.max_documents={cfg.max_documents})" if cfg.max_documents is not None else ""
+        )
     else:
         cleaned = f" after data.cleaner={cfg.cleaner}" if cfg.cleaner != "none" else ""
-        why = f"{n} document(s), {empty} of them empty{cleaned}" + (", the rest duplicates" if empty < n else "")
+        why = f"{n} document(s), {empty} of them empty{cleaned}" + (
+            ", the rest duplicates" if empty < n else ""
+        )
     raise GptlabError(f"{_source_key(cfg)}: no text to train on ({why}); give text to train on")
 
 
 def _encode_documents(
     cfg: DataConfig, source: Source, tok: Any, dtype: np.dtype, splits: Tuple[str, ...], tmp: Path
 ) -> Dict[str, Any]:
-    """Pass 1: every document, in order, into a flat token file and a (start, length) table per split."""
+    """Pass 1: every document, in order, into a flat token file and a (start, length) table per
+    split."""
     # open for the whole pass and closed in its `finally:` below
     flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}  # noqa: SIM115
     tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}  # noqa: SIM115
@@ -460,7 +505,8 @@ def _encode_documents(
     seen: set = set()
     index, dropped_dups, empty = 0, 0, 0
     progress = _Progress(cfg.progress, source.total_bytes, source.total_docs, f"prepare {cfg.name}")
-    workers = 0 if isinstance(tok, CharTokenizer) else cfg.workers  # char encoding is one numpy call
+    # char encoding is one numpy call
+    workers = 0 if isinstance(tok, CharTokenizer) else cfg.workers
     init = (tok.to_meta(), cfg.cleaner, cfg.dedup, _separator(cfg, tok), dtype.name)
     docs = limited(source.documents(), cfg.max_documents)
     try:
@@ -498,15 +544,18 @@ def _encode_documents(
 def _shard_splits(
     cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], written: Dict[str, int], tmp: Path
 ) -> Dict[str, Tuple[int, int, int]]:
-    """Pass 2: per split, its documents in (shuffled) order into equal shards; (shards, tokens each, dropped)."""
+    """Pass 2: per split, its documents in (shuffled) order into equal shards; (shards, tokens each,
+    dropped)."""
     counts: Dict[str, Tuple[int, int, int]] = {}
     if cfg.split == "tail":
         n = written["all"]
         n_val = int(round(n * cfg.val_fraction))
         if n_val == 0 or n_val == n:
             raise GptlabError(
-                f"data.val_fraction={cfg.val_fraction}: the {'val' if n_val == 0 else 'train'} split of "
-                f"{n} tokens ({_source_key(cfg)}) got none; use more text or change data.val_fraction"
+                f"data.val_fraction={cfg.val_fraction}: the {'val' if n_val == 0 else 'train'} "
+                f"split of "
+                f"{n} tokens ({_source_key(cfg)}) got none; use more text or change "
+                f"data.val_fraction"
             )
         ranges = {"train": (0, n - n_val), "val": (n - n_val, n)}
         with open(tmp / "all.flat", "rb") as data:
@@ -532,8 +581,11 @@ def _pread(f, dtype: np.dtype, start: int, count: int) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)
 
 
-def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 1 << 22) -> Iterator[np.ndarray]:
-    """The documents of `table` (start, length rows) in `order`, at most ~`chunk` tokens at a time."""
+def _gather(
+    f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 1 << 22
+) -> Iterator[np.ndarray]:
+    """The documents of `table` (start, length rows) in `order`, at most ~`chunk` tokens at a
+    time."""
     parts: List[np.ndarray] = []
     size = 0
     for k in range(0, len(order), 4096):
@@ -549,7 +601,12 @@ def _gather(f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int
 
 
 def _write_split(
-    folder: Path, cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], n_tokens: int, pieces: Iterator[np.ndarray]
+    folder: Path,
+    cfg: DataConfig,
+    dtype: np.dtype,
+    header: Dict[str, Any],
+    n_tokens: int,
+    pieces: Iterator[np.ndarray],
 ) -> Tuple[int, int, int]:
     n, per = shard_plan(n_tokens, cfg.shard_divisor, cfg.shard_tokens)
     if n_tokens == 0:
@@ -559,8 +616,10 @@ def _write_split(
         )
     if per == 0:
         raise GptlabError(
-            f"data.shard_divisor={cfg.shard_divisor}: the {folder.name} split has only {n_tokens} tokens, too few "
-            f"for {n} shards; use more text, a larger data.val_fraction or a smaller data.shard_divisor"
+            f"data.shard_divisor={cfg.shard_divisor}: the {folder.name} split has only {n_tokens} "
+            f"tokens, too few "
+            f"for {n} shards; use more text, a larger data.val_fraction or a smaller "
+            f"data.shard_divisor"
         )
     w = ShardWriter(folder, n, per, dtype, {**header, "split": folder.name})
     for p in pieces:

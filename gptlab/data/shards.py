@@ -42,7 +42,9 @@ def shard_plan(n_tokens: int, divisor: int, max_tokens: int) -> tuple:
 class ShardWriter:
     """Fills `n` shards of `per_shard` tokens in order from a stream of arrays; drops the rest."""
 
-    def __init__(self, folder: Path, n: int, per_shard: int, dtype: np.dtype, header: Dict[str, Any]):
+    def __init__(
+        self, folder: Path, n: int, per_shard: int, dtype: np.dtype, header: Dict[str, Any]
+    ):
         self.folder, self.n, self.per, self.dtype, self.header = folder, n, per_shard, dtype, header
         folder.mkdir(parents=True, exist_ok=True)
         self.index, self.filled, self.f, self.h = 0, 0, None, None
@@ -103,7 +105,8 @@ def _write_json(path: Path, obj: Any) -> None:
 class TokenShards:
     """A split's shards read as one flat, read-only token array (``len``, slices, ``dtype``).
 
-    A slice may span shard boundaries; nothing is read until it is sliced (the shards are memory maps).
+    A slice may span shard boundaries; nothing is read until it is sliced (the shards are memory
+    maps).
     """
 
     def __init__(self, shards: Sequence[np.ndarray]):
@@ -153,14 +156,17 @@ def open_shards(folder: Path, expect: Dict[str, Any]) -> List[np.ndarray]:
         for key in ("format_version", "tokenizer_sha256", "vocab_size", "dtype"):
             if meta.get(key) != expect[key]:
                 raise GptlabError(
-                    f"{side}: {key} is {meta.get(key)!r} but the dataset expects {expect[key]!r} (made by a "
-                    f"different tokenizer or gptlab version); delete {folder.parent} to prepare it again"
+                    f"{side}: {key} is {meta.get(key)!r} but the dataset expects {expect[key]!r} "
+                    f"(made by a "
+                    f"different tokenizer or gptlab version); delete {folder.parent} to prepare "
+                    f"it again"
                 )
         path = side.with_suffix(".bin")
         dtype = np.dtype(meta["dtype"])
         if not path.is_file() or path.stat().st_size != meta["tokens"] * dtype.itemsize:
             raise GptlabError(
-                f"{path}: missing or not {meta['tokens']} tokens long; delete {folder.parent} to prepare it again"
+                f"{path}: missing or not {meta['tokens']} tokens long; delete {folder.parent} to "
+                f"prepare it again"
             )
         out.append(np.memmap(path, dtype=dtype, mode="r"))
     return out

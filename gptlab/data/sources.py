@@ -1,7 +1,8 @@
 """Where text comes from. Every source ends as a re-iterable stream of documents (strings).
 
 - ``shakespeare``: one file, downloaded once (or ``data.path``); the whole text is one document.
-- ``text_files``: a local file, a folder (every ``*.txt`` below it) or a glob; one document per file.
+- ``text_files``: a local file, a folder (every ``*.txt`` below it) or a glob; one document per
+file.
 - ``hf``: a Hugging Face dataset's text column: streamed from the Hub, or read from a local copy in
   the same format (parquet files, or a ``save_to_disk`` folder) given as ``data.path``.
 
@@ -32,7 +33,8 @@ def sha256_file(path: Path) -> str:
 
 
 def cache_root(cache_dir: Optional[str]) -> Path:
-    """The folder for downloads and prepared tokens: data.cache_dir, $GPTLAB_CACHE_DIR, ~/.cache/gptlab."""
+    """The folder for downloads and prepared tokens: data.cache_dir, $GPTLAB_CACHE_DIR,
+    ~/.cache/gptlab."""
     root = cache_dir or os.environ.get("GPTLAB_CACHE_DIR") or "~/.cache/gptlab"
     return Path(root).expanduser().resolve()
 
@@ -46,7 +48,8 @@ def local_text_file(path: str, name: str = "shakespeare_char") -> Path:
     if p.is_dir():
         raise GptlabError(
             f"data.path={path} is a folder, but data={name} reads one text file: give the file "
-            f"(data.path=/path/to/{SHAKESPEARE_FILE}), or use data=text_files for a folder of .txt files"
+            f"(data.path=/path/to/{SHAKESPEARE_FILE}), or use data=text_files for a folder of "
+            f".txt files"
         )
     if not p.is_file():
         raise GptlabError(f"data.path={path}: no such file; give the path of a text file")
@@ -69,30 +72,41 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
         tmp.unlink(missing_ok=True)
         reason = getattr(e, "reason", e)
         raise GptlabError(
-            f"could not download {url} ({reason}); offline? pass a local copy with data.path=/path/to/{dest.name}"
+            f"could not download {url} ({reason}); offline? pass a local copy with "
+            f"data.path=/path/to/{dest.name}"
         ) from None
     if sha256 is not None and (got := sha256_file(tmp)) != sha256:
         tmp.unlink(missing_ok=True)
-        raise GptlabError(f"{url} has SHA-256 {got}, expected {sha256}; pass a good copy with data.path=")
+        raise GptlabError(
+            f"{url} has SHA-256 {got}, expected {sha256}; pass a good copy with data.path="
+        )
     os.replace(tmp, dest)
     return dest
 
 
 def fetch_text_file(
-    path: Optional[str], url: str, sha256: Optional[str], cache: Path, filename: str, name: str = "shakespeare_char"
+    path: Optional[str],
+    url: str,
+    sha256: Optional[str],
+    cache: Path,
+    filename: str,
+    name: str = "shakespeare_char",
 ) -> Path:
     """The local file to read: data.path when given, else the cached download of url."""
     if path:
         return local_text_file(path, name)
     f = download(url, cache / "downloads" / filename, sha256)
     if f.stat().st_size == 0:
-        raise GptlabError(f"data.url={url}: the downloaded file {f} is empty; pass a good copy with data.path=")
+        raise GptlabError(
+            f"data.url={url}: the downloaded file {f} is empty; pass a good copy with data.path="
+        )
     return f
 
 
 def shakespeare_file(cfg, cache: Optional[Path] = None) -> Path:
     """The text file of source=shakespeare, verified: data.path when given, else data.url downloaded
-    once into <cache>/downloads/ (default: the data cache, see cache_root) and checked against data.sha256.
+    once into <cache>/downloads/ (default: the data cache, see cache_root) and checked against
+    data.sha256.
 
     What `python -m gptlab.train` reads by default; the tests find Tiny Shakespeare the same way.
     """
@@ -133,7 +147,9 @@ def _expand(path: str, pattern: str, key: str = "data.path") -> List[Path]:
         files = sorted(Path(q) for q in globlib.glob(str(p), recursive=True) if Path(q).is_file())
     if not files:
         if p.is_dir():
-            raise GptlabError(f"{key}={path}: the folder has no {pattern} files (searched below it too)")
+            raise GptlabError(
+                f"{key}={path}: the folder has no {pattern} files (searched below it too)"
+            )
         if any(c in str(p) for c in "*?["):
             raise GptlabError(f"{key}={path}: the glob matches no files")
         raise GptlabError(f"{key}={path}: no such file or folder")
@@ -142,9 +158,12 @@ def _expand(path: str, pattern: str, key: str = "data.path") -> List[Path]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_bytes().decode("utf-8")  # not read_text: its universal newlines would eat \r\n
+        # not read_text: its universal newlines would eat \r\n
+        return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise GptlabError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert or remove it") from None
+        raise GptlabError(
+            f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); convert or remove it"
+        ) from None
 
 
 def _fingerprint_files(files: List[Path]) -> Dict[str, Any]:
@@ -155,7 +174,9 @@ def _fingerprint_files(files: List[Path]) -> Dict[str, Any]:
 
 def text_files_source(path: Optional[str]) -> Source:
     if not path:
-        raise GptlabError("data.path: text_files needs a file, folder or glob of UTF-8 text (data.path=...)")
+        raise GptlabError(
+            "data.path: text_files needs a file, folder or glob of UTF-8 text (data.path=...)"
+        )
     files = _expand(path, "*.txt")
     total = sum(f.stat().st_size for f in files)
     if total == 0:
@@ -182,7 +203,8 @@ def _parquet_file(f: Path):
         return pq.ParquetFile(f)
     except (pa.ArrowException, OSError) as e:
         raise GptlabError(
-            f"data.path: {f} is not a parquet file ({str(e).splitlines()[0][:120]}); give parquet files "
+            f"data.path: {f} is not a parquet file ({str(e).splitlines()[0][:120]}); give parquet "
+            f"files "
             f"or a datasets save_to_disk folder"
         ) from None
 
@@ -192,7 +214,8 @@ def _parquet_docs(files: List[Path], column: str) -> Iterator[str]:
         pf = _parquet_file(f)
         if column not in pf.schema_arrow.names:
             raise GptlabError(
-                f"data.text_column={column}: {f} has no such column (columns: {', '.join(pf.schema_arrow.names)})"
+                f"data.text_column={column}: {f} has no such column (columns: "
+                f"{', '.join(pf.schema_arrow.names)})"
             )
         # Row-group batches keep memory bounded whatever the file size.
         for batch in pf.iter_batches(batch_size=1024, columns=[column]):
@@ -208,7 +231,9 @@ def _saved_docs(path: Path, split: str, column: str) -> Iterator[str]:
             raise GptlabError(f"data.hf_split={split}: {path} has splits {', '.join(ds)}")
         ds = ds[split]
     if column not in ds.column_names:
-        raise GptlabError(f"data.text_column={column}: {path} has columns {', '.join(ds.column_names)}")
+        raise GptlabError(
+            f"data.text_column={column}: {path} has columns {', '.join(ds.column_names)}"
+        )
     for batch in ds.select_columns([column]).iter(batch_size=1024):
         yield from (t for t in batch[column] if t is not None)
 
@@ -218,7 +243,8 @@ HUB_CHECK_S = 5.0  # one quick request to the Hub before datasets, which retries
 
 
 def _quiet_hub() -> None:
-    """Keep Hugging Face's retry warnings and progress bars off the console (gptlab reports the outcome)."""
+    """Keep Hugging Face's retry warnings and progress bars off the console (gptlab reports the
+    outcome)."""
     import datasets
     import huggingface_hub
 
@@ -238,7 +264,8 @@ def _check_hub(dataset: str) -> None:
     except Exception as e:  # noqa: BLE001 - requests' or httpx's connection errors, whichever is installed
         reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
         raise GptlabError(
-            f"data.hf_dataset={dataset}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be reached "
+            f"data.hf_dataset={dataset}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be "
+            f"reached "
             f"({reason}); offline? {_LOCAL_COPY}"
         ) from None
 
@@ -247,18 +274,24 @@ def _hub_docs(cfg) -> Iterator[str]:
     # Checked here, when documents are first needed, so that shards prepared earlier open offline.
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         raise GptlabError(
-            f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; {_LOCAL_COPY}"
+            f"data.hf_dataset={cfg.hf_dataset}: HF_HUB_OFFLINE is set and data.path is empty; "
+            f"{_LOCAL_COPY}"
         )
     import datasets
 
     _quiet_hub()
     _check_hub(cfg.hf_dataset)
     try:
-        ds = datasets.load_dataset(cfg.hf_dataset, name=cfg.hf_config, split=cfg.hf_split, streaming=True)
+        ds = datasets.load_dataset(
+            cfg.hf_dataset, name=cfg.hf_config, split=cfg.hf_split, streaming=True
+        )
         for row in ds:
             text = row.get(cfg.text_column)
             if text is None and cfg.text_column not in row:
-                raise GptlabError(f"data.text_column={cfg.text_column}: {cfg.hf_dataset} rows have {', '.join(row)}")
+                raise GptlabError(
+                    f"data.text_column={cfg.text_column}: {cfg.hf_dataset} rows have "
+                    f"{', '.join(row)}"
+                )
             if text is not None:
                 yield text
     except GptlabError:
@@ -293,7 +326,9 @@ def hf_source(cfg) -> Source:
             total_docs=rows,
         )
     if not cfg.hf_dataset:
-        raise GptlabError("data.hf_dataset: source=hf needs a Hub dataset id or a local copy in data.path")
+        raise GptlabError(
+            "data.hf_dataset: source=hf needs a Hub dataset id or a local copy in data.path"
+        )
     return Source(
         {
             "kind": "hf_hub",
@@ -320,7 +355,9 @@ def open_source(cfg, cache: Path) -> Source:
         return text_files_source(cfg.path)
     if cfg.source == "hf":
         return hf_source(cfg)
-    raise GptlabError(f"data.source={cfg.source}: unknown source (choose from shakespeare, text_files, hf)")
+    raise GptlabError(
+        f"data.source={cfg.source}: unknown source (choose from shakespeare, text_files, hf)"
+    )
 
 
 def limited(docs: Iterator[str], max_documents: Optional[int]) -> Iterator[str]:
@@ -378,10 +415,13 @@ CLEANERS: Dict[str, Optional[Callable[[str], str]]] = {"none": None, "gutenberg"
 
 def doc_hash(text: str) -> int:
     """A 64-bit hash of a document, for dropping duplicates."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+    return int.from_bytes(
+        hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little"
+    )
 
 
 def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
-    """Whether document `index` of the stream belongs to the validation split (seeded, streaming)."""
+    """Whether document `index` of the stream belongs to the validation split (seeded,
+    streaming)."""
     h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") / 2**64 < val_fraction

@@ -27,7 +27,8 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 # GPT-2's pre-tokenisation pattern: the one Hugging Face's ByteLevel pre-tokenizer applies while
 # training, so tiktoken splits text exactly as the trainer saw it.
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""  # tiktoken's GPT-2
+# tiktoken's GPT-2
+R50K_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_EOT = 50256
@@ -75,7 +76,8 @@ class CharTokenizer:
             return [self._stoi[c] for c in text]
         except KeyError as e:
             raise GptlabError(
-                f"character {e.args[0]!r} is not in this model's vocabulary of {self.vocab_size} characters"
+                f"character {e.args[0]!r} is not in this model's vocabulary of {self.vocab_size} "
+                f"characters"
             ) from None
 
     def encode_array(self, text: str) -> np.ndarray:
@@ -113,7 +115,9 @@ class CharTokenizer:
 class TiktokenTokenizer:
     """A byte-level BPE (trained here, or GPT-2's) encoded and decoded by ``tiktoken``."""
 
-    def __init__(self, kind: str, ranks_text: str, specials: Dict[str, int], pat_str: str, eos: str, bos: str):
+    def __init__(
+        self, kind: str, ranks_text: str, specials: Dict[str, int], pat_str: str, eos: str, bos: str
+    ):
         import tiktoken
 
         self.kind = kind
@@ -122,7 +126,10 @@ class TiktokenTokenizer:
         self.specials = dict(specials)
         self.pat_str = pat_str
         self.enc = tiktoken.Encoding(
-            name=f"gptlab-{kind}", pat_str=pat_str, mergeable_ranks=ranks, special_tokens=self.specials
+            name=f"gptlab-{kind}",
+            pat_str=pat_str,
+            mergeable_ranks=ranks,
+            special_tokens=self.specials,
         )
         self.vocab_size = self.enc.n_vocab
         self.eos_id = self.specials[eos]
@@ -166,7 +173,10 @@ def parse_ranks(text: str) -> Dict[bytes, int]:
 
 
 def format_ranks(ranks: Dict[bytes, int]) -> str:
-    return "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    return "".join(
+        f"{base64.b64encode(t).decode()} {r}\n"
+        for t, r in sorted(ranks.items(), key=lambda kv: kv[1])
+    )
 
 
 def bpe_from_ranks(ranks_text: str) -> TiktokenTokenizer:
@@ -177,7 +187,11 @@ def bpe_from_ranks(ranks_text: str) -> TiktokenTokenizer:
 
 def _bytes_to_unicode() -> Dict[int, str]:
     """GPT-2's printable stand-in for each byte (the alphabet HF's ByteLevel BPE works in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -237,7 +251,8 @@ def gpt2_tokenizer() -> TiktokenTokenizer:
     data = path.read_bytes() if path.is_file() else None
     if data is not None and hashlib.sha256(data).hexdigest() != GPT2_RANKS_SHA256:
         raise GptlabError(
-            f"{path} is not GPT-2's ranks file (SHA-256 mismatch); delete it and pre-fill TIKTOKEN_CACHE_DIR again"
+            f"{path} is not GPT-2's ranks file (SHA-256 mismatch); delete it and pre-fill "
+            f"TIKTOKEN_CACHE_DIR again"
         )
     if data is None:
         try:
@@ -247,13 +262,20 @@ def gpt2_tokenizer() -> TiktokenTokenizer:
         except Exception as e:  # noqa: BLE001 - offline: requests' connection error, or a proxy's
             raise GptlabError(
                 f"data.tokenizer.kind=gpt2: tiktoken's GPT-2 file is not in TIKTOKEN_CACHE_DIR="
-                f"{_tiktoken_cache_dir()} and could not be downloaded ({type(e).__name__}); on a machine "
+                f"{_tiktoken_cache_dir()} and could not be downloaded ({type(e).__name__}); on a "
+                f"machine "
                 f'with internet run `TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
-                f"tiktoken.get_encoding('r50k_base')\"`, copy DIR here and set TIKTOKEN_CACHE_DIR=DIR"
+                f"tiktoken.get_encoding('r50k_base')\"`, copy DIR here and set "
+                f"TIKTOKEN_CACHE_DIR=DIR"
             ) from None
     ranks_text = data.decode()
     return TiktokenTokenizer(
-        "gpt2", ranks_text, {"<|endoftext|>": GPT2_EOT}, R50K_PAT, eos="<|endoftext|>", bos="<|endoftext|>"
+        "gpt2",
+        ranks_text,
+        {"<|endoftext|>": GPT2_EOT},
+        R50K_PAT,
+        eos="<|endoftext|>",
+        bos="<|endoftext|>",
     )
 
 
@@ -263,7 +285,9 @@ def load_tokenizer(meta: Dict[str, Any]) -> Tokenizer:
     if kind == "char":
         return CharTokenizer(meta["chars"], meta.get("specials", ()))
     if kind == "bpe":
-        return TiktokenTokenizer("bpe", meta["ranks"], meta["specials"], meta["pat_str"], eos="<|eos|>", bos="<|bos|>")
+        return TiktokenTokenizer(
+            "bpe", meta["ranks"], meta["specials"], meta["pat_str"], eos="<|eos|>", bos="<|bos|>"
+        )
     if kind == "gpt2":
         return gpt2_tokenizer()
     raise GptlabError(f"unknown tokenizer kind {kind!r} in dataset metadata")

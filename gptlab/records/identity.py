@@ -81,7 +81,8 @@ def sweep_run_name(base: str, job_overrides: List[str], sweep: Dict[str, Any]) -
 def sweep_identity(config: Mapping[str, Any], overrides: List[str], launcher: str,
                    sweep_dir: Path) -> Dict[str, Any]:  # fmt: skip
     """What sweep.json says of a sweep before its parent run exists: experiment, store, name, and
-    which keys it sweeps. config: the sweep's config (the launching process's, or multirun.yaml's)."""
+    which keys it sweeps. config: the sweep's config (the launching process's, or
+    multirun.yaml's)."""
     tracking = config.get("tracking") or {}
     m, d, _ = _names(config)
     sweeping = swept(overrides)
@@ -98,8 +99,8 @@ def sweep_identity(config: Mapping[str, Any], overrides: List[str], launcher: st
 
 
 def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
-    """sweep_identity from the multirun.yaml Hydra writes in every sweep folder (a sweep whose parent
-    run could not be created has no sweep.json); None for a folder that is no sweep."""
+    """sweep_identity from the multirun.yaml Hydra writes in every sweep folder (a sweep whose
+    parent run could not be created has no sweep.json); None for a folder that is no sweep."""
     cfg = layout.read_yaml(Path(folder) / layout.MULTIRUN)
     if cfg is None or not isinstance(cfg.get("hydra"), dict):
         return None
@@ -109,9 +110,9 @@ def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
 
 
 def find_sweep(config: Mapping[str, Any], run_dir: Path) -> Optional[Dict[str, Any]]:
-    """The sweep whose records the run belongs to: its sweep.json (or, when the sweep could not write
-    one, its multirun.yaml), unless the run names a store of its own (tracking.uri) other than the
-    sweep's."""
+    """The sweep whose records the run belongs to: its sweep.json (or, when the sweep could not
+    write one, its multirun.yaml), unless the run names a store of its own (tracking.uri) other than
+    the sweep's."""
     sweep = layout.read_sweep(run_dir) or sweep_from_multirun(Path(run_dir).resolve().parent)
     own = (config.get("tracking") or {}).get("uri")
     if sweep is None or (own is not None and sweep.get("uri") not in (None, own)):

@@ -27,7 +27,8 @@ SWEEP = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs nest u
 SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
 
-# What a run folder holds besides Hydra's .hydra/ and the log file (which a new attempt owns already)
+# What a run folder holds besides Hydra's .hydra/ and the log file (which a new attempt owns
+# already)
 RECORDS = (CHECKPOINTS, METRICS, RESULTS, SAMPLES, LOSS_PLOT, CONFIG, DERIVED, IDENTITY,
            TENSORBOARD, SLURM, BENCH, EXPORT)  # fmt: skip
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of
@@ -105,7 +106,8 @@ def read_results(run_dir: Path) -> Dict[str, Any]:
 
 
 def read_config(run_dir: Path) -> Optional[Dict[str, Any]]:
-    """The run's resolved config (config_resolved.yaml, else Hydra's copy); None if neither reads."""
+    """The run's resolved config (config_resolved.yaml, else Hydra's copy); None if neither
+    reads."""
     for path in (Path(run_dir) / CONFIG, Path(run_dir) / HYDRA / "config.yaml"):
         config = read_yaml(path)
         if config is not None:

@@ -29,7 +29,9 @@ def create(client: Any, uri: str, sweep: Dict[str, Any], tags: Optional[Dict[str
     """Create the parent run of sweep (identity.sweep_identity's dict) in the store; the run.
 
     tags: more tags (gptlab.sync marks the runs it made); start_time: in ms (now when None)."""
-    experiment_id = store.get_or_create_experiment(client, sweep["experiment"], store.artifact_root(uri))
+    experiment_id = store.get_or_create_experiment(
+        client, sweep["experiment"], store.artifact_root(uri)
+    )
     all_tags = {
         "run_type": "sweep",
         "sweep_dir": sweep["sweep_dir"],
@@ -48,7 +50,9 @@ def child_tags(sweep: Dict[str, Any], parent_run_id: str) -> Dict[str, str]:
     return {store.PARENT_TAG: parent_run_id, "sweep_dir": sweep["sweep_dir"]}
 
 
-def record_failed_job(client: Any, sweep: Dict[str, Any], identity: RunIdentity, error: str) -> None:
+def record_failed_job(
+    client: Any, sweep: Dict[str, Any], identity: RunIdentity, error: str
+) -> None:
     """A FAILED child for a job that failed before its tracker made a run (a bad override, no data);
     nothing when its run exists already (the tracker marked it FAILED with the error)."""
     runs = store.children(client, sweep["experiment_id"], sweep["parent_run_id"])

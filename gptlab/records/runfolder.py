@@ -49,18 +49,39 @@ WARNING = "warning: "  # how checkpoint.load_latest_good marks a note that is a 
 # it reports, how long it goes on, and where it records. Everything else (model, data stream,
 # optimizer, global batch, seed) makes it another run.
 FREE = (
-    "hardware.", "parallelism.", "tracking.", "expected.", "paths.",
-    "train.max_steps", "train.micro_batch_size", "train.eval_every", "train.eval_steps", "train.eval_batch_size",
-    "train.log_every", "train.checkpoint_every", "train.keep_checkpoints", "train.resume", "train.sample_tokens",
-    "train.sample_prompt", "train.save_checkpoints",
-    "data.path", "data.cache_dir", "data.workers", "data.progress",  # where the text is, not what it is
-    "optimizer.fused", "optimizer.muon_ns_dtype", "bench.",  # arithmetic: auto differs by machine anyway
-)  # fmt: skip
+    "hardware.",
+    "parallelism.",
+    "tracking.",
+    "expected.",
+    "paths.",
+    "train.max_steps",
+    "train.micro_batch_size",
+    "train.eval_every",
+    "train.eval_steps",
+    "train.eval_batch_size",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.resume",
+    "train.sample_tokens",
+    "train.sample_prompt",
+    "train.save_checkpoints",
+    # where the text is, not what it is
+    "data.path",
+    "data.cache_dir",
+    "data.workers",
+    "data.progress",
+    # arithmetic: auto differs by machine anyway
+    "optimizer.fused",
+    "optimizer.muon_ns_dtype",
+    "bench.",
+)
 
 
 @dataclass
 class Claim:
-    """What rank 0 decided: the checkpoint every rank loads (None: start fresh), and what it said."""
+    """What rank 0 decided: the checkpoint every rank loads (None: start fresh), and what it
+    said."""
 
     resume_from: Optional[Path]
     notes: List[str]
@@ -68,7 +89,8 @@ class Claim:
 
 
 def differences(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
-    """`key=old (now new)` for every key outside FREE whose value differs between two resolved configs."""
+    """`key=old (now new)` for every key outside FREE whose value differs between two resolved
+    configs."""
     a, b = flatten(saved or {}), flatten(now)
     keys = sorted(k for k in set(a) | set(b) if not k.startswith(FREE) and a.get(k) != b.get(k))
     return [f"{k}={a.get(k)!r} (now {b.get(k)!r})" for k in keys]
@@ -81,7 +103,8 @@ def has_records(run_dir: Path) -> bool:
 
 
 def set_aside(run_dir: Path, why: str, log: Callable[[str], None]) -> Optional[Path]:
-    """Move an earlier run's records into previous/<time>/ (nothing is deleted); the folder they went to."""
+    """Move an earlier run's records into previous/<time>/ (nothing is deleted); the folder they
+    went to."""
     present = [run_dir / name for name in RECORDS if (run_dir / name).exists()]
     if not present:
         return None
@@ -91,7 +114,8 @@ def set_aside(run_dir: Path, why: str, log: Callable[[str], None]) -> Optional[P
 
 
 def move_aside(run_dir: Path, paths: List[Path], suffix: str = "") -> Path:
-    """Move paths into a new previous/<time><suffix>/ folder of the run folder (nothing is deleted)."""
+    """Move paths into a new previous/<time><suffix>/ folder of the run folder (nothing is
+    deleted)."""
     dest = run_dir / PREVIOUS / (time.strftime("%Y-%m-%d_%H-%M-%S") + suffix)
     while dest.exists():
         dest = dest.with_name(dest.name + "_")
@@ -112,17 +136,22 @@ def _saved_config(run_dir: Path) -> Dict[str, Any]:
 
 
 def finished(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The results of this very run when it has finished already (train.resume=auto reruns it): else None."""
+    """The results of this very run when it has finished already (train.resume=auto reruns it): else
+    None."""
     results, saved = read_results(run_dir), _saved_config(run_dir)
     if resolved["train"]["resume"] != "auto" or not results or not saved:
         return None
-    done = results.get("stopped_by") is None and (results.get("steps") or 0) >= resolved["train"]["max_steps"]
+    done = (
+        results.get("stopped_by") is None
+        and (results.get("steps") or 0) >= resolved["train"]["max_steps"]
+    )
     return results if done and not differences(saved, resolved) else None
 
 
 def lock(run_dir: Path) -> None:
-    """One run at a time in a folder: rank 0 holds an exclusive lock on <run>/.gptlab.lock while the run
-    lasts (the OS drops it when the process ends, however it ends); a second start there is one line."""
+    """One run at a time in a folder: rank 0 holds an exclusive lock on <run>/.gptlab.lock while the
+    run lasts (the OS drops it when the process ends, however it ends); a second start there is one
+    line."""
     key = str(Path(run_dir).resolve())
     if key in _HELD:
         return  # this process runs the folder already (a test calling run_training again)
@@ -154,9 +183,11 @@ def unlock(run_dir: Path) -> None:
 
 def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None],
           unreadable: Optional[Dict[Path, str]] = None) -> Claim:  # fmt: skip
-    """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another run.
+    """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another
+    run.
 
-    unreadable: checkpoints a restore found damaged (path: why), passed over like those that do not load."""
+    unreadable: checkpoints a restore found damaged (path: why), passed over like those that do not
+    load."""
     lock(run_dir)
     try:
         return _decide(run_dir, resume, resolved, log, unreadable or {})
@@ -181,27 +212,35 @@ def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[
         if checkpoint.list_checkpoints(folder):
             first = next((n for n in notes if n.startswith(WARNING)), "")
             why = first[len(WARNING) :].split("; trying the previous")[0]
-            raise GptlabError(_another_run(run_dir, f"none of its checkpoints loads: {why}" if why else
+            raise GptlabError(_another_run(run_dir, f"none of its checkpoints "
+                                                    f"loads: {why}" if why else
                                            "none of its checkpoints loads"))  # fmt: skip
         if has_records(run_dir):  # an attempt that ended before its first checkpoint: the same run?
             diff = differences(_saved_config(run_dir), resolved)
             if diff:
-                raise GptlabError(_another_run(run_dir, f"its config_resolved.yaml differs in {', '.join(diff)}"))
+                raise GptlabError(
+                    _another_run(run_dir, f"its config_resolved.yaml differs in {', '.join(diff)}")
+                )
             set_aside(run_dir, "the earlier attempt left no checkpoint to continue", say)
         return _told(Claim(None, notes), log)
     path, state = found
     diff = differences(state.get("config") or {}, resolved)
     if diff:
-        raise GptlabError(_another_run(run_dir, f"its checkpoint {path.name} differs in {', '.join(diff)}"))
+        raise GptlabError(
+            _another_run(run_dir, f"its checkpoint {path.name} differs in {', '.join(diff)}")
+        )
     _move_broken(folder, path, say)
     return _told(Claim(path, notes, checkpoint.TrainingState.from_dict(path, state)), log)
 
 
-def _warm_start(run_dir: Path, path: Path, say: Callable[[str], None]) -> Tuple[Path, checkpoint.TrainingState]:
-    """train.resume=PATH: within this folder's history, the history after it goes aside; else the whole
-    earlier run does."""
+def _warm_start(
+    run_dir: Path, path: Path, say: Callable[[str], None]
+) -> Tuple[Path, checkpoint.TrainingState]:
+    """train.resume=PATH: within this folder's history, the history after it goes aside; else the
+    whole earlier run does."""
     folder = run_dir / layout.CHECKPOINTS
-    state = checkpoint.TrainingState.load(path)  # one that does not load stops here, before anything moves
+    # one that does not load stops here, before anything moves
+    state = checkpoint.TrainingState.load(path)
     if path.resolve().parent == folder.resolve():
         later = [p for p in checkpoint.list_checkpoints(folder) if p.name > path.name]
         if later:
@@ -213,14 +252,16 @@ def _warm_start(run_dir: Path, path: Path, say: Callable[[str], None]) -> Tuple[
 
 
 def _move_broken(folder: Path, good: Path, say: Callable[[str], None]) -> None:
-    """Checkpoints newer than the one resumed did not load: out of the run's history, kept for a look."""
+    """Checkpoints newer than the one resumed did not load: out of the run's history, kept for a
+    look."""
     broken = [p for p in checkpoint.list_checkpoints(folder) if p.name > good.name]
     if not broken:
         return
     (folder / BROKEN).mkdir(exist_ok=True)
     for path in broken:
         dest = folder / BROKEN / path.name
-        while dest.exists():  # the same step broken before: both are kept (a move onto a folder nests in it)
+        # the same step broken before: both are kept (a move onto a folder nests in it)
+        while dest.exists():
             dest = dest.with_name(dest.name + "_")
         shutil.move(str(path), str(dest))
     say(f"moved {len(broken)} unreadable checkpoint(s) to {folder / BROKEN}")
@@ -228,14 +269,17 @@ def _move_broken(folder: Path, good: Path, say: Callable[[str], None]) -> None:
 
 def _another_run(run_dir: Path, why: str) -> str:
     return (
-        f"run folder {run_dir} holds another run ({why}): use a new hydra.run.dir, or train.resume=never to "
-        f"start over here (its files are moved to {run_dir / PREVIOUS}/), or train.resume=PATH to warm-start "
+        f"run folder {run_dir} holds another run ({why}): use a new hydra.run.dir, or "
+        f"train.resume=never to "
+        f"start over here (its files are moved to {run_dir / PREVIOUS}/), or train.resume=PATH to "
+        f"warm-start "
         f"from one of its checkpoints"
     )
 
 
 def _told(c: Claim, log: Callable[[str], None]) -> Claim:
-    """The claim's notes, told: a skipped checkpoint is a warning (`gptlab: ...` on stderr), the rest news."""
+    """The claim's notes, told: a skipped checkpoint is a warning (`gptlab: ...` on stderr), the
+    rest news."""
     for note in c.notes:
         if note.startswith(WARNING):
             logging.getLogger(__name__).warning(note[len(WARNING) :])
@@ -244,9 +288,14 @@ def _told(c: Claim, log: Callable[[str], None]) -> Claim:
     return c
 
 
-def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool, log: Callable[[str], None],
-                 unreadable: Optional[Dict[Path, str]] = None,
-                 ) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:  # fmt: skip
+def shared_claim(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    is_main: bool,
+    log: Callable[[str], None],
+    unreadable: Optional[Dict[Path, str]] = None,
+) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:
     """claim() on rank 0, its answer on every rank: (the checkpoint to load, the state rank 0 loaded
     already (None on the other ranks)). Rank 0's refusal is raised on every rank. Called before the
     data is prepared, so another run's checkpoint or a bad path stops at once."""
@@ -266,20 +315,28 @@ def shared_claim(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: 
     return (Path(path) if path else None), (c.state if c is not None else None)
 
 
-def shared_restore(run_dir: Path, resume: str, resolved: Dict[str, Any], is_main: bool, log: Callable[[str], None],
-                   objects: Dict[str, Any], claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
-                   ) -> Tuple[Path, checkpoint.TrainingState]:  # fmt: skip
-    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its state).
+def shared_restore(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    is_main: bool,
+    log: Callable[[str], None],
+    objects: Dict[str, Any],
+    claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
+) -> Tuple[Path, checkpoint.TrainingState]:
+    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its
+    state).
 
     A sharded checkpoint an entry of which does not read back (damaged, or crafted) is claimed past:
-    named with its cause, moved to checkpoints/broken/, and the previous one restored. train.resume=PATH
-    asked for that one: its damage is the error."""
+    named with its cause, moved to checkpoints/broken/, and the previous one restored.
+    train.resume=PATH asked for that one: its damage is the error."""
     path, loaded = claimed
     unreadable: Dict[Path, str] = {}
     while True:
         state = loaded or checkpoint.TrainingState.load(path)
         try:
-            # restoring is the check, so each rank reads its entries once; DCP gives every rank every rank's failure
+            # restoring is the check, so each rank reads its entries once; DCP gives every rank
+            # every rank's failure
             state.restore(objects)
             return path, state
         except checkpoint.UnreadableCheckpoint as e:

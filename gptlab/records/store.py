@@ -1,4 +1,5 @@
-"""An MLflow store: opened, retried and named the same way by every command that writes or reads runs.
+"""An MLflow store: opened, retried and named the same way by every command that writes or reads
+runs.
 
 A SQLite store is created under a lock and its calls retried while the database is locked, so many
 runs may start on one fresh store; a server that does not answer costs seconds, not minutes, and is
@@ -33,7 +34,8 @@ METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so run
     "mfu": "perf/mfu",
     "tokens": "tokens",
 }
-SUMMARY_METRICS = {  # results.json key -> MLflow metric logged once at the end (sortable in the runs table)
+# results.json key -> MLflow metric logged once at the end (sortable in the runs table)
+SUMMARY_METRICS = {
     "best_val_loss": "summary/best_val_loss",
     "val_loss": "summary/val_loss",
     "train_loss": "summary/train_loss",
@@ -59,8 +61,18 @@ def default_uri(outputs: Path = DEFAULT_OUTPUTS) -> str:
 # The schemes of the stores MLflow itself has (a plain path is a folder store); packages add theirs
 # through the entry points MLflow reads (STORE_PLUGINS)
 STORE_SCHEMES = (
-    "", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc",
-)  # fmt: skip
+    "",
+    "file",
+    "sqlite",
+    "http",
+    "https",
+    "postgresql",
+    "mysql",
+    "mssql",
+    "databricks",
+    "databricks-uc",
+    "uc",
+)
 STORE_PLUGINS = "mlflow.tracking_store"
 
 
@@ -76,7 +88,8 @@ def check_uri(uri: Optional[str]) -> None:
     from importlib.metadata import entry_points
 
     scheme = urllib.parse.urlparse(uri).scheme.lower()
-    base = "" if len(scheme) == 1 else scheme.split("+")[0]  # a Windows drive; postgresql+psycopg2 is postgresql
+    # a Windows drive; postgresql+psycopg2 is postgresql
+    base = "" if len(scheme) == 1 else scheme.split("+")[0]
     if base in STORE_SCHEMES or base in {e.name for e in entry_points(group=STORE_PLUGINS)}:
         return
     raise GptlabError(
@@ -92,21 +105,26 @@ def sqlite_path(uri: str) -> Optional[Path]:
 
 
 def artifact_root(uri: str) -> Optional[Path]:
-    """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by default)."""
+    """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by
+    default)."""
     db = sqlite_path(uri)
-    return db.parent / "mlartifacts" if db is not None else None  # a server stores (or proxies) its own
+    # a server stores (or proxies) its own
+    return db.parent / "mlartifacts" if db is not None else None
 
 
-LOCKED_RETRIES = 8  # tries of a SQLite call that finds the database locked (backoff 0.1 s doubling, to 3 s)
+# tries of a SQLite call that finds the database locked (backoff 0.1 s doubling, to 3 s)
+LOCKED_RETRIES = 8
 
 
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
-    """An exclusive lock on `<db>.lock` beside a SQLite store's database file (nothing for other stores).
+    """An exclusive lock on `<db>.lock` beside a SQLite store's database file (nothing for other
+    stores).
 
     MLflow creates and migrates a SQLite store on a process's first connection to it; processes that
-    do so at once race (`table ... already exists`, `Online migration expected to match one row`) and
-    lose their runs. Every first connection is made under this lock, so they do it one at a time.
+    do so at once race (`table ... already exists`, `Online migration expected to match one row`)
+    and lose their runs. Every first connection is made under this lock, so they do it one at a
+    time.
     """
     db = sqlite_path(uri)
     if db is None:
@@ -168,8 +186,8 @@ def mlflow_client(uri: str) -> Any:
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     # nor urllib3's line for each of MLflow's HTTP retries: gptlab says once that a server does not
     # answer. They are warnings, which reach the console through the root logger: Hydra's launcher
-    # gives it a handler at INFO in the process that launches a sweep (where the sweep callback opens
-    # the store), and gptlab's job logging one at WARNING
+    # gives it a handler at INFO in the process that launches a sweep (where the sweep callback
+    # opens the store), and gptlab's job logging one at WARNING
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     from mlflow.tracking import MlflowClient
 
@@ -179,14 +197,16 @@ def mlflow_client(uri: str) -> Any:
         return RetryingClient(retry_locked(MlflowClient, tracking_uri=uri))
 
 
-REACHABLE_TRIES = 3  # /health asked this many times, 10 s each, 2 s apart, before a server counts as down
+# /health asked this many times, 10 s each, 2 s apart, before a server counts as down
+REACHABLE_TRIES = 3
 
 
 class Unreachable(ConnectionError):
     """A tracking server that does not answer; the message names it and says why in a few words."""
 
 
-_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"()<>\[\]]+)")  # the OS's reason inside a library's message
+# the OS's reason inside a library's message
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"()<>\[\]]+)")
 
 
 def short_reason(e: BaseException) -> str:
@@ -237,7 +257,8 @@ def sync_command(run_dir: Path) -> str:
 
 
 def log_params(client: Any, run_id: str, params: Dict[str, Any]) -> None:
-    """params as strings (cut at 6,000 characters), in batches of 100: the most MLflow accepts at once."""
+    """params as strings (cut at 6,000 characters), in batches of 100: the most MLflow accepts at
+    once."""
     from mlflow.entities import Param
 
     items = [Param(k, str(v)[:6000]) for k, v in params.items()]
@@ -253,12 +274,16 @@ def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
 
 
 def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
-    """The run-folder metrics that MLflow records, under their MLflow names (None values left out)."""
-    return {METRIC_NAMES[k]: float(v) for k, v in metrics.items() if k in METRIC_NAMES and v is not None}
+    """The run-folder metrics that MLflow records, under their MLflow names (None values left
+    out)."""
+    return {
+        METRIC_NAMES[k]: float(v) for k, v in metrics.items() if k in METRIC_NAMES and v is not None
+    }
 
 
 def _hydra_value(value: str) -> str:
-    """A command-line override value, quoted for Hydra when it holds characters Hydra would parse."""
+    """A command-line override value, quoted for Hydra when it holds characters Hydra would
+    parse."""
     if re.fullmatch(r"[\w./:+@-]+", value):
         return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -315,7 +340,9 @@ def get_or_create_experiment(client: Any, name: str, artifacts: Optional[Path]) 
     if exp is not None:
         return exp.experiment_id
     try:
-        return client.create_experiment(name, artifact_location=(artifacts / name).as_uri() if artifacts else None)
+        return client.create_experiment(
+            name, artifact_location=(artifacts / name).as_uri() if artifacts else None
+        )
     except Exception:  # noqa: BLE001 - another job created it a moment ago
         exp = client.get_experiment_by_name(name)
         if exp is None:

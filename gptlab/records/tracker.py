@@ -56,7 +56,11 @@ def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure
 
     def series(key: str):
-        pts = [(r["tokens"], r[key]) for r in rows if r.get(key) is not None and r.get("tokens") is not None]
+        pts = [
+            (r["tokens"], r[key])
+            for r in rows
+            if r.get(key) is not None and r.get("tokens") is not None
+        ]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     fig = Figure(figsize=(8, 4.5), dpi=110)
@@ -113,18 +117,26 @@ class NullTracker:
 SEND_FIRST_RETRY_S = 0.5  # the wait after a failed call, doubling ...
 SEND_MAX_RETRY_S = 8.0  # ... up to this
 SEND_TRIES = 40  # tries of one call (about 5 minutes of waits) before it is left to gptlab.sync
-SEND_QUEUE_POINTS = 100_000  # metric points waiting for the store; past this, the oldest are left to gptlab.sync
-FINAL_FLUSH_S = 30.0  # at the run's end, how long it waits for the store to take what is still queued
+# metric points waiting for the store; past this, the oldest are left to gptlab.sync
+SEND_QUEUE_POINTS = 100_000
+# at the run's end, how long it waits for the store to take what is still queued
+FINAL_FLUSH_S = 30.0
 # MLflow error codes that no retry will change (a bad value, a run that was deleted, no permission)
 PERMANENT_ERRORS = {
-    *("INVALID_PARAMETER_VALUE", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"),
+    *(
+        "INVALID_PARAMETER_VALUE",
+        "RESOURCE_DOES_NOT_EXIST",
+        "RESOURCE_ALREADY_EXISTS",
+        "BAD_REQUEST",
+    ),
     *("PERMISSION_DENIED", "UNAUTHENTICATED", "INVALID_STATE"),
 }
 
 
 @dataclass
 class Call:
-    """One MLflow call the sender makes: what it records (for the report) and how many metric points."""
+    """One MLflow call the sender makes: what it records (for the report) and how many metric
+    points."""
 
     what: str  # "metrics", "the run's status", "artifact results.json", ...
     fn: Callable[[], Any]
@@ -132,19 +144,20 @@ class Call:
 
 
 def is_permanent(e: BaseException) -> bool:
-    """A failure that trying again cannot fix (a 4xx answer); anything else may pass (no answer, 5xx, a lock)."""
+    """A failure that trying again cannot fix (a 4xx answer); anything else may pass (no answer,
+    5xx, a lock)."""
     return getattr(e, "error_code", None) in PERMANENT_ERRORS
 
 
 class Sender:
     """Makes MLflow calls in order on a background thread; put() never waits on the store.
 
-    A call that fails in a way that may pass is tried again after a wait (SEND_FIRST_RETRY_S doubling
-    to SEND_MAX_RETRY_S), SEND_TRIES times at most; the calls behind it wait their turn, so points reach
-    the store in order once it answers again. The queue holds SEND_QUEUE_POINTS points at most: past
-    that the oldest metric calls are given up. A call is sent again with the same points (same
-    timestamps), which MLflow stores once even when an earlier try did reach it. close() waits a
-    bounded time for the queue to empty and returns the calls that were not made.
+    A call that fails in a way that may pass is tried again after a wait (SEND_FIRST_RETRY_S
+    doubling to SEND_MAX_RETRY_S), SEND_TRIES times at most; the calls behind it wait their turn, so
+    points reach the store in order once it answers again. The queue holds SEND_QUEUE_POINTS points
+    at most: past that the oldest metric calls are given up. A call is sent again with the same
+    points (same timestamps), which MLflow stores once even when an earlier try did reach it.
+    close() waits a bounded time for the queue to empty and returns the calls that were not made.
     """
 
     def __init__(self, name: str, max_points: int = SEND_QUEUE_POINTS):
@@ -156,7 +169,8 @@ class Sender:
         self._queue: Any = collections.deque()
         self._queued_points = 0
         self._current: Optional[Call] = None
-        self._lost: List[Call] = []  # given up: too many tries, a permanent error, or the queue was full
+        # given up: too many tries, a permanent error, or the queue was full
+        self._lost: List[Call] = []
         self._closed = False
         self._cond = threading.Condition()
         self._abandon = threading.Event()
@@ -197,27 +211,34 @@ class Sender:
                 self._cond.notify_all()
 
     def _attempt(self, call: Call) -> bool:
-        """Make the call, trying again with backoff while the failure may pass; whether it was made."""
+        """Make the call, trying again with backoff while the failure may pass; whether it was
+        made."""
         wait = SEND_FIRST_RETRY_S
         for tries in range(1, SEND_TRIES + 1):
             try:
                 call.fn()
             except Exception as e:  # noqa: BLE001 - a store's failure is reported, never raised into the run
                 if is_permanent(e) or tries == SEND_TRIES:
-                    log.warning(f"MLflow {self.name}: {call.what} not recorded ({error_text(e)[:300]})")
+                    log.warning(
+                        f"MLflow {self.name}: {call.what} not recorded ({error_text(e)[:300]})"
+                    )
                     return False
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     log.warning(
                         f"MLflow {self.name} is not answering ({error_text(e)[:200]}); "
-                        "training goes on, metrics.jsonl has every point, and they are sent when it answers"
+                        "training goes on, metrics.jsonl has every point, and they are sent when "
+                        "it answers"
                     )
                 if self._abandon.wait(wait * random.uniform(0.8, 1.2)):
                     return False
                 wait = min(wait * 2, SEND_MAX_RETRY_S)
                 continue
             if self._down_since is not None:
-                log.warning(f"MLflow {self.name} answers again after {time.monotonic() - self._down_since:.0f} s")
+                log.warning(
+                    f"MLflow {self.name} answers again after "
+                    f"{time.monotonic() - self._down_since:.0f} s"
+                )
                 self._down_since = None
             return True
         return False
@@ -238,7 +259,8 @@ class Sender:
 
 
 def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
-    """The one line a run that ends with calls not made prints: how many points, and the sync command."""
+    """The one line a run that ends with calls not made prints: how many points, and the sync
+    command."""
     points = sum(c.points for c in left)
     others = sorted({c.what for c in left if not c.points})
     also = f" (nor {', '.join(others)})" if others else ""
@@ -264,9 +286,10 @@ class MLflowRun:
         experiment_id: Optional[str] = None,
         run_dir: Optional[Path] = None,
     ):
-        """resume_run_id: the checkpoint's MLflow run, continued instead of a new one; experiment_id:
-        the experiment when it is known already (a sweep's), else found or created by name; run_dir:
-        the run folder, which the warning names when MLflow fails (to record it later)."""
+        """resume_run_id: the checkpoint's MLflow run, continued instead of a new one;
+        experiment_id: the experiment when it is known already (a sweep's), else found or created by
+        name; run_dir: the run folder, which the warning names when MLflow fails (to record it
+        later)."""
         self.uri = uri
         self.run_dir = run_dir
         self.flush_every = cfg.flush_every
@@ -287,10 +310,13 @@ class MLflowRun:
                 client.update_run(mlflow_run.info.run_id, status="RUNNING")
                 for k, v in run.tags.items():
                     client.set_tag(mlflow_run.info.run_id, k, v)
-                logged = mlflow_run.data.params  # a param cannot change once logged: keep the first value
+                # a param cannot change once logged: keep the first value
+                logged = mlflow_run.data.params
                 params = {k: v for k, v in params.items() if k not in logged}
             else:
-                exp_id = experiment_id or get_or_create_experiment(client, run.experiment, artifact_root(uri))
+                exp_id = experiment_id or get_or_create_experiment(
+                    client, run.experiment, artifact_root(uri)
+                )
                 mlflow_run = client.create_run(exp_id, run_name=run.name, tags=run.tags)
             self.run_id = mlflow_run.info.run_id
             log_params(client, self.run_id, params)
@@ -307,21 +333,29 @@ class MLflowRun:
         try:
             return client.get_run(run_id)
         except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
-            log.warning(f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run")
+            log.warning(
+                f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run"
+            )
             return None
 
     _check_reachable = staticmethod(check_reachable)
 
     def _fail(self, e: Exception) -> None:
-        later = sync_command(self.run_dir) if self.run_dir is not None else "python -m gptlab.sync <run folder>"
+        later = (
+            sync_command(self.run_dir)
+            if self.run_dir is not None
+            else "python -m gptlab.sync <run folder>"
+        )
         log.warning(
-            f"MLflow disabled for this run: {store_failure(self.uri, e)}; the run folder still records "
+            f"MLflow disabled for this run: {store_failure(self.uri, e)}; the run folder still "
+            f"records "
             f"everything; record it later with: {later}"
         )
         self._client = None
 
     def start_system_metrics(self, gpu_expected: bool) -> None:
-        """MLflow's own sampler (a thread): system/* metrics every 10 s (MLFLOW_SYSTEM_METRICS_*)."""
+        """MLflow's own sampler (a thread): system/* metrics every 10 s
+        (MLFLOW_SYSTEM_METRICS_*)."""
         if self._client is None:
             return
         try:
@@ -334,15 +368,23 @@ class MLflowRun:
 
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # no start/stop chatter
-            self._monitor = SystemMetricsMonitor(self.run_id, tracking_uri=self.uri, resume_logging=self.resumed)
+            # no start/stop chatter
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+            self._monitor = SystemMetricsMonitor(
+                self.run_id, tracking_uri=self.uri, resume_logging=self.resumed
+            )
             self._monitor.start()
         except Exception as e:  # noqa: BLE001
             log.warning(f"system metrics skipped: {error_text(e)}")
             self._monitor = None
             return
-        if gpu_expected and not any(type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors):
-            log.warning("system metrics without GPU figures: nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+        if gpu_expected and not any(
+            type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors
+        ):
+            log.warning(
+                "system metrics without GPU figures: nvidia-ml-py is not installed (pip install "
+                "nvidia-ml-py)"
+            )
 
     def _buffer_points(self, step: int, values: Dict[str, float]) -> None:
         """values (MLflow name -> value) as points at step, sent by the next flush()."""
@@ -351,7 +393,9 @@ class MLflowRun:
         now = int(time.time() * 1000)
         self._buffer.extend(Metric(k, float(v), now, step) for k, v in values.items())
 
-    def _send(self, what: str, fn: Callable[..., Any], *args: Any, points: int = 0, **kwargs: Any) -> None:
+    def _send(
+        self, what: str, fn: Callable[..., Any], *args: Any, points: int = 0, **kwargs: Any
+    ) -> None:
         """Queue client.fn(run_id, *args, **kwargs) for the sender (nothing when MLflow is off)."""
         if self._client is None or self._sender is None:
             return
@@ -371,7 +415,8 @@ class MLflowRun:
         self.flush()
 
     def flush(self) -> None:
-        """Hand the buffered points to the sender, in batches of 1000 (the most one MLflow call takes)."""
+        """Hand the buffered points to the sender, in batches of 1000 (the most one MLflow call
+        takes)."""
         if self._client is None or not self._buffer:
             return
         for i in range(0, len(self._buffer), 1000):
@@ -388,10 +433,11 @@ class MLflowRun:
             self._send(f"tag {key}", self._client.set_tag, key, value)
 
     def finish(self, status: str) -> None:
-        """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store to
-        take it; what it did not take is one line naming gptlab.sync."""
+        """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store
+        to take it; what it did not take is one line naming gptlab.sync."""
         if self._monitor is not None:
-            with contextlib.suppress(Exception):  # a sampler that fails to stop must not fail the run
+            # a sampler that fails to stop must not fail the run
+            with contextlib.suppress(Exception):
                 self._monitor.finish()
             self._monitor = None
         self.flush()
@@ -411,10 +457,18 @@ class Tracker:
     """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
     (and to TensorBoard when asked), and loss.png at the end."""
 
-    def __init__(self, run_dir: Path, cfg: TrackingConfig, default_store: str, run: RunIdentity,
-                 params: Optional[Dict[str, Any]] = None, resume_run_id: Optional[str] = None):  # fmt: skip
-        """default_store: the store of tracking.uri=null (paths.mlflow_db); run: what the run is recorded as
-        (identity.identify); params: MLflow's params; resume_run_id: the checkpoint's MLflow run."""
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: TrackingConfig,
+        default_store: str,
+        run: RunIdentity,
+        params: Optional[Dict[str, Any]] = None,
+        resume_run_id: Optional[str] = None,
+    ):
+        """default_store: the store of tracking.uri=null (paths.mlflow_db); run: what the run is
+        recorded as (identity.identify); params: MLflow's params; resume_run_id: the checkpoint's
+        MLflow run."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
@@ -428,22 +482,28 @@ class Tracker:
         ids.write(self.run_dir, run)
         if cfg.mlflow:
             experiment_id, sweep = None, run.sweep
-            if sweep and sweep.get("parent_run_id"):  # nested under the sweep's parent, in its store
+            # nested under the sweep's parent, in its store
+            if sweep and sweep.get("parent_run_id"):
                 self.uri, experiment_id = sweep["uri"], sweep["experiment_id"]
                 tags = {**run.tags, **parent.child_tags(sweep, sweep["parent_run_id"])}
                 run = RunIdentity(run.experiment, run.name, tags, sweep)
-            self.mlflow = MLflowRun(cfg, self.uri, run, params or {}, resume_run_id, experiment_id, self.run_dir)
+            self.mlflow = MLflowRun(
+                cfg, self.uri, run, params or {}, resume_run_id, experiment_id, self.run_dir
+            )
             if cfg.system_metrics:
                 self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
         elif cfg.system_metrics:
-            log.warning("system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false")
+            log.warning(
+                "system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false"
+            )
 
     def _open_tensorboard(self):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             log.warning(
-                "TensorBoard event files skipped: the tensorboard package is not installed (pip install tensorboard)"
+                "TensorBoard event files skipped: the tensorboard package is not installed (pip "
+                "install tensorboard)"
             )
             return None
         return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
@@ -470,8 +530,9 @@ class Tracker:
             self.mlflow.set_tag(key, value)
 
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
-        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact, and
-        the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync too)."""
+        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact,
+        and the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync
+        too)."""
         import yaml
 
         path = self.run_dir / layout.CONFIG
@@ -480,10 +541,14 @@ class Tracker:
         (self.run_dir / layout.DERIVED).write_text(json.dumps(derived, indent=1) + "\n")
 
     def write_results(self, results: Dict[str, Any]) -> None:
-        """results.json, atomically, as strict JSON: a figure that is not a finite number is null."""
+        """results.json, atomically, as strict JSON: a figure that is not a finite number is
+        null."""
         path = self.run_dir / layout.RESULTS
         tmp = path.with_suffix(".json.tmp")
-        strict = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in results.items()}
+        strict = {
+            k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+            for k, v in results.items()
+        }
         tmp.write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
         os.replace(tmp, path)
         results = strict
@@ -491,7 +556,11 @@ class Tracker:
         if self.mlflow:
             self.mlflow.log_summary(
                 int(results.get("steps") or 0),
-                {name: results[key] for key, name in SUMMARY_METRICS.items() if results.get(key) is not None},
+                {
+                    name: results[key]
+                    for key, name in SUMMARY_METRICS.items()
+                    if results.get(key) is not None
+                },
             )
 
     def _plot(self) -> None:
@@ -502,7 +571,9 @@ class Tracker:
         try:
             plot_loss(rows, path, self.run_name)
         except ImportError:
-            log.warning(f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)")
+            log.warning(
+                f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)"
+            )
             return
         except Exception as e:  # noqa: BLE001 - a plot must never fail a run
             log.warning(f"{layout.LOSS_PLOT} skipped: {error_text(e)}")
@@ -528,7 +599,9 @@ class Tracker:
                     else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
                     f"  (or {mlflow_ui_command(self.uri)})"
                 )
-                log.info(f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}")
+                log.info(
+                    f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}"
+                )
 
 
 def _cuda_available() -> bool:

@@ -67,8 +67,7 @@ def run(cmd: list, cwd: Path, env: dict, timeout: float, ctrl_c: int, run_dir: P
     """(exit code, stderr) of the command; ctrl_c > 0: SIGINT to its process group (a terminal's
     Ctrl-C) once metrics.jsonl has that many rows. A hang counts as a failure (exit "timeout"; it is
     killed)."""
-    # Ctrl-C reaches it even when this script runs as a shell's background job (which ignores
-    # SIGINT)
+    # so Ctrl-C reaches it even when this script is a shell's background job (which ignores SIGINT)
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(
         cmd,
@@ -111,8 +110,7 @@ def one_run(i: int, malloc: str, opts: dict, out: Path) -> dict:
         cmd, out, env, float(opts["timeout"]), int(opts["ctrl_c"]), out / f"run_{i}_{malloc}"
     )
     found = [next(g for g in m.groups() if g) for m in FATAL.finditer(err)]
-    # after a Ctrl-C the run ends early: exit 0 (a stop with a checkpoint) or 130 (interrupted) is
-    # clean
+    # after a Ctrl-C, exit 0 (a stop with a checkpoint) or 130 (interrupted) is a clean end
     failed = code not in ((0, 130) if int(opts["ctrl_c"]) else (0,)) or bool(found)
     if failed:
         (out / f"failed_{i}_{malloc}.txt").write_text(f"exit code {code}\n{' '.join(cmd)}\n\n{err}")

@@ -296,8 +296,7 @@ class TrainingState:
     tokenizer: Dict[str, Any]  # the tokenizer's to_meta()
     mlflow_run_id: Optional[str]  # a resumed run goes on in the same MLflow run
     # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps),
-    # so that a resumed run logs the same averages as one that was never stopped (older checkpoints:
-    # empty)
+    # so a resumed run logs the same averages as one never stopped (older checkpoints: empty)
     loss_window: Tuple[float, int] = (0.0, 0)
     # the last logged train loss and evaluated val loss, for results.json of a resumption that has
     # no step left to train (older checkpoints: None)

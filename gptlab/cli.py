@@ -92,8 +92,7 @@ def fail(prog: str, error: Exception) -> None:
     sys.exit(2)
 
 
-# OSErrors that come from the user's paths or the machine, not from a bug: errno -> (what, what to
-# do)
+# OSErrors from the user's paths or the machine, not from a bug: errno -> (what, what to do)
 _WRITE_ELSEWHERE = "choose a folder you can write to, or fix its permissions"
 _OS_ERRORS = {
     errno.EACCES: ("permission denied", _WRITE_ELSEWHERE),

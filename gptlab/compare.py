@@ -66,8 +66,7 @@ class CompareConfig(Config):
 
 
 ConfigStore.instance().store(name="gptlab_compare_schema", node=CompareConfig)
-# How the command reads its arguments (cli.hydra_words): TARGET is compare.target=TARGET, taken as
-# typed.
+# How the command reads its arguments (cli.hydra_words): TARGET is compare.target=TARGET, as typed
 POSITIONAL = "compare.target"
 TEXT_KEYS = text_keys(CompareSettings, "compare.")
 

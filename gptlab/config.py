@@ -50,8 +50,7 @@ class TrackingConfig:
 class TrainConfig:
     max_steps: int
     batch_size: int  # global sequences per optimizer step (all processes, all micro-steps)
-    # per process per forward (int); null: the hardware's choice; auto: the largest that fits
-    # (gptlab.plan)
+    # per process per forward (int); null: the hardware's choice; auto: the largest that fits (plan)
     micro_batch_size: Any
     eval_every: int  # steps between evaluations (0: only at the end)
     eval_steps: int  # validation batches per evaluation
@@ -170,8 +169,7 @@ def to_config(cfg: DictConfig, schema: type = Config) -> Any:
     (gptlab.bench).
     """
     try:
-        # Merge a plain copy: a DictConfig node already typed by Hydra would carry `+key=` extras
-        # along.
+        # Merge a plain copy: a DictConfig node typed by Hydra would carry `+key=` extras along.
         plain = OmegaConf.to_container(cfg, resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(schema), plain)
         config = OmegaConf.to_object(merged)

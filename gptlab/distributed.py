@@ -1,10 +1,13 @@
 """Who am I, and how the model is wrapped.
 
-One function, ``setup``, decides what this process is (a plain process or a torchrun-style worker
-with RANK / WORLD_SIZE in its environment), picks the device and backend, and starts the process
-group with a timeout so that a dead rank ends the job instead of hanging it. ``wrap_model`` applies
-activation checkpointing, then torch.compile, then DDP, in that order (DDP must see the compiled
-module so its gradient hooks fire on the compiled graph's parameters).
+``setup`` decides what this process is (a plain process, a torchrun-style worker with RANK /
+WORLD_SIZE in its environment, or a SLURM task, whose variables gptlab.slurm exports), picks the
+device and backend, and starts the process group with a timeout so that a dead rank ends the job
+instead of hanging it. ``spawn`` starts gptlab's own local workers and forwards stop signals to
+them; the process-group helpers (broadcast, mean, the agreed stop signal) and ``teardown`` serve
+the ranks once started. ``wrap_model`` applies activation checkpointing, then torch.compile, then
+DDP or FSDP (DDP must see the compiled module so its gradient hooks fire on the compiled graph's
+parameters). Process-wide tuning (malloc, the SDPA kernel) is gptlab.runtime's.
 """
 
 from __future__ import annotations
@@ -147,7 +150,6 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
 
 
-# glibc malloc: blocks up to this size come from the heap rather than their own mmap
 def broadcast_object(obj, src: int = 0):
     """Rank src's obj on every rank (identity without a process group)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -191,7 +193,7 @@ def _worker(local_rank: int, launch: tuple, fn, args) -> None:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KeyboardInterrupt:  # the launcher says where the run stands
         code = INTERRUPTED
-    except Exception:  # noqa: BLE001 - a bug: its traceback here, and the launcher's line names the rank
+    except Exception:  # noqa: BLE001 - a bug: its traceback here; the launcher names the rank
         traceback.print_exc()
         code = CRASHED
     _exit_now(code)
@@ -252,9 +254,9 @@ def _exit_now(code: int) -> None:
     completes, and a tensor made in Python needs the GIL to be freed. If that moment falls after the
     interpreter has begun to finalize, the thread is unwound inside a noexcept destructor and the
     process aborts (SIGABRT, "terminate called without an active exception") although the run is
-    complete: measured in about 1 of 40 two-process fsdp runs of 8 steps. Everything a rank writes
-    is written and closed by now; the logs and standard streams are flushed here, then the process
-    leaves with its own exit code and without running the interpreter's shutdown.
+    complete. Everything a rank writes is written and closed by now; the logs and standard streams
+    are flushed here, then the process leaves with its own exit code and without running the
+    interpreter's shutdown.
     """
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

@@ -107,8 +107,7 @@ def seed_step(seed: int, step: int, rank: int) -> None:
 def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
     """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of
     a sharded one. Every rank then waits, so nobody races ahead of a slow save."""
-    # the loss average in progress, as every rank's sum averaged over ranks (a collective: all
-    # ranks)
+    # the loss average in progress: every rank's sum averaged over ranks (a collective: all ranks)
     window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
     state = checkpoint.TrainingState.capture(
         run.stateful(),

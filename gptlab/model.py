@@ -123,9 +123,8 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x).view(B, T, 3 * self.n_head, self.head_dim)
         if rope is not None:
             # q and k rotated together in their (B, T, heads, hs) layout: one kernel each way for
-            # both, on contiguous memory (the rotary model's step: 5.2 ms slower than learned
-            # positions at two threads with two rotations a layer on transposed views, about 2 ms
-            # with one)
+            # both, on contiguous memory (two rotations on transposed views cost more: see
+            # docs/measurements/2026-11-30-cpu-speed.md)
             cos, sin = rope
             qk = apply_rotary(qkv[:, :, : 2 * self.n_head], cos[:, None], sin[:, None])
             q, k = qk.transpose(1, 2).split(self.n_head, dim=1)
@@ -218,8 +217,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
             total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
             g = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
             g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-            # the head's backward matmuls, in the dtype autocast gives the forward's (as autograd
-            # would)
+            # the head's backward matmuls, in the forward's autocast dtype (as autograd would)
             grad_x[s : s + chunk] = g.to(w.dtype) @ w
             grad_w[:vocab] += g.t().to(xc.dtype) @ xc
         ctx.save_for_backward(grad_x, grad_w)

@@ -69,9 +69,8 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    # One fused kernel per step on CUDA and the CPU. On this machine's CPU it is 4x faster than the
-    # default for-each implementation (gpt_char's parameters: 1.8 vs 7.4 ms a step at one thread;
-    # 6 x 384 x 256: 23 vs 89 ms), the same update to rounding (1.5e-6 apart after 20 steps).
+    # One fused kernel per step on CUDA and the CPU: faster than the for-each default, the same
+    # update to rounding (docs/measurements/2026-11-30-cpu-speed.md has the figures).
     fused = cfg.fused if cfg.fused is not None else device_type in FUSED_ADAMW_DEVICES
     if cfg.name == "muon":
         embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -160,8 +159,7 @@ class WeightAverage:
                 counts.append(state[UPDATES])
             else:  # a new average (or one without its count): it starts at these weights, update 1
                 state[AVERAGE] = p.detach().clone()
-                # shape (1,), not a 0-d tensor: torch's state-dict helpers reshard it like the
-                # average
+                # shape (1,), not 0-d: torch's state-dict helpers reshard it like the average
                 state[UPDATES] = torch.ones(1, dtype=torch.float32, device=p.device)
         if started:
             torch._foreach_lerp_(started, weights, 1.0 - d)

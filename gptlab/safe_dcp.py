@@ -29,8 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 METADATA = ".metadata"
 
-# DCP's metadata classes (Metadata, *StorageMetadata, TensorProperties, MetadataIndex, StorageMeta,
-# ...)
+# DCP's metadata classes (Metadata, *StorageMetadata, TensorProperties, MetadataIndex, ...)
 _ALLOWED_MODULES = {"torch.distributed.checkpoint.metadata"}
 _ALLOWED = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -76,8 +75,7 @@ def missing_data(folder: Path, metadata: Metadata) -> List[str]:
     return short
 
 
-# torch.load's advice around its refusal (load with weights_only=False, file an issue, read the
-# docs)
+# torch.load's advice around its refusal (load with weights_only=False, file an issue, the docs)
 _TORCH_ADVICE = re.compile(
     r"weights_only|Weights only load failed|file an issue|trusted source|documentation of torch"
 )
@@ -151,8 +149,7 @@ class SafeReader(FileSystemReader):
             with _quiet():
                 return super().read_data(plan, planner)
         except Exception:
-            # only after a failure, each entry again until the culprit: a read that succeeds costs
-            # nothing more
+            # only after a failure, each entry again until the culprit: a good read costs nothing
             bad = self._first_unreadable(plan.items, getattr(planner, "metadata", None))
             if bad is None:
                 raise  # every entry reads back whole: the live objects do not fit them

@@ -1,5 +1,4 @@
-"""A sweep (`python -m gptlab.train -m ...`, any launcher) as one MLflow parent run with a child per
-job.
+"""A sweep (`python -m gptlab.train -m`, any launcher) as one MLflow parent run, a child per job.
 
 A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
 
@@ -7,16 +6,15 @@ A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
   fresh SQLite file migrated by many jobs at once races), then the parent run (params: the sweep's
   overrides; tags: the sweep folder, the launcher), and write its id to `<sweep folder>/sweep.json`;
 - each job's tracker (gptlab/records/tracker.py) finds sweep.json above its run folder and creates
-its run
-  as a child of the parent; a job that raises marks its run FAILED with the error as a tag;
+  its run as a child of the parent; a job that raises marks its run FAILED with the error as a tag;
 - a job that failed before it had a run (a bad override, missing data) gets a FAILED child here;
 - when the sweep ends: the parent is FINISHED, or FAILED if a job failed; if the launcher raised (a
   failed job is re-raised once all jobs ended) the parent is marked FAILED at exit. A SLURM job one
   of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and
   node that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error`
-  tag. While a SLURM sweep runs, the launcher waits for its jobs through ControllerCheckedWatcher: a
-  job that accounting (sacct) reads as ended is only done once SLURM's controller agrees (a requeued
-  job).
+  tag. While a SLURM sweep runs, the launcher waits for its jobs through
+  slurm.ControllerCheckedWatcher: a job that accounting (sacct) reads as ended is only done once
+  SLURM's controller agrees (a requeued job).
 """
 
 from __future__ import annotations
@@ -165,8 +163,7 @@ class SubmissionReporter(Callback):
         self._thread = threading.Thread(target=self._watch, args=(folder, self._stop), daemon=True)
         self._thread.start()
         self._stock_watcher = slurm.install_watcher()  # put back at the end
-        # a failed job makes the launcher raise, and on_multirun_end never comes: the last look at
-        # exit
+        # a failed job makes the launcher raise and on_multirun_end never comes: look again at exit
         atexit.register(self._finish)
 
     def _watch(self, folder: Path, stop: Any) -> None:

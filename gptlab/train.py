@@ -77,8 +77,7 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             and results.get("stopped_by") == "SIGUSR2"
             and callable(signal.getsignal(signal.SIGUSR2))
         ):
-            # our handler is gone again: re-deliver so the job's own handler (submitit's) requeues
-            # it
+            # our handler is gone again: re-deliver so the job's own (submitit's) requeues it
             os.kill(os.getpid(), signal.SIGUSR2)
 
 
@@ -90,8 +89,7 @@ def _worker(resolved: Dict[str, Any], run_dir: str) -> None:
     try:
         run_training(OmegaConf.create(resolved), Path(run_dir))
     except (GptlabError, OSError) as e:
-        # a path or the machine (disk full, permissions) is the user's to fix too; other OSErrors
-        # are bugs
+        # a path or the machine (disk full, permissions) is the user's to fix; other OSErrors: bugs
         message = str(e) if isinstance(e, GptlabError) else os_error_message(e)
         if message is None:
             raise

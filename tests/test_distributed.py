@@ -1010,7 +1010,7 @@ def test_a_crashed_worker_prints_its_traceback_and_exits_with_its_own_code(worke
 
 FOLLOWER = """
 import os, signal, sys
-from gptlab import distributed, runtime, slurm
+from gptlab import distributed
 distributed.follow_launcher(int(sys.argv[1]))
 default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
 print(os.getpid(), os.getsid(0), default, flush=True)

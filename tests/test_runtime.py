@@ -15,7 +15,7 @@ from gptlab import runtime
 
 PROBE = r"""
 import resource, sys, torch
-from gptlab import distributed, runtime, slurm
+from gptlab import runtime
 tune = sys.argv[1] == "1"
 if tune:
     assert runtime.keep_freed_memory()

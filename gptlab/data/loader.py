@@ -76,8 +76,7 @@ class _StepLoader:
         )
         self._ahead: Optional[Tuple[Any, Future]] = None
 
-    # subclasses: the position as a hashable value, the step's batches at a position, the next
-    # position
+    # subclasses: the position (hashable), the step's batches at a position, the next position
     def _position(self) -> Any: ...
 
     def _batches_at(self, pos: Any) -> List[Batch]: ...
@@ -203,8 +202,7 @@ class SequentialLoader(_StepLoader):
         return self._split(x, y)
 
     def state_dict(self) -> Dict[str, Any]:
-        # Global tokens, not per-rank counters: any world size / accumulation resumes at the same
-        # token.
+        # Global tokens, not per-rank counters: any world size / accumulation resumes at one token.
         return {
             "kind": self.kind,
             "epoch": self.epoch,

@@ -27,8 +27,7 @@ SWEEP = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs nest u
 SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
 
-# What a run folder holds besides Hydra's .hydra/ and the log file (which a new attempt owns
-# already)
+# What a run folder holds besides Hydra's .hydra/ and the log file (a new attempt owns those)
 RECORDS = (CHECKPOINTS, METRICS, RESULTS, SAMPLES, LOSS_PLOT, CONFIG, DERIVED, IDENTITY,
            TENSORBOARD, SLURM, BENCH, EXPORT)  # fmt: skip
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of

@@ -335,8 +335,7 @@ def shared_restore(
     while True:
         state = loaded or checkpoint.TrainingState.load(path)
         try:
-            # restoring is the check, so each rank reads its entries once; DCP gives every rank
-            # every rank's failure
+            # restoring is the check (each rank reads its entries once); DCP gives all failures
             state.restore(objects)
             return path, state
         except checkpoint.UnreadableCheckpoint as e:

@@ -264,6 +264,11 @@ HYDRA_OPTIONS = (
     "-i",
 )
 _VALUE_SHORT = ("-c", "-p", "-i")
+# the options that take the next word as their value (--info takes one only when it is a topic)
+VALUE_OPTIONS = frozenset(
+    ("--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn")
+    + ("--config-dir", "-cd", "--experimental-rerun")
+)
 # Hydra's ValueErrors for its options
 _HYDRA_USAGE = ("Only one of --run, --multirun", "Expecting one subcommand")
 _CLOSE_KEY, _CLOSE_NAME = 0.75, 0.7  # difflib ratios: a whole dotted key, one part of one

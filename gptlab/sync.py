@@ -40,6 +40,7 @@ command's own key `sync.folders`; the words without `=` are the folders (`sync.f
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -49,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from hydra.core.config_store import ConfigStore
 
-from gptlab.cli import command, fail, hydra_quote
+from gptlab.cli import VALUE_OPTIONS, command, fail, hydra_quote
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
 from gptlab.records import identity, layout, parent
@@ -73,21 +74,6 @@ from gptlab.records.store import (
 SYNC_TAG = "recorded_by"  # on the runs (and sweep parents) that sync created
 AGAIN = "then run gptlab.sync again (it sends only what the store lacks)"
 # Hydra's options that take the next word as their value (--info takes one only when it is a topic)
-VALUE_OPTIONS = {
-    *(
-        "--cfg",
-        "-c",
-        "--package",
-        "-p",
-        "--config-path",
-        "-cp",
-        "--config-name",
-        "-cn",
-        "--config-dir",
-        "-cd",
-    ),
-    "--experimental-rerun",
-}
 INFO_TOPICS = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -148,6 +134,15 @@ class RunFolder:
     # sweep.json (or what multirun.yaml says) of the sweep holding it
     sweep: Optional[Dict[str, Any]]
 
+    @functools.cached_property
+    def run_identity(self) -> identity.RunIdentity:
+        """What gptlab.train recorded the run as (or would have), with the origin run.json keeps;
+        read once per folder, for a new run and for the tags a found one lacks."""
+        ident = identity.identify(self.config, self.path, identity.recorded_origin(self.path))
+        if self.results.get("expected_met") is not None:
+            ident.tags["expected_met"] = str(self.results["expected_met"]).lower()
+        return ident
+
 
 def runs_under(folder: Path) -> List[Path]:
     """The run folders that began recording in folder and one level deeper
@@ -207,14 +202,6 @@ def target_uri(folder: RunFolder, given: Optional[str]) -> str:
 
 
 # ---- what the folder holds, as MLflow records it -------------------------------------------------
-
-
-def folder_identity(folder: RunFolder) -> identity.RunIdentity:
-    """What gptlab.train recorded the run as (or would have), with the origin run.json keeps."""
-    ident = identity.identify(folder.config, folder.path, identity.recorded_origin(folder.path))
-    if folder.results.get("expected_met") is not None:
-        ident.tags["expected_met"] = str(folder.results["expected_met"]).lower()
-    return ident
 
 
 def folder_params(folder: RunFolder) -> Dict[str, Any]:
@@ -388,7 +375,7 @@ class Store:
 def create_run(store: Store, folder: RunFolder) -> Any:
     """A new run for the folder, named, tagged and placed as gptlab.train would have (nested in its
     sweep)."""
-    ident = folder_identity(folder)
+    ident = folder.run_identity
     tags = {**ident.tags, SYNC_TAG: "gptlab.sync"}
     if folder.sweep is not None:
         parent_id, experiment_id = store.parent(folder.sweep)
@@ -455,7 +442,7 @@ def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
     client, run_id = store.client, run.info.run_id
     params = {k: v for k, v in folder_params(folder).items() if k not in run.data.params}
     log_params(client, run_id, params)
-    for key, value in folder_identity(folder).tags.items():
+    for key, value in folder.run_identity.tags.items():
         if key not in run.data.tags:
             client.set_tag(run_id, key, value)
     return Sent(

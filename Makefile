@@ -36,7 +36,7 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
 			--extra-index-url https://pypi.org/simple; \
 	fi
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,eval]"
 	touch $@
 
 train: setup

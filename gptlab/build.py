@@ -22,6 +22,7 @@ from gptlab.costs import device_peak, flops_for, loss_chunk, resolve_micro_batch
 from gptlab.data import build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
+from gptlab.evaluation import hellaswag
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
@@ -80,10 +81,14 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
         run_dir, cfg.train.resume, resolved, d.is_main, log.info
     )
     data, train_tokens, val_tokens = build_data(cfg, d)
+    hellaswag = build_hellaswag(cfg, d, data.tokenizer)  # a run that cannot have it stops here
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     raw_model, model = build_model(cfg, mcfg, d)
     loader, val = build_loaders(cfg, d, train_tokens, val_tokens)
     run = new_run(cfg, d, mcfg, data, raw_model, model, loader, val, run_dir, resolved)
+    if hellaswag is not None:
+        run.hellaswag, run.hellaswag_config = hellaswag, cfg.eval.hellaswag
+        run.derived["hellaswag_examples"] = len(hellaswag)
     run.derived.update({
         "data_dir": str(data.root),
         "train_tokens": len(train_tokens),
@@ -130,6 +135,7 @@ def new_run(
         train_loader=loader,
         val_batches=val,
         tokenizer=data.tokenizer,
+        token_bytes=torch.as_tensor(data.tokenizer.token_bytes(), device=d.device),
         tracker=NullTracker(),
         reporter=Reporter(d.is_main, cfg.train.max_steps),
         autocast=autocast_factory(d.device.type, hw.precision, hw.attention_backend),
@@ -210,12 +216,7 @@ def shared_run_dir(run_dir: Path) -> Path:
 def build_data(cfg: Config, d: Dist):
     """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read
     them."""
-    if d.is_main:
-        data = prepare_data(cfg.data, log=log.info)
-    if d.world_size > 1:
-        torch.distributed.barrier()
-    if not d.is_main:
-        data = prepare_data(cfg.data, log=log.info)
+    data = main_first(d, lambda: prepare_data(cfg.data, log=log.info))
     train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
     T = cfg.model.block_size
     if min(len(train_tokens), len(val_tokens)) < T + 1:
@@ -224,6 +225,26 @@ def build_data(cfg: Config, d: Dist):
             f"tokens)"
         )
     return data, train_tokens, val_tokens
+
+
+def main_first(d: Dist, make: Callable[[], Any]) -> Any:
+    """make() on rank 0, then on the other ranks: what rank 0 downloads or prepares, they read."""
+    if d.is_main:
+        made = make()
+    if d.world_size > 1:
+        torch.distributed.barrier()
+    return made if d.is_main else make()
+
+
+def build_hellaswag(cfg: Config, d: Dist, tokenizer: Any) -> Optional[List[Any]]:
+    """eval.hellaswag's examples rendered with the run's tokenizer, on every rank (rank 0
+    downloads the file first); None when it is off."""
+    h = cfg.eval.hellaswag
+    if not h.every:
+        return None
+    examples = main_first(d, lambda: hellaswag.load(h, tokenizer, cfg.data.cache_dir))
+    log.info(f"HellaSwag: {len(examples):,} examples, scored every {h.every} steps")
+    return examples
 
 
 def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
@@ -264,6 +285,7 @@ def resume(
     )
     run.start_loss_window = tuple(state.loss_window)
     run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
+    run.start_bpb = (state.best_val_bpb, state.val_bpb)
     # steps logged after the checkpoint (a crash) are not logged again: a resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id

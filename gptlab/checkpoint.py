@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -302,6 +303,9 @@ class TrainingState:
     # no step left to train (older checkpoints: None)
     train_loss: Optional[float] = None
     val_loss: Optional[float] = None
+    # bits per byte: the best and the last evaluated (older checkpoints: inf / None)
+    best_val_bpb: float = math.inf
+    val_bpb: Optional[float] = None
     # a sharded checkpoint's folder
     shards: Optional[Path] = field(default=None, metadata={"saved": False})
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})

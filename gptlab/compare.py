@@ -44,6 +44,7 @@ from gptlab.records.store import (
 )
 
 VAL_PNG = "compare_val_loss.png"
+SCORE_KEYS = ("hellaswag_acc", "hellaswag_acc_norm")  # metrics.jsonl's downstream scores
 
 # not __name__: run as __main__, it would fall outside gptlab
 log = logging.getLogger("gptlab.compare")
@@ -56,6 +57,9 @@ class CompareSettings:
     target: str  # a sweep folder, an MLflow (parent) run id, or an experiment name
     # the val-loss PNG; null: <sweep folder>/compare_val_loss.png or outputs/compare/<target>.png
     out: Optional[str]
+    # what the runs are sorted and plotted by: loss (nats per token) | bpb (bits per byte: runs
+    # with different tokenizers share one axis)
+    metric: str = "loss"
 
 
 @dataclass
@@ -77,10 +81,14 @@ class RunRecord:
     overrides: Dict[str, str]
     status: str
     best_val_loss: Optional[float] = None
+    best_val_bpb: Optional[float] = None
     tokens_per_s: Optional[float] = None
     mfu: Optional[float] = None
     wall_s: Optional[float] = None
     val_curve: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, val loss)
+    bpb_curve: List[Tuple[float, float]] = field(default_factory=list)  # (tokens, val bpb)
+    # the latest downstream scores: hellaswag_acc(_norm) in the loop, <task>/<metric> of gptlab.eval
+    scores: Dict[str, float] = field(default_factory=dict)
     error: Optional[str] = None
     run_id: Optional[str] = None
     run_dir: Optional[str] = None
@@ -131,21 +139,23 @@ def from_folder(folder: Path) -> List[RunRecord]:
     for d in run_dirs:
         rows = read_metrics(d)
         results = read_results(d)
-        curve = [
-            (r["tokens"], r["val_loss"])
-            for r in rows
-            if r.get("val_loss") is not None and "tokens" in r
-        ]
+        curve, bpb = (
+            [(r["tokens"], r[key]) for r in rows if r.get(key) is not None and "tokens" in r]
+            for key in ("val_loss", "val_bpb")
+        )
         records.append(
             RunRecord(
                 name=d.name,
                 overrides=parse_overrides(read_overrides(d)),
                 status="FINISHED" if results else "INCOMPLETE",
                 best_val_loss=_best(results.get("best_val_loss"), curve),
+                best_val_bpb=_best(results.get("best_val_bpb"), bpb),
                 tokens_per_s=_finite(results.get("tokens_per_s")),
                 mfu=_finite(results.get("mfu")),
                 wall_s=_finite(results.get("wall_s")),
                 val_curve=curve,
+                bpb_curve=bpb,
+                scores=folder_scores(d, rows),
                 run_id=results.get("mlflow_run_id"),
                 run_dir=str(d.resolve()),
             )
@@ -189,15 +199,39 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
     ]
 
 
+def folder_scores(run_dir: Path, rows: List[Dict[str, Any]]) -> Dict[str, float]:
+    """A run folder's latest downstream scores: the in-loop HellaSwag's (metrics.jsonl) and
+    gptlab.eval's (eval.json, without stderrs)."""
+    scores = {}
+    for r in rows:
+        scores.update({k: r[k] for k in SCORE_KEYS if _finite(r.get(k)) is not None})
+    for item in layout.read_eval(run_dir):
+        if _finite(item.get("value")) is not None:
+            scores[f"{item['task']}/{item['metric']}"] = item["value"]
+    return scores
+
+
+def mlflow_scores(metrics: Dict[str, float]) -> Dict[str, float]:
+    """The same scores from an MLflow run's latest metrics (hellaswag/*, eval/<task>/<metric>)."""
+    scores = {}
+    for key, value in metrics.items():
+        if key.startswith("hellaswag/"):
+            scores[key.replace("/", "_")] = value
+        elif key.startswith("eval/") and not key.endswith("_stderr"):
+            scores[key[len("eval/") :]] = value
+    return scores
+
+
 def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
     m, tags = run.data.metrics, run.data.tags
     tokens_at = {p.step: p.value for p in client.get_metric_history(run.info.run_id, "tokens")}
-    curve = [
-        (tokens_at.get(p.step, float(p.step)), p.value)
-        for p in sorted(
-            client.get_metric_history(run.info.run_id, "val/loss"), key=lambda p: p.step
-        )
-    ]
+    curve, bpb = (
+        [
+            (tokens_at.get(p.step, float(p.step)), p.value)
+            for p in sorted(client.get_metric_history(run.info.run_id, key), key=lambda p: p.step)
+        ]
+        for key in ("val/loss", "val/bpb")
+    )
     wall = _finite(m.get("summary/wall_s"))
     name = Path(tags["run_dir"]).name if job_names and "run_dir" in tags else run.info.run_name
     overrides = tags.get("overrides")
@@ -206,10 +240,13 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
         overrides=parse_overrides(overrides.split(" ")) if overrides else {},
         status=run.info.status,
         best_val_loss=_best(m.get("summary/best_val_loss"), curve),
+        best_val_bpb=_best(m.get("summary/best_val_bpb"), bpb),
         tokens_per_s=_finite(m.get("summary/tokens_per_s")),
         mfu=_finite(m.get("summary/mfu")),
         wall_s=wall if wall is not None else _run_wall_s(run),
         val_curve=curve,
+        bpb_curve=bpb,
+        scores=mlflow_scores(m),
         error=tags.get("error"),
         run_id=run.info.run_id,
         run_dir=tags.get("run_dir"),
@@ -266,32 +303,51 @@ def differing_keys(records: List[RunRecord]) -> List[str]:
     return [k for k in keys if len({r.overrides.get(k) for r in records}) > 1]
 
 
-def sort_key(r: RunRecord):
-    return (r.best_val_loss is None, r.best_val_loss if r.best_val_loss is not None else 0.0)
+METRICS = ("loss", "bpb")
+
+
+def best_of(r: RunRecord, metric: str) -> Optional[float]:
+    return r.best_val_bpb if metric == "bpb" else r.best_val_loss
+
+
+def sort_key(r: RunRecord, metric: str = "loss"):
+    best = best_of(r, metric)
+    return (best is None, best if best is not None else 0.0)
 
 
 def label(r: RunRecord, keys: List[str]) -> str:
     return " ".join(f"{k}={r.overrides.get(k, '-')}" for k in keys) or r.name
 
 
-def table(records: List[RunRecord]) -> str:
-    """Plain-text table, best val loss first."""
+def _figure(value: Optional[float], spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def table(records: List[RunRecord], metric: str = "loss") -> str:
+    """Plain-text table, best first by `metric` (loss or bpb), with each run's latest downstream
+    scores where any run has them."""
     keys = differing_keys(records)
-    head = ["run", *keys, "status", "best val loss", "tokens/s", "MFU", "wall"]
+    scores: List[str] = []
+    for r in records:
+        scores += [k for k in r.scores if k not in scores]
+    figures = ["best val loss", "best val bpb", *scores, "tokens/s", "MFU", "wall"]
+    head = ["run", *keys, "status", *figures]
     rows = []
-    for r in sorted(records, key=sort_key):
+    for r in sorted(records, key=lambda r: sort_key(r, metric)):
         rows.append(
             [
                 r.name[:60],
                 *[r.overrides.get(k, "-") for k in keys],
                 r.status,
-                f"{r.best_val_loss:.4f}" if r.best_val_loss is not None else "-",
-                f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else "-",
+                _figure(r.best_val_loss, ".4f"),
+                _figure(r.best_val_bpb, ".4f"),
+                *[_figure(r.scores.get(k), ".4f") for k in scores],
+                _figure(r.tokens_per_s, ",.0f"),
                 f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-",
                 f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-",
             ]
         )
-    right = {"best val loss", "tokens/s", "MFU", "wall"}
+    right = set(figures)
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
 
     def fmt(cells):
@@ -301,12 +357,14 @@ def table(records: List[RunRecord]) -> str:
         ).rstrip()
 
     lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
-    errors = [f"  {r.name}: {r.error}" for r in sorted(records, key=sort_key) if r.error]
+    ordered = sorted(records, key=lambda r: sort_key(r, metric))
+    errors = [f"  {r.name}: {r.error}" for r in ordered if r.error]
     return "\n".join(lines + (["errors:", *errors] if errors else []))
 
 
-def plot_val_curves(records: List[RunRecord], path: Path, title: str) -> None:
-    """PNG overlaying the runs' validation loss against tokens (needs matplotlib)."""
+def plot_val_curves(records: List[RunRecord], path: Path, title: str, metric: str = "loss") -> None:
+    """PNG overlaying the runs' validation loss (or bits per byte) against tokens (needs
+    matplotlib)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -314,13 +372,16 @@ def plot_val_curves(records: List[RunRecord], path: Path, title: str) -> None:
     fig = Figure(figsize=(8, 4.8), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for r in sorted(records, key=sort_key):
-        if r.val_curve:
-            x, y = zip(*r.val_curve)
-            best = f" (best {r.best_val_loss:.4f})" if r.best_val_loss is not None else ""
-            ax.plot(x, y, marker="o", ms=3, lw=1.5, label=f"{label(r, keys)}{best}")
+    for r in sorted(records, key=lambda r: sort_key(r, metric)):
+        curve, best = (
+            (r.bpb_curve, r.best_val_bpb) if metric == "bpb" else (r.val_curve, r.best_val_loss)
+        )
+        if curve:
+            x, y = zip(*curve)
+            shown = f" (best {best:.4f})" if best is not None else ""
+            ax.plot(x, y, marker="o", ms=3, lw=1.5, label=f"{label(r, keys)}{shown}")
     ax.set_xlabel("tokens")
-    ax.set_ylabel("val loss")
+    ax.set_ylabel("val bits per byte" if metric == "bpb" else "val loss")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -338,7 +399,9 @@ def run_compare(cfg: Any) -> None:
         "a sweep folder, an MLflow run id or an experiment name (python -m gptlab.compare TARGET)",
     )
     config = to_config(cfg, CompareConfig)
-    target, out_setting = config.compare.target, config.compare.out
+    target, out_setting, metric = config.compare.target, config.compare.out, config.compare.metric
+    if metric not in METRICS:
+        raise GptlabError(f"compare.metric={metric}: must be one of {', '.join(METRICS)}")
     folder = Path(target).expanduser()
     if folder.is_dir():
         records, title = from_folder(folder), str(folder)
@@ -353,10 +416,10 @@ def run_compare(cfg: Any) -> None:
             if out_setting
             else Path(config.paths.outputs) / "compare" / f"{safe}.png"
         )
-    print(table(records), flush=True)
+    print(table(records, metric), flush=True)
     try:
-        plot_val_curves(records, out, title)
-        print(f"val loss curves: {out}", flush=True)
+        plot_val_curves(records, out, title, metric)
+        print(f"val {metric} curves: {out}", flush=True)
     except ImportError:
         log.warning("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
 

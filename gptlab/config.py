@@ -106,6 +106,22 @@ class PathsConfig:
 
 
 @dataclass
+class HellaSwagConfig:
+    every: int  # steps between scorings of HellaSwag's validation set (0: off); also the last step
+    limit: Optional[int]  # the first this many examples; null: all 10,042
+    path: Optional[str]  # a local copy of hellaswag_val.jsonl; null: downloaded once into the cache
+    sha256: Optional[str]  # the file's SHA-256; null: the first download's, recorded beside it
+    batch_size: int  # (context, ending) pairs per forward
+
+
+@dataclass
+class LoopEvalConfig:
+    """Benchmarks scored in the training loop, beside the validation loss."""
+
+    hellaswag: HellaSwagConfig
+
+
+@dataclass
 class Config:
     model: GPTConfig
     data: DataConfig
@@ -115,6 +131,7 @@ class Config:
     train: TrainConfig
     tracking: TrackingConfig
     paths: PathsConfig
+    eval: LoopEvalConfig
     # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
     expected: Dict[str, Any]
 
@@ -202,6 +219,10 @@ def validate(c: Config) -> None:
         f"must be in (0, 1), got {c.data.val_fraction}",
     )
     _validate_train(c)
+    h = c.eval.hellaswag
+    _check(h.every >= 0, "eval.hellaswag.every", "must be >= 0 (0: off)")
+    _check(h.limit is None or h.limit > 0, "eval.hellaswag.limit", "must be positive or null")
+    _check(h.batch_size > 0, "eval.hellaswag.batch_size", "must be positive")
     _check(c.tracking.flush_every > 0, "tracking.flush_every", "must be positive")
     check_uri(c.tracking.uri)  # a mistyped store is one line now, not a run that goes unrecorded
 

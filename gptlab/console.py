@@ -170,7 +170,8 @@ class Reporter:
     def progress(self, step: int, figures: Dict[str, Any], best_val: float) -> None:
         """One line per logging step (or the bar's figures on a terminal).
 
-        figures: train_loss (the latest), lr, tokens_per_s, mfu, and val_loss on an evaluation step.
+        figures: train_loss (the latest), lr, tokens_per_s, mfu, val_loss on an evaluation step,
+        and hellaswag_acc(_norm) on a step that scores HellaSwag.
         """
         if not self.enabled:
             return
@@ -190,7 +191,16 @@ class Reporter:
             self.bar.set_postfix(figures, refresh=False)
             self.bar.refresh()
             return
-        val = f" | val {figures['val_loss']:.4f}" if figures.get("val_loss") is not None else ""
+        val = ""
+        if figures.get("val_loss") is not None:
+            val = f" | val {figures['val_loss']:.4f}"
+            if figures.get("val_bpb") is not None:
+                val += f" ({figures['val_bpb']:.4f} bpb)"
+        if figures.get("hellaswag_acc") is not None:
+            val += (
+                f" | hellaswag {figures['hellaswag_acc']:.4f} "
+                f"(norm {figures['hellaswag_acc_norm']:.4f})"
+            )
         self.log.info(
             f"step {step}/{self.max_steps} | loss {loss:.4f}{val} | lr {lr:.2e} | {tok_s:,.0f} "
             f"tok/s "

@@ -2,13 +2,16 @@
 
 For GPT-2-shaped models (learned positions, GELU MLP of 4 x d, biases, tied head) it also writes
 a folder that Hugging Face ``transformers`` loads as ``GPT2LMHeadModel`` (when transformers is
-installed; the layout needs no transformers to write, only to check). The root config,
+installed; the layout needs no transformers to write, only to check). Both folders get the
+tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json) that ``AutoTokenizer`` loads
+and that encode any text to the ids the model was trained on. The root config,
 conf/export.yaml, holds only the settings below (``ExportConfig``), as top-level keys.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -18,6 +21,8 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
+from gptlab.data import Tokenizer
+from gptlab.data.hf_tokenizer import special_token_ids, write_hf_tokenizer
 from gptlab.inference import load_model
 from gptlab.model import GPT
 
@@ -72,7 +77,7 @@ def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-def hf_gpt2_config(model: GPT, tokenizer_meta: dict) -> dict:
+def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
     c = model.config
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -91,7 +96,9 @@ def hf_gpt2_config(model: GPT, tokenizer_meta: dict) -> dict:
         "layer_norm_epsilon": 1e-5,
         "initializer_range": 0.02,
         "tie_word_embeddings": True,
-        "gptlab_tokenizer": tokenizer_meta.get("kind"),
+        # GPT2Config's defaults are GPT-2's 50256; None where this tokenizer has no such token
+        **special_token_ids(tokenizer),
+        "gptlab_tokenizer": tokenizer.kind,
     }
 
 
@@ -101,7 +108,7 @@ def run_export(config: Any) -> Path:
 
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, ExportConfig)
-    model, _, saved = load_model(cfg.run, cfg.which)
+    model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
     out = (
         Path(cfg.out)
@@ -118,15 +125,16 @@ def run_export(config: Any) -> Path:
             indent=1,
         )
     )
-    print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+    tokenizer_files = write_hf_tokenizer(tokenizer, out, model.config.block_size)
+    print(f"wrote {out / 'model.safetensors'}, {out / 'config.json'} and the tokenizer's files")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"
         hf.mkdir(exist_ok=True)
         save_file(hf_gpt2_state(model), str(hf / "model.safetensors"), metadata={"format": "pt"})
-        (hf / "config.json").write_text(
-            json.dumps(hf_gpt2_config(model, saved.tokenizer), indent=1)
-        )
-        print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel.from_pretrained)")
+        (hf / "config.json").write_text(json.dumps(hf_gpt2_config(model, tokenizer), indent=1))
+        for path in tokenizer_files:
+            shutil.copy(path, hf / path.name)
+        print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel, AutoTokenizer)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")
     return out

@@ -11,13 +11,14 @@ import math
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
 from gptlab import checkpoint, distributed
 from gptlab.errors import GptlabError
+from gptlab.evaluation import hellaswag
 from gptlab.metrics import mfu
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
@@ -62,17 +63,24 @@ class StopOnSignal:
         self._previous = {}
 
 
-@torch.no_grad()
-def evaluate(run: "Run") -> float:
-    """Mean validation loss over the fixed validation batches, averaged over all ranks, of the
-    evaluated weights (the weight average with optimizer.ema_decay > 0).
+LN2 = math.log(2)
 
-    A sharded model's every forward is a collective, so each rank runs as many forwards as the rank
-    with the most batches (ceil(eval_steps / world)), padding with uncounted ones.
+
+@torch.no_grad()
+def evaluate(run: "Run") -> Dict[str, float]:
+    """Validation loss and bits per byte over the fixed validation batches, summed over all ranks,
+    of the evaluated weights (the weight average with optimizer.ema_decay > 0).
+
+    val_loss is the mean cross-entropy per token (nats); val_bpb is the summed cross-entropy in
+    bits over the UTF-8 bytes of the targets (run.token_bytes: special tokens count no bytes and
+    are left out of both sums), so runs with different tokenizers compare. A sharded model's every
+    forward is a collective, so each rank runs as many forwards as the rank with the most batches
+    (ceil(eval_steps / world)), padding with uncounted ones.
     """
     model, dev = run.model, run.dist.device
     model.eval()
-    total = torch.zeros((), device=dev)
+    # nats of every target, their count, nats of the targets that have bytes, those bytes
+    sums = torch.zeros(4, dtype=torch.float64, device=dev)
     rounds = len(run.val_batches)
     if distributed.is_sharded(run.raw_model):
         rounds = -(-run.train.eval_steps // run.dist.world_size)
@@ -80,20 +88,42 @@ def evaluate(run: "Run") -> float:
         for i in range(rounds):
             if i < len(run.val_batches):
                 x, y = run.val_batches[i]
-            else:  # padding: the collectives need this rank, the mean does not
+            else:  # padding: the collectives need this rank, the sums do not
                 x = y = torch.zeros((1, run.block_size), dtype=torch.long)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             with run.autocast():
-                _, loss = model(x, y)
+                _, nats = model(x, y, per_token=True)
             if i < len(run.val_batches):
-                total += loss.float()
+                nbytes = run.token_bytes[y]
+                counted = nats.masked_fill(nbytes == 0, 0.0)
+                sums += torch.stack(
+                    [nats.sum(), torch.tensor(y.numel()), counted.sum(), nbytes.sum()]
+                ).to(sums)
     model.train()
-    count = torch.tensor(float(len(run.val_batches)), device=dev)
-    # sum of losses and of batch counts over ranks, so uneven splits still give the exact mean
-    stats = torch.stack([total, count])
     if run.dist.world_size > 1:
-        torch.distributed.all_reduce(stats)
-    return (stats[0] / stats[1]).item()
+        torch.distributed.all_reduce(sums)
+    total, count, counted, nbytes = sums.tolist()
+    return {"val_loss": total / count, "val_bpb": counted / nbytes / LN2 if nbytes else math.nan}
+
+
+def hellaswag_due(run: "Run", step: int) -> bool:
+    """Whether HellaSwag is scored at step: every eval.hellaswag.every steps and at the last."""
+    every = run.hellaswag_config.every if run.hellaswag else 0
+    return bool(every) and (step % every == 0 or step == run.train.max_steps)
+
+
+@torch.no_grad()
+def score_hellaswag(run: "Run") -> Dict[str, float]:
+    """hellaswag_acc and hellaswag_acc_norm of the evaluated weights, over all ranks."""
+    model, d = run.model, run.dist
+    model.eval()
+    with run.evaluated_weights():
+        figures = hellaswag.score(
+            model, run.hellaswag, run.block_size, d.device, d.rank, d.world_size,
+            run.hellaswag_config.batch_size, run.autocast, distributed.is_sharded(run.raw_model),
+        )  # fmt: skip
+    model.train()
+    return figures
 
 
 def seed_step(seed: int, step: int, rank: int) -> None:
@@ -114,6 +144,8 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         step=p.step,
         tokens=p.tokens,
         best_val_loss=p.best_val,
+        best_val_bpb=p.best_bpb,
+        val_bpb=p.last_bpb,
         loss_window=(window, p.loss_count),
         train_loss=p.train_loss,
         val_loss=p.last_val,
@@ -169,6 +201,9 @@ class Progress:
     train_loss: float = float("nan")
     last_val: Optional[float] = None
     stopped_by: Optional[str] = None
+    best_bpb: float = math.inf
+    last_bpb: Optional[float] = None
+    hellaswag: Dict[str, float] = field(default_factory=dict)  # the latest scoring's figures
 
 
 def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
@@ -192,6 +227,7 @@ def start_progress(run: "Run") -> Progress:
     p = Progress(run.start_step, run.start_tokens, run.start_best_val, loss_sum)
     p.loss_count = int(window_count)
     p.train_loss, p.last_val = run.start_losses  # a resumption at the last step logs none
+    p.best_bpb, p.last_bpb = run.start_bpb
     return p
 
 
@@ -213,9 +249,15 @@ def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tup
         loss = mean_train_loss(p)
         metrics.update({"train_loss": loss, "lr": lr, "grad_norm": float(grad_norm), **figures})
     if do_eval:
-        p.last_val = metrics["val_loss"] = evaluate(run)
+        metrics.update(evaluate(run))
+        p.last_val, p.last_bpb = metrics["val_loss"], metrics["val_bpb"]
         p.best_val = min(p.best_val, p.last_val)
-    if (do_log or do_eval) and p.step > run.logged_until_step:
+        p.best_bpb = min(p.best_bpb, p.last_bpb)
+    do_hellaswag = hellaswag_due(run, p.step) and p.stopped_by is None
+    if do_hellaswag:
+        p.hellaswag = score_hellaswag(run)
+        metrics.update(p.hellaswag)
+    if (do_log or do_eval or do_hellaswag) and p.step > run.logged_until_step:
         run.tracker.log_metrics(p.step, metrics)
         report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
     if do_save:
@@ -251,7 +293,7 @@ def train(run: "Run") -> Dict[str, Any]:
             # every rank stops at the same step, or the others would wait in a collective
             p.stopped_by = distributed.agree_on_signal(stop.received)
             due_now = due(t, p)
-            if any(due_now):
+            if any(due_now) or hellaswag_due(run, p.step):
                 record_step(run, p, lr, grad_norm, due_now)
             else:
                 report.tick(p.step)
@@ -288,9 +330,12 @@ def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
         "train_loss": p.train_loss,
         "val_loss": p.last_val,
         "best_val_loss": p.best_val if math.isfinite(p.best_val) else None,
+        "val_bpb": p.last_bpb,
+        "best_val_bpb": p.best_bpb if math.isfinite(p.best_bpb) else None,
         "tokens_per_s": tok_s,
         "mfu": mfu(tok_s, run.flops_per_token, run.peak_flops) if tok_s is not None else None,
         "wall_s": wall_s,
         "mlflow_run_id": run.tracker.run_id,
         "stopped_by": p.stopped_by,
+        **p.hellaswag,  # the last scoring's (none when it is off)
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -188,6 +188,20 @@ class Block(nn.Module):
         return x, new_cache
 
 
+def token_nats(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int = 4096
+) -> torch.Tensor:
+    """Cross-entropy of each target (N,) in fp32 from the final LayerNorm's output x (N, C) and the
+    head's weight, `chunk` tokens at a time so that the (N, vocab) logits never exist at once."""
+    w = weight[:vocab]
+    out = []
+    for s in range(0, x.shape[0], chunk):
+        logits = (x[s : s + chunk] @ w.t()).float()
+        picked = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
+        out.append(torch.logsumexp(logits, dim=-1) - picked)
+    return torch.cat(out)
+
+
 class ChunkedHeadLoss(torch.autograd.Function):
     """LM head + mean cross-entropy over chunks of tokens, never holding every token's logits.
 
@@ -285,8 +299,12 @@ class GPT(nn.Module):
         idx: torch.Tensor,
         targets: Optional[torch.Tensor] = None,
         cache: Optional[KVCache] = None,
+        per_token: bool = False,
     ):
         """idx (B, T) token ids -> logits (B, T, vocab); with targets, also the mean cross-entropy.
+
+        ``per_token=True`` (with targets, no cache): ``(None, nats)``, each target's cross-entropy
+        in fp32, shape (B, T), without holding every token's logits (what evaluation sums).
 
         With ``cache`` (one (k, v) per layer, possibly empty), positions continue after the cached
         tokens and the updated cache is returned as a third value.
@@ -317,17 +335,12 @@ class GPT(nn.Module):
             if cache is not None:
                 new_cache.append(kv)
         x = self.ln_f(x)
-        # the loss only: logits are None
-        if targets is not None and self.loss_chunk and cache is None:
-            flat = x.reshape(-1, x.size(-1))
-            args = (
-                flat,
-                self.lm_head.weight,
-                targets.reshape(-1),
-                self.config.vocab_size,
-                self.loss_chunk,
-            )
-            return None, ChunkedHeadLoss.apply(*args)
+        # the loss only (logits are None): every target's, or their mean in chunks (training)
+        if targets is not None and (per_token or self.loss_chunk) and cache is None:
+            flat, w, V = x.reshape(-1, x.size(-1)), self.lm_head.weight, self.config.vocab_size
+            if per_token:
+                return None, token_nats(flat, w, targets.reshape(-1), V).view(targets.shape)
+            return None, ChunkedHeadLoss.apply(flat, w, targets.reshape(-1), V, self.loss_chunk)
         # The head is padded for fast matmuls; the padded ids are never real tokens, so drop them.
         logits = self.lm_head(x)[..., : self.config.vocab_size]
         loss = None
@@ -345,8 +358,11 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         generator: Optional[torch.Generator] = None,
+        stop: Optional[Callable[[torch.Tensor], bool]] = None,
     ) -> torch.Tensor:
         """Sample max_new_tokens after idx (B, T) using a KV cache; returns (B, T + max_new_tokens).
+
+        stop(out): called after each new token with the sequence so far; True ends it there.
 
         temperature 0 means greedy decoding. When the context fills the block, the cache is rebuilt
         from the last block_size // 2 tokens (learned positions cannot extrapolate).
@@ -369,6 +385,8 @@ class GPT(nn.Module):
                 probs = F.softmax(last, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=generator)
             out = torch.cat((out, nxt), dim=1)
+            if stop is not None and stop(out):
+                break
             if cache[0][0].size(2) + 1 > block:
                 cache = []
                 logits, _, cache = self(out[:, -(block // 2) :], cache=cache)

@@ -57,6 +57,13 @@ class Run:
     start_loss_window: Tuple[float, int] = (0.0, 0)
     # the checkpoint's last train and val loss
     start_losses: Tuple[float, Optional[float]] = (math.nan, None)
+    # the checkpoint's best and last val bits per byte
+    start_bpb: Tuple[float, Optional[float]] = (math.inf, None)
+    # each token id's UTF-8 length in bytes, on the device (special tokens: 0), for val_bpb
+    token_bytes: Optional[torch.Tensor] = None
+    # HellaSwag's rendered examples and eval.hellaswag, when the loop scores it (every > 0)
+    hellaswag: Optional[List[Any]] = None
+    hellaswag_config: Any = None
     derived: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -5,19 +5,38 @@ checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone
 (``gptlab.inference.load_model``): the root config, conf/sample.yaml, holds only the settings
 below (``SampleConfig``), as top-level keys. Text keys take their value as typed:
 ``prompt="ROMEO:"`` is the text ``ROMEO:``.
+
+``attention.out=FILE.png`` also draws the prompt's attention weights, every layer and head (or
+``attention.layers`` / ``attention.heads``), as a grid of heatmaps (``gptlab.attention``); the
+text is still generated unless ``max_new_tokens=0``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
 
+from gptlab.attention import write_attention
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
 from gptlab.inference import load_model
+
+if TYPE_CHECKING:
+    from gptlab.data import Tokenizer
+    from gptlab.model import GPT
+
+
+@dataclass
+class AttentionConfig:
+    """The `attention` section: a PNG of the prompt's attention weights."""
+
+    out: Optional[str]  # the PNG; null: no attention maps
+    layers: Optional[List[int]]  # null: every layer
+    heads: Optional[List[int]]  # null: every head
 
 
 @dataclass
@@ -33,19 +52,39 @@ class SampleConfig:
     seed: int
     which: str  # latest | best (by validation loss), for a run folder
     device: str
+    attention: AttentionConfig
 
 
 ConfigStore.instance().store(name="gptlab_sample_schema", node=SampleConfig)
 # prompt=ROMEO: / prompt=true / prompt=a,b are text as typed (cli.hydra_words)
-TEXT_KEYS = text_keys(SampleConfig)
+TEXT_KEYS = {**text_keys(SampleConfig), **text_keys(AttentionConfig, "attention.")}
+
+
+def draw_attention(
+    cfg: SampleConfig, model: GPT, tok: Tokenizer, prompt: List[int], step: int
+) -> None:
+    """Write attention.out: the prompt's attention maps, each token labelled with its own text."""
+    settings = cfg.attention
+    out = Path(settings.out)
+    tokens = [tok.decode([i]) for i in prompt]
+    title = f"attention weights of {cfg.run} (step {step}) over the prompt's {len(prompt)} tokens"
+    layers, heads = write_attention(
+        model, prompt, tokens, out, settings.layers, settings.heads, title
+    )
+    print(f"attention maps ({layers} layers x {heads} heads): {out}", flush=True)
 
 
 def run_sample(config: Any) -> None:
-    """Print the generated text. config: composed from conf/sample.yaml."""
+    """Print the generated text (and write the attention maps when attention.out is set).
+    config: composed from conf/sample.yaml."""
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, SampleConfig)
     model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
     prompt = tok.encode(cfg.prompt) or [0]
+    if cfg.attention.out is not None:
+        draw_attention(cfg, model, tok, prompt, saved.step)
+        if cfg.max_new_tokens == 0:
+            return
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
     gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
     out = model.generate(
@@ -60,8 +99,8 @@ def run_sample(config: Any) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     """python -m gptlab.sample run=PATH [key=value ...]: a Hydra app on conf/sample.yaml.
 
-    It writes nothing. argv: the same key=value arguments, to run it in this process (errors
-    raise GptlabError).
+    It writes nothing but attention.out's PNG, when that is set. argv: the same key=value
+    arguments, to run it in this process (errors raise GptlabError).
     """
     command("sample", run_sample, argv)
 

@@ -61,10 +61,8 @@ from gptlab.records.store import (
     SUMMARY_METRICS,
     artifact_root,
     check_reachable,
-    default_uri,
     flatten,
     get_or_create_experiment,
-    local_uri,
     log_params,
     mlflow_client,
     mlflow_metrics,
@@ -188,17 +186,8 @@ def read_folder(path: Path) -> Optional[RunFolder]:
 
 
 def target_uri(folder: RunFolder, given: Optional[str]) -> str:
-    """The store: the one given, else the run's own (its sweep's, as the tracker does), else the
-    local one."""
-    own = (folder.config.get("tracking") or {}).get("uri")
-    sweep_uri = (folder.sweep or {}).get("uri")
-    if given:
-        return given
-    if sweep_uri and own in (None, sweep_uri):
-        return sweep_uri
-    # a folder from before paths: the default
-    db = (folder.config.get("paths") or {}).get("mlflow_db")
-    return own or (local_uri(Path(db)) if db else default_uri())
+    """The store: the one given, else the run's own (identity.store_of)."""
+    return given or identity.store_of(folder.config, folder.sweep)
 
 
 # ---- what the folder holds, as MLflow records it -------------------------------------------------

@@ -60,9 +60,10 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             log.info(f"--- sample ---\n{sample[:400]}\n--------------")
         record_expectation(run, config.expected, results)
         run.tracker.write_results(results)
-        best = results["best_val_loss"]
+        best, bpb = results["best_val_loss"], results.get("best_val_bpb")
         log.info(
-            f"results: best val loss {best if best is None else f'{best:.4f}'} | "
+            f"results: best val loss {best if best is None else f'{best:.4f}'}"
+            f"{'' if bpb is None else f' ({bpb:.4f} bpb)'} | "
             f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}"
         )
         status = "KILLED" if results["stopped_by"] else "FINISHED"

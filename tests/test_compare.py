@@ -71,15 +71,16 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
         "best",
         "val",
         "loss",
+        "best",
+        "val",
+        "bpb",
         "tokens/s",
         "MFU",
         "wall",
     ]
     rows = [ln.split() for ln in lines[2:5]]
-    best = {
-        j: json.loads((sweep_dir / j / "results.json").read_text())["best_val_loss"]
-        for j in ("0", "1")
-    }
+    results = {j: json.loads((sweep_dir / j / "results.json").read_text()) for j in ("0", "1")}
+    best = {j: r["best_val_loss"] for j, r in results.items()}
     order = sorted(best, key=best.get)
     assert [row[0] for row in rows] == [*order, "2"]  # best val loss first, the failed job last
     assert rows[0][1:4] == [
@@ -87,9 +88,10 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
         "FINISHED",
         f"{best[order[0]]:.4f}",
     ]
+    assert rows[0][4] == f"{results[order[0]]['best_val_bpb']:.4f}"
     # status and error from the sweep's MLflow children
-    assert rows[2][1:5] == ["-1", "FAILED", "-", "-"]
-    assert rows[0][5].endswith("%") and rows[0][6].endswith("s")
+    assert rows[2][1:6] == ["-1", "FAILED", "-", "-", "-"]
+    assert rows[0][6].endswith("%") and rows[0][7].endswith("s")
     assert "errors:" in lines and any("2: GptlabError: optimizer.lr" in ln for ln in lines)
     png = sweep_dir / "compare_val_loss.png"
     assert f"val loss curves: {png}" in r.stdout
@@ -126,8 +128,12 @@ def test_compare_says_what_a_target_is_not(tmp_path, monkeypatch):
 def test_table_shows_only_differing_overrides_best_first():
     common = {"model": "gpt_nano", "train.max_steps": "100"}
     records = [
-        RunRecord("0", {**common, "optimizer.lr": "1e-3"}, "FINISHED", 2.5, 1000.0, 0.01, 30.0),
-        RunRecord("1", {**common, "optimizer.lr": "3e-3"}, "FINISHED", 2.1, 1200.0, 0.012, 28.0),
+        RunRecord(
+            "0", {**common, "optimizer.lr": "1e-3"}, "FINISHED", 2.5, 3.6, 1000.0, 0.01, 30.0
+        ),
+        RunRecord(
+            "1", {**common, "optimizer.lr": "3e-3"}, "FINISHED", 2.1, 3.0, 1200.0, 0.012, 28.0
+        ),
         RunRecord(
             "2", {**common, "optimizer.lr": "1e-2"}, "FAILED", None, error="GptlabError: diverged"
         ),
@@ -140,5 +146,28 @@ def test_table_shows_only_differing_overrides_best_first():
         ["0", "1e-3", "FINISHED", "2.5000"],
         ["2", "1e-2", "FAILED", "-"],
     ]
-    assert lines[2].split()[4:] == ["1,200", "1.20%", "28s"]
+    assert lines[2].split()[4:] == ["3.0000", "1,200", "1.20%", "28s"]
     assert lines[-2:] == ["errors:", "  2: GptlabError: diverged"]
+
+
+def test_table_by_bits_per_byte_puts_the_best_bpb_first_and_shows_downstream_scores():
+    """Two tokenizers: the lower loss in nats is not the better model per byte; the runs' eval
+    scores get a column each, '-' where a run has none."""
+    char = RunRecord("char", {"data": "shakespeare_char"}, "FINISHED", 1.5, 2.16)
+    char.scores = {"hellaswag_acc_norm": 0.26}
+    bpe = RunRecord("bpe", {"data": "shakespeare"}, "FINISHED", 3.2, 1.9)
+    bpe.scores = {"mc/acc": 0.7, "hellaswag_acc_norm": 0.28}
+    by_loss = table([bpe, char]).splitlines()
+    assert [ln.split()[0] for ln in by_loss[2:]] == ["char", "bpe"]
+    by_bpb = table([char, bpe], "bpb").splitlines()
+    assert by_bpb[0].split() == [
+        "run", "data", "status", "best", "val", "loss", "best", "val", "bpb",
+        "hellaswag_acc_norm", "mc/acc", "tokens/s", "MFU", "wall",
+    ]  # fmt: skip
+    assert [ln.split()[:6] for ln in by_bpb[2:]] == [
+        ["bpe", "shakespeare", "FINISHED", "3.2000", "1.9000", "0.2800"],
+        ["char", "shakespeare_char", "FINISHED", "1.5000", "2.1600", "0.2600"],
+    ]
+    assert by_bpb[3].split()[6] == "-"  # char has no mc/acc
+    with pytest.raises(GptlabError, match="compare.metric=nats: must be one of loss, bpb"):
+        compare_main(["compare.target=.", "compare.metric=nats"])

@@ -121,7 +121,8 @@ def test_loop_and_train_stay_thin():
 
 # The commands (python -m gptlab.<name>): no other module imports one; shared code lives below them.
 ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "export", "bench",
-                                                "plan", "ui", "compare", "sync")}  # fmt: skip
+                                                "plan", "ui", "compare", "sync",
+                                                "eval")}  # fmt: skip
 
 
 def test_no_module_imports_an_entry_module():
@@ -216,7 +217,18 @@ def test_command_line_override_names_are_frozen():
 
 # The command-line contract (DESIGN.md): each command is a module with a main() whose docstring is
 # its usage.
-COMMANDS = ("train", "prepare", "sample", "bench", "plan", "export", "ui", "compare", "sync")
+COMMANDS = (
+    "train",
+    "prepare",
+    "sample",
+    "bench",
+    "plan",
+    "export",
+    "ui",
+    "compare",
+    "sync",
+    "eval",
+)
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -1,5 +1,6 @@
-"""gptlab.export rebuilds the model from a checkpoint alone: safetensors, and a GPT-2 folder
-transformers loads when the model is GPT-2-shaped."""
+"""gptlab.export rebuilds the model from a checkpoint alone: safetensors, the tokenizer as Hugging
+Face files, and a GPT-2 folder transformers loads (model and tokenizer) when the model is
+GPT-2-shaped."""
 
 import json
 
@@ -18,7 +19,7 @@ def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained,
     from gptlab.inference import load_model
 
     out = export([f"run={trained}", f"out={tmp_path / 'export'}"])
-    ours, _, _ = load_model(str(trained))
+    ours, tokenizer, _ = load_model(str(trained))
     weights = load_file(str(out / "model.safetensors"))
     assert torch.equal(weights["wte.weight"], ours.wte.weight)
     config = json.loads((out / "config.json").read_text())
@@ -30,6 +31,19 @@ def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained,
         expected, _ = ours(x)
         got = hf(x).logits
     assert torch.allclose(got, expected, atol=1e-4)
+    # the folder's tokenizer encodes text as the model was trained: the same ids, the same logits
+    text = "ROMEO:\n  But soft, what light? "  # within the nano model's block of 32
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(out / "hf_gpt2"))
+    ids = hf_tokenizer(text, return_tensors="pt").input_ids
+    assert ids[0].tolist() == tokenizer.encode(text) and hf_tokenizer.decode(ids[0]) == text
+    with torch.no_grad():
+        expected, _ = ours(torch.tensor([tokenizer.encode(text)]))
+        assert torch.allclose(hf(ids).logits, expected, atol=1e-4)
+    assert hf_tokenizer.model_max_length == ours.config.block_size
+    # a char tokenizer without separators has no eos: not GPT-2's 50256, which is out of range
+    assert hf.config.eos_token_id is None and hf.config.bos_token_id is None
+    top = transformers.AutoTokenizer.from_pretrained(str(out))  # next to gptlab's config.json
+    assert top.encode(text) == tokenizer.encode(text)
 
 
 @pytest.mark.slow
@@ -64,8 +78,44 @@ def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path,
     assert (tmp_path / "best" / "model.safetensors").is_file() and not (
         tmp_path / "best" / "hf_gpt2"
     ).exists()
+    assert (tmp_path / "best" / "tokenizer.json").is_file()  # the tokenizer still goes with it
     r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'latest'}"], cwd=tmp_path)
     assert (
         r.returncode == 0
         and json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
     )
+
+
+@pytest.mark.slow
+def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path, shakespeare):
+    """The path lm_eval's hf model takes: AutoTokenizer and GPT2LMHeadModel on the folder give
+    gptlab's ids and logits, and the config names the tokenizer's special tokens."""
+    transformers = pytest.importorskip("transformers")
+    from gptlab.inference import load_model
+
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(
+        shakespeare,
+        "train.max_steps=3",
+        "train.sample_tokens=0",
+        "data.tokenizer.kind=bpe",
+        "data.tokenizer.vocab_size=512",
+    )
+    run_training(compose_config(overrides), run_dir)
+    r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'out'}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    folder = tmp_path / "out" / "hf_gpt2"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
+    ours, gptlab_tokenizer, _ = load_model(str(run_dir))
+    assert gptlab_tokenizer.kind == "bpe"
+    text = "KING HENRY:  Once more, café 😀 1599\n\n"
+    ids = gptlab_tokenizer.encode(text)
+    assert tokenizer.encode(text) == ids and tokenizer.decode(ids) == text
+    with torch.no_grad():
+        expected, _ = ours(torch.tensor([ids]))
+        assert torch.allclose(hf(torch.tensor([ids])).logits, expected, atol=1e-4)
+    config = json.loads((folder / "config.json").read_text())
+    specials = (509, 510, 511)  # <|bos|> <|eos|> <|pad|>
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == specials
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == specials

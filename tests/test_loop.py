@@ -1,5 +1,6 @@
 """The training loop on real (tiny) runs built from the real config tree."""
 
+import contextlib
 import json
 import math
 from pathlib import Path
@@ -228,6 +229,7 @@ def test_results_count_this_sessions_tokens_and_time_only():
     p = Progress(
         step=30, tokens=3000, best_val=1.25, loss_sum=torch.zeros(()), train_loss=1.5, last_val=1.3
     )
+    p.best_bpb, p.last_bpb = 1.75, 1.8
     got = results(run(start_tokens=1000, train_time=4.0), p, wall_s=9.0)
     assert got == {
         "params": 10,
@@ -237,16 +239,19 @@ def test_results_count_this_sessions_tokens_and_time_only():
         "train_loss": 1.5,
         "val_loss": 1.3,
         "best_val_loss": 1.25,
+        "val_bpb": 1.8,
+        "best_val_bpb": 1.75,
         "tokens_per_s": 500.0,
         "mfu": 2.5,
         "wall_s": 9.0,
         "mlflow_run_id": "abc",
         "stopped_by": None,
     }
-    p.best_val = math.inf  # never evaluated
+    p.best_val = p.best_bpb = math.inf  # never evaluated
     # a resume with nothing to do
     none = results(run(start_tokens=3000, train_time=0.0), p, wall_s=0.5)
     assert (none["tokens_per_s"], none["mfu"], none["best_val_loss"]) == (None, None, None)
+    assert none["best_val_bpb"] is None
     assert none["tokens_this_session"] == 0
     half = results(run(start_tokens=1000, train_time=0.5), p, wall_s=1.0)
     assert half["tokens_per_s"] == 4000.0
@@ -332,9 +337,9 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
     logged = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
     for r in rows:
         expect = {
-            4: {"step", "tokens", "val_loss"},
-            8: {"step", "tokens", "val_loss"},
-            12: logged | {"val_loss"},
+            4: {"step", "tokens", "val_loss", "val_bpb"},
+            8: {"step", "tokens", "val_loss", "val_bpb"},
+            12: logged | {"val_loss", "val_bpb"},
         }
         assert set(r) == expect.get(r["step"], logged), r
         assert r["tokens"] == r["step"] * 8 * 32
@@ -605,3 +610,59 @@ def test_dropout_draws_depend_on_seed_step_and_rank_only():
         draw(*key) for key in ((1, 10, 0), (1, 10, 1), (1, 11, 0), (2, 10, 0), (1, 0, 0), (0, 1, 0))
     ]
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
+
+
+def test_val_bpb_of_a_char_model_on_ascii_text_is_val_loss_over_ln2(tmp_path, shakespeare):
+    """Every character of Tiny Shakespeare is one byte: bits per byte is nats per token / ln 2,
+    in metrics.jsonl and results.json, and best_val_bpb is the lowest evaluated."""
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(shakespeare, "train.max_steps=20", "train.sample_tokens=0")
+    results = run_training(compose_config(overrides), run_dir)
+    evals = [r for r in read_metrics(run_dir) if "val_loss" in r]
+    assert len(evals) == 2
+    for r in evals:
+        assert r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-12, abs=0)
+    saved = json.loads((run_dir / "results.json").read_text())
+    assert saved["best_val_bpb"] == min(r["val_bpb"] for r in evals) == results["best_val_bpb"]
+    assert saved["val_bpb"] == evals[-1]["val_bpb"]
+
+
+def test_val_bpb_counts_utf8_bytes_and_leaves_out_special_tokens():
+    """A hand-made validation set: a two-byte character, a special token and ASCII. val_loss is the
+    mean over every target; val_bpb sums only targets with bytes, over their UTF-8 bytes."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from helpers import model_config
+
+    from gptlab.data import CharTokenizer
+    from gptlab.distributed import Dist
+    from gptlab.loop import evaluate
+    from gptlab.model import GPT
+
+    tok = CharTokenizer("ab\u00e9", specials=["<|eos|>"])
+    assert tok.token_bytes().tolist() == [1, 1, 2, 0]
+    torch.manual_seed(0)
+    model = GPT(model_config(vocab_size=4, block_size=8)).eval()
+    x = torch.randint(0, 4, (2, 8))
+    y = torch.tensor([[0, 1, 2, 3, 2, 2, 0, 3], [1, 1, 1, 0, 2, 3, 3, 0]])
+    run = SimpleNamespace(
+        model=model,
+        raw_model=model,
+        dist=Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+        val_batches=[(x[:1], y[:1]), (x[1:], y[1:])],
+        train=SimpleNamespace(eval_steps=2),
+        block_size=8,
+        token_bytes=torch.as_tensor(tok.token_bytes()),
+        autocast=contextlib.nullcontext,
+        evaluated_weights=contextlib.nullcontext,
+    )
+    got = evaluate(run)
+    with torch.no_grad():
+        logits, _ = model(x)
+    nats = F.cross_entropy(logits.reshape(-1, 4), y.reshape(-1), reduction="none")
+    nbytes = run.token_bytes[y.reshape(-1)]
+    assert got["val_loss"] == pytest.approx(nats.mean().item(), rel=1e-5)
+    expected = (nats * (nbytes > 0)).sum().item() / nbytes.sum().item() / math.log(2)
+    assert got["val_bpb"] == pytest.approx(expected, rel=1e-5)
+    assert got["val_bpb"] != pytest.approx(got["val_loss"] / math.log(2), rel=1e-3)

@@ -13,6 +13,7 @@ Three kinds, chosen by ``data.tokenizer.kind``:
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -45,6 +46,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: List[int]) -> str: ...
 
     def to_meta(self) -> Dict[str, Any]: ...
+
+    def token_bytes(self) -> np.ndarray: ...
 
 
 class CharTokenizer:
@@ -102,6 +105,12 @@ class CharTokenizer:
         n = len(self.chars)
         return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids)
 
+    def token_bytes(self) -> np.ndarray:
+        """Each id's UTF-8 length in bytes (special tokens: 0), the denominator of bits per
+        byte."""
+        lengths = [len(c.encode("utf-8")) for c in self.chars] + [0] * len(self.specials)
+        return np.array(lengths, dtype=np.int64)
+
     def to_meta(self) -> Dict[str, Any]:
         meta: Dict[str, Any] = {"kind": self.kind, "chars": self.chars}
         if self.specials:
@@ -145,6 +154,18 @@ class TiktokenTokenizer:
 
     def decode(self, ids: List[int]) -> str:
         return self.enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> np.ndarray:
+        """Each id's length in bytes (special tokens and unused ids: 0), the denominator of bits
+        per byte."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        special = set(self.specials.values())
+        for i in range(self.vocab_size):
+            if i not in special:
+                # an id no merge produced (a gap below the specials) keeps 0
+                with contextlib.suppress(KeyError):
+                    lengths[i] = len(self.enc.decode_single_token_bytes(i))
+        return lengths
 
     def sha256(self) -> str:
         """The hash of the ranks file: what the shards record to refuse a different tokenizer."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from gptlab.records import layout
+from gptlab.records import layout, store
 
 NAME_TAGS = ("model", "data", "hardware")  # the tags a run's default name is made of
 ORIGIN_TAGS = ("host", "git_commit")  # where the run ran, as only the running process knows
@@ -172,6 +172,17 @@ def identify(config: Mapping[str, Any], run_dir: Path, origin: Dict[str, str],
         tags["sweep_dir"] = sweep["sweep_dir"]
     tags.update({k: v for k, v in origin.items() if k in ORIGIN_TAGS})
     return RunIdentity(experiment, name, tags, sweep)
+
+
+def store_of(config: Mapping[str, Any], sweep: Optional[Dict[str, Any]]) -> str:
+    """The store a run folder's run is recorded in: its sweep's (as the tracker chose), else its own
+    tracking.uri, else its paths.mlflow_db (a folder from before paths: the default)."""
+    own = (config.get("tracking") or {}).get("uri")
+    sweep_uri = (sweep or {}).get("uri")
+    if sweep_uri and own in (None, sweep_uri):
+        return sweep_uri
+    db = (config.get("paths") or {}).get("mlflow_db")
+    return own or (store.local_uri(Path(db)) if db else store.default_uri())
 
 
 def write(run_dir: Path, identity: RunIdentity) -> None:

@@ -16,6 +16,7 @@ SAMPLES = "samples.txt"
 LOSS_PLOT = "loss.png"
 SLURM = "slurm.json"  # the SLURM job that ran it (gptlab/slurm.py)
 BENCH = "bench.json"
+EVAL = "eval.json"  # gptlab.eval's results of the run's checkpoint (gptlab/evaluation/)
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
 EXPORT = "export"
@@ -29,7 +30,7 @@ MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
 
 # What a run folder holds besides Hydra's .hydra/ and the log file (a new attempt owns those)
 RECORDS = (CHECKPOINTS, METRICS, RESULTS, SAMPLES, LOSS_PLOT, CONFIG, DERIVED, IDENTITY,
-           TENSORBOARD, SLURM, BENCH, EXPORT)  # fmt: skip
+           TENSORBOARD, SLURM, BENCH, EXPORT, EVAL)  # fmt: skip
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of
 STARTED = (METRICS, CONFIG)  # a run folder whose run began recording
 
@@ -102,6 +103,12 @@ def read_metrics(run_dir: Path) -> List[Dict[str, Any]]:
 def read_results(run_dir: Path) -> Dict[str, Any]:
     """A run folder's results.json ({} when it has none yet, or one cut short)."""
     return read_json(Path(run_dir) / RESULTS) or {}
+
+
+def read_eval(run_dir: Path) -> List[Dict[str, Any]]:
+    """eval.json's results (task, metric, value, stderr, ...); [] when there is none."""
+    data = read_json(Path(run_dir) / EVAL) or {}
+    return list(data.get("results", [])) if isinstance(data, dict) else []
 
 
 def read_config(run_dir: Path) -> Optional[Dict[str, Any]]:

@@ -16,6 +16,25 @@ from gptlab.records.identity import RunIdentity
 log = logging.getLogger(__name__)
 
 BEST = "summary/best_val_loss"  # the figure the parent keeps of its best job
+BEST_BPB = "summary/best_val_bpb"
+# a job's figures the parent keeps per job (jobs/<job>/<name>): its best and its latest scores
+JOB_FIGURES = (BEST, BEST_BPB)
+JOB_SCORE_PREFIXES = ("hellaswag/", "eval/")
+
+
+def per_job_figures(runs: list) -> Dict[str, float]:
+    """jobs/<job>/<figure> for each child: its best val loss and bpb, and its latest downstream
+    scores (in-loop HellaSwag, gptlab.eval), so the parent's page lists every job's."""
+    import os
+
+    out = {}
+    for r in runs:
+        job = os.path.basename(r.data.tags.get("run_dir") or "") or r.info.run_name or "job"
+        for key, value in r.data.metrics.items():
+            if key in JOB_FIGURES or key.startswith(JOB_SCORE_PREFIXES):
+                name = key.split("/", 1)[1] if key in JOB_FIGURES else key
+                out[f"jobs/{job}/{name}"[:250]] = value
+    return out
 
 
 def params(overrides: list) -> Dict[str, str]:
@@ -78,6 +97,11 @@ def end(client: Any, experiment_id: str, parent_run_id: str, stopped: bool) -> N
         best = min(scored, key=lambda r: r.data.metrics[BEST])
         client.log_metric(parent_run_id, BEST, best.data.metrics[BEST])
         client.set_tag(parent_run_id, "best_run", best.info.run_name)
+    bpb = [r.data.metrics[BEST_BPB] for r in runs if BEST_BPB in r.data.metrics]
+    if bpb:
+        client.log_metric(parent_run_id, BEST_BPB, min(bpb))
+    for key, value in per_job_figures(runs).items():
+        client.log_metric(parent_run_id, key, value)
     slurm_errors = []
     for r in failed:
         why = slurm.job_error(r.data.tags.get("run_dir"))

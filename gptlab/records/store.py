@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so runs overlay in the UI
     "train_loss": "train/loss",
     "val_loss": "val/loss",
+    "val_bpb": "val/bpb",
+    "hellaswag_acc": "hellaswag/acc",
+    "hellaswag_acc_norm": "hellaswag/acc_norm",
     "lr": "opt/lr",
     "grad_norm": "opt/grad_norm",
     "tokens_per_s": "perf/tokens_per_s",
@@ -38,6 +41,10 @@ METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so run
 SUMMARY_METRICS = {
     "best_val_loss": "summary/best_val_loss",
     "val_loss": "summary/val_loss",
+    "best_val_bpb": "summary/best_val_bpb",
+    "val_bpb": "summary/val_bpb",
+    "hellaswag_acc": "summary/hellaswag_acc",
+    "hellaswag_acc_norm": "summary/hellaswag_acc_norm",
     "train_loss": "summary/train_loss",
     "tokens_per_s": "summary/tokens_per_s",
     "mfu": "summary/mfu",

@@ -1,0 +1,324 @@
+"""python -m gptlab.eval run=PATH tasks=[...]: score a run's checkpoint on lm-evaluation-harness
+tasks.
+
+PATH is a run folder (its newest checkpoint, or the best with which=best; whole or sharded) or a
+checkpoint file. The model and tokenizer are gptlab's own, rebuilt from the checkpoint
+(``gptlab.inference.load_model``) and wrapped as an lm_eval model (gptlab/evaluation/harness.py).
+Tasks come from lm_eval's registry, or from a folder of task YAMLs (eval.include=DIR; the shipped
+example is conf/eval_tasks/). The results go to the console as a table, to eval.json in the run
+folder, and to the run's own MLflow run as eval/<task>/<metric> at the checkpoint's step.
+
+With hardware.nproc_per_node > 1 (or under torchrun / SLURM), each rank scores a stride of every
+task's documents and rank 0 gathers the per-document results: the figures equal one process's.
+The root config is conf/eval.yaml (``EvalConfig``); it needs the ``eval`` extra (lm_eval).
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import functools
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from gptlab import checkpoint, distributed
+from gptlab.cli import command, require, text_keys
+from gptlab.config import HardwareConfig, ParallelismConfig, to_config
+from gptlab.errors import GptlabError
+from gptlab.records import layout
+
+log = logging.getLogger("gptlab.eval")
+
+
+@dataclass
+class EvalSettings:
+    """The `eval` section of conf/eval.yaml (the values are there)."""
+
+    include: Optional[str]  # a folder of task YAMLs (lm_eval's include_path); null: registry only
+    limit: Optional[float]  # documents per task (a fraction when < 1); null: all
+    batch_size: int  # requests per forward
+    num_fewshot: Optional[int]  # null: each task's own
+    precision: str  # auto (bf16 on a GPU, fp32 on the CPU) | fp32 | bf16
+    rolling_context: int  # tokens of context each rolling window carries over (perplexity tasks)
+    bootstrap_iters: int  # resamples for the stderr of metrics that are not means
+    mlflow: bool  # log the metrics into the run's MLflow run
+    seed: int
+
+
+@dataclass
+class EvalConfig:
+    """The schema of conf/eval.yaml."""
+
+    run: str  # run folder or checkpoint file (mandatory: ???)
+    tasks: List[str]
+    which: str  # latest | best
+    tracking_uri: Optional[str]  # null: the store the run was recorded in
+    eval: EvalSettings
+    hardware: HardwareConfig
+
+
+ConfigStore.instance().store(name="gptlab_eval_schema", node=EvalConfig)
+TEXT_KEYS = text_keys(EvalConfig)  # run=, which= are text as typed (cli.hydra_words)
+# lm_eval's process group needs only replicas: every rank holds the whole model
+REPLICAS = ParallelismConfig("ddp", "ddp", False, True, 0, False, 1800)
+
+
+def check_settings(cfg: EvalConfig) -> None:
+    if not cfg.tasks:
+        raise GptlabError("tasks=[...]: name at least one task (tasks=[hellaswag] or a local one)")
+    limit = cfg.eval.limit
+    if limit is not None and limit <= 0:
+        raise GptlabError(f"eval.limit={limit:g}: give a positive number of documents, or null")
+    if cfg.eval.precision not in ("auto", "fp32", "bf16"):
+        raise GptlabError(f"eval.precision={cfg.eval.precision}: must be auto, fp32 or bf16")
+    if cfg.eval.include and not Path(cfg.eval.include).is_dir():
+        raise GptlabError(f"eval.include={cfg.eval.include}: not a folder of task YAMLs")
+
+
+@functools.lru_cache(maxsize=8)
+def _task_manager(include: Optional[str], registry: bool) -> Any:
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include, include_defaults=registry)
+
+
+def task_manager(include: Optional[str], tasks: Sequence[str] = ()) -> Any:
+    """lm_eval's index of tasks: the included folder's alone when it holds every task named (the
+    registry's thousands of YAMLs take seconds to index), else with the registry; one index serves
+    every call in a process."""
+    folder = str(Path(include).resolve()) if include else None
+    if folder is not None and tasks:
+        local = _task_manager(folder, False)
+        if set(tasks) <= set(local.all_tasks):
+            return local
+    return _task_manager(folder, True)
+
+
+def check_tasks(manager: Any, tasks: List[str], include: Optional[str]) -> None:
+    """Every task is known to lm_eval's registry or the included folder: else one line with the
+    nearest names."""
+    known = set(manager.all_tasks)
+    for name in tasks:
+        if name not in known:
+            near = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            where = f"lm_eval's registry or {include}" if include else "lm_eval's registry"
+            raise GptlabError(f"task {name!r} is not in {where}{hint}")
+
+
+def load_tasks(manager: Any, tasks: List[str]) -> Dict[str, Any]:
+    """lm_eval's task objects, their data loaded; a task whose data cannot be had is one line."""
+    from lm_eval.tasks import get_task_dict
+
+    loaded: Dict[str, Any] = {}
+    for name in tasks:
+        try:
+            with warnings.catch_warnings():  # lm_eval 0.4.13 deprecates it for TaskManager.load
+                warnings.simplefilter("ignore", DeprecationWarning)
+                loaded.update(get_task_dict([name], manager))
+        except GptlabError:
+            raise
+        except Exception as e:  # noqa: BLE001 - datasets / hub / connection errors of every kind
+            raise GptlabError(
+                f"task {name!r}: its data could not be loaded ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:160] if str(e) else ''}); offline, copy the data and "
+                f"point a task YAML at it (dataset_path: json, dataset_kwargs.data_files) in a "
+                f"folder given as eval.include=DIR (docs/evaluation.md)"
+            ) from None
+    return loaded
+
+
+def autocast_for(precision: str, device: Any):
+    import torch
+
+    from gptlab.build import autocast_factory
+
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    return autocast_factory(device.type, precision), precision
+
+
+def summarize(results: Dict[str, Any], tasks: List[str]) -> List[Dict[str, Any]]:
+    """lm_eval's results as rows: task, metric, value, stderr, number of documents."""
+    rows = []
+    for task, metrics in results.get("results", {}).items():
+        n = (results.get("n-samples") or {}).get(task, {}).get("effective")
+        for key, value in metrics.items():
+            metric, _, filt = key.partition(",")
+            skip = key == "alias" or metric in ("sample_len",) or metric.endswith("_stderr")
+            if skip or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{filt}")
+            rows.append({
+                "task": task, "metric": metric if filt in ("none", "") else f"{metric}_{filt}",
+                "value": float(value),
+                "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                "n": n,
+            })  # fmt: skip
+    return rows
+
+
+def run_folder_of(path: Path) -> Path:
+    """The run folder a checkpoint belongs to (<run>/checkpoints/ckpt_N[.pt])."""
+    return path.parent.parent if path.parent.name == layout.CHECKPOINTS else path.parent
+
+
+def evaluate_checkpoint(cfg: EvalConfig, rank: int, world: int, device: Any) -> Optional[Dict]:
+    """Score the checkpoint on every rank; rank 0 returns eval.json's body, the others None."""
+    import lm_eval
+    from lm_eval import evaluator
+
+    from gptlab.evaluation.harness import GptlabLM
+    from gptlab.inference import load_model
+
+    manager = task_manager(cfg.eval.include, cfg.tasks)
+    check_tasks(manager, cfg.tasks, cfg.eval.include)
+    path = checkpoint.find(cfg.run, cfg.which)
+    model, tokenizer, saved = load_model(str(path), "latest", str(device))
+    autocast, precision = autocast_for(cfg.eval.precision, device)
+    lm = GptlabLM(model, tokenizer, device, cfg.eval.batch_size, autocast, rank, world,
+                  cfg.eval.rolling_context)  # fmt: skip
+    task_dict = load_tasks(manager, cfg.tasks)
+    limit = cfg.eval.limit
+    results = evaluator.simple_evaluate(
+        model=lm, tasks=list(task_dict.values()), num_fewshot=cfg.eval.num_fewshot,
+        limit=int(limit) if limit is not None and limit >= 1 else limit,
+        bootstrap_iters=cfg.eval.bootstrap_iters, log_samples=False, task_manager=manager,
+        random_seed=cfg.eval.seed, numpy_random_seed=cfg.eval.seed,
+        torch_random_seed=cfg.eval.seed, fewshot_random_seed=cfg.eval.seed,
+    )  # fmt: skip
+    if rank != 0:
+        return None
+    from importlib.metadata import version
+
+    from lm_eval.utils import make_table
+
+    return {
+        "checkpoint": str(path.resolve()),
+        "step": saved.step,
+        "tasks": list(cfg.tasks),
+        "limit": limit,
+        "num_fewshot": cfg.eval.num_fewshot,
+        "precision": precision,
+        "processes": world,
+        "lm_eval_version": getattr(lm_eval, "__version__", None) or version("lm_eval"),
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+        "results": summarize(results, cfg.tasks),
+        "table": make_table(results),
+        "mlflow_run_id": saved.mlflow_run_id,
+    }
+
+
+def record(cfg: EvalConfig, body: Dict[str, Any]) -> Path:
+    """eval.json in the run folder (atomically), and the metrics in the run's MLflow run."""
+    folder = run_folder_of(Path(body["checkpoint"]))
+    path = folder / layout.EVAL
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+    if cfg.eval.mlflow:
+        log_to_mlflow(cfg, folder, body, path)
+    return path
+
+
+def log_to_mlflow(cfg: EvalConfig, folder: Path, body: Dict[str, Any], path: Path) -> None:
+    from gptlab.records import identity, store
+
+    run_id = body.get("mlflow_run_id") or layout.read_results(folder).get("mlflow_run_id")
+    config = layout.read_config(folder) or {}
+    uri = cfg.tracking_uri or identity.store_of(config, layout.read_sweep(folder))
+    if run_id is None:
+        log.warning("eval: the run has no MLflow run to record into; eval.json holds the results")
+        return
+    db = store.sqlite_path(uri)
+    try:
+        if db is not None and not db.is_file():
+            raise store.Unreachable(f"store {db} does not exist")
+        store.check_reachable(uri)
+        client = store.mlflow_client(uri)
+        metrics = {}
+        for r in body["results"]:
+            metrics[f"eval/{r['task']}/{r['metric']}"] = r["value"]
+            if r["stderr"] is not None:
+                metrics[f"eval/{r['task']}/{r['metric']}_stderr"] = r["stderr"]
+        from mlflow.entities import Metric
+
+        now = int(datetime.datetime.now().timestamp() * 1000)
+        points = [Metric(k, v, now, body["step"]) for k, v in metrics.items()]
+        client.log_batch(run_id, metrics=points)
+        client.log_artifact(run_id, str(path))
+        log.info(f"eval: recorded in MLflow run {run_id} ({store.store_name(uri)})")
+    except Exception as e:  # noqa: BLE001 - eval.json is written; the store is a copy
+        log.warning(f"eval: MLflow {store.store_failure(uri, e)}; eval.json holds the results")
+
+
+def _evaluate(resolved: Dict[str, Any]) -> Optional[Path]:
+    """This process's share: join the group, score, and on rank 0 write the records."""
+    cfg = to_config(OmegaConf.create(resolved), EvalConfig)
+    d = distributed.setup(cfg.hardware, REPLICAS)
+    try:
+        body = evaluate_checkpoint(cfg, d.rank, d.world_size, d.device)
+        if body is None:
+            return None
+        table = body.pop("table", None)
+        if table:
+            print(table, flush=True)
+        path = record(cfg, body)
+        print(f"eval: {len(body['results'])} figures at step {body['step']} -> {path}", flush=True)
+        return path
+    finally:
+        distributed.teardown()
+
+
+def _worker(resolved: Dict[str, Any]) -> None:
+    """One locally spawned rank (distributed.spawn sets RANK / WORLD_SIZE)."""
+    from gptlab import console
+    from gptlab.cli import fail
+
+    console.setup_logging()
+    try:
+        _evaluate(resolved)
+    except GptlabError as e:
+        rank = os.environ.get("RANK", "0")
+        fail("gptlab.eval", str(e) if rank == "0" else f"[rank {rank}] {e}")
+
+
+def run_eval(config: Any) -> Optional[Path]:
+    """Evaluate and return eval.json's path. config: composed from conf/eval.yaml."""
+    require(config, "run", "run=PATH, a run folder or a checkpoint file")
+    cfg = to_config(config, EvalConfig)
+    check_settings(cfg)
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise GptlabError(
+            "gptlab.eval needs lm-evaluation-harness: pip install -e '.[eval]'"
+        ) from None
+    checkpoint.find(cfg.run, cfg.which)  # no checkpoint: one line before any process starts
+    check_tasks(task_manager(cfg.eval.include, cfg.tasks), cfg.tasks, cfg.eval.include)
+    resolved = OmegaConf.to_container(config, resolve=True)
+    if distributed.role(cfg.hardware) == "parent":
+        distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved,))
+        return run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
+    return _evaluate(resolved)
+
+
+def main(argv: Optional[List[str]] = None) -> Optional[Path]:
+    """python -m gptlab.eval run=PATH tasks=[...] [key=value ...]: a Hydra app on conf/eval.yaml.
+
+    argv: the same key=value arguments, to evaluate in this process (returns eval.json's path;
+    errors raise GptlabError).
+    """
+    return command("eval", run_eval, argv)
+
+
+if __name__ == "__main__":
+    main()

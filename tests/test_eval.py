@@ -1,0 +1,301 @@
+"""gptlab.eval: lm-evaluation-harness on gptlab's own model and tokenizer.
+
+Checked against lm_eval's own Hugging Face model on the export of the same checkpoint, against a
+by-hand computation, across processes, and on bad input; all offline, on tasks the tests write.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import compose_config, nano_overrides, run_cli
+
+from gptlab.errors import GptlabError
+from gptlab.evaluation.next_line import next_line_examples, task_yaml, write_jsonl
+from gptlab.train import run_training
+
+lm_eval = pytest.importorskip("lm_eval")
+
+
+def val_text(shakespeare: Path) -> str:
+    text = Path(shakespeare).read_text()
+    return text[int(0.9 * len(text)) :]  # data=shakespeare_char's validation split
+
+
+def next_line_task(folder: Path, shakespeare: Path, n: int, name: str = "next_line") -> Path:
+    """A folder holding one local multiple-choice task over n next-line examples."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = write_jsonl(
+        next_line_examples(val_text(shakespeare), n, seed=1), folder / f"{name}.jsonl"
+    )
+    (folder / f"{name}.yaml").write_text(task_yaml(name, data))
+    return folder
+
+
+def eval_json(run_dir: Path) -> dict:
+    body = json.loads((run_dir / "eval.json").read_text())
+    return {(r["task"], r["metric"]): r["value"] for r in body["results"]} | {"_body": body}
+
+
+def tiny_lm(block_size=16, **changes):
+    from helpers import model_config
+
+    from gptlab.data import CharTokenizer
+    from gptlab.evaluation.harness import GptlabLM
+    from gptlab.model import GPT
+
+    tok = CharTokenizer("\n abcdefgh")
+    torch.manual_seed(0)
+    model = GPT(model_config(vocab_size=tok.vocab_size, block_size=block_size, **changes)).eval()
+    return GptlabLM(model, tok, torch.device("cpu"), batch_size=3), model, tok
+
+
+def by_hand_nats(model, ids):
+    """Summed cross-entropy of ids[1:] after ids[:1], one forward (ids within the window)."""
+    with torch.no_grad():
+        logits, _ = model(torch.tensor([ids[:-1]]))
+    return torch.nn.functional.cross_entropy(logits[0], torch.tensor(ids[1:]), reduction="sum")
+
+
+def instance(kind, args):
+    from lm_eval.api.instance import Instance
+
+    return Instance(request_type=kind, doc={}, arguments=args, idx=0)
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+def test_loglikelihood_is_the_continuations_log_probability_cropped_from_the_left(pos_emb):
+    lm, model, tok = tiny_lm(pos_emb=pos_emb)
+    pairs = [("ab", "cd"), ("a b", " c"), ("hgfedcbahgfedcba\nabc", "de")]  # the last is cropped
+    got = lm.loglikelihood([instance("loglikelihood", p) for p in pairs])
+    for (context, continuation), (logp, _) in zip(pairs, got):
+        ids = tok.encode(context + continuation)[-17:]  # window 16 + the last target
+        n = len(tok.encode(continuation))
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([ids[:-1]]))
+        logprobs = torch.log_softmax(logits[0, -n:], dim=-1)
+        expected = logprobs.gather(1, torch.tensor(ids[-n:])[:, None]).sum().item()
+        assert logp == pytest.approx(expected, abs=1e-5)
+
+
+def test_rolling_loglikelihood_covers_every_token_once_with_overlapping_windows():
+    """A text shorter than the window: one window after the prefix token (a newline here); a longer
+    one: the windows' log-likelihoods add up, each token predicted once."""
+    lm, model, tok = tiny_lm(block_size=8)
+    short = "abc de"
+    (got,) = lm.loglikelihood_rolling([instance("loglikelihood_rolling", (short,))])
+    prefix = tok.encode("\n")
+    assert got == pytest.approx(-by_hand_nats(model, prefix + tok.encode(short)).item(), abs=1e-5)
+    long = "abcdefgh abcdefgh abc"
+    (whole,) = lm.loglikelihood_rolling([instance("loglikelihood_rolling", (long,))])
+    ids = prefix + tok.encode(long)
+    expected, done = 0.0, 1
+    while done < len(ids):  # predict ids[done:end] from the 8 tokens before end
+        end = min(done + 8, len(ids))
+        window = ids[max(0, end - 9) : end]
+        n = end - done
+        with torch.no_grad():
+            logits, _ = model(torch.tensor([window[:-1]]))
+        logp = torch.log_softmax(logits[0, -n:], dim=-1)
+        expected += logp.gather(1, torch.tensor(window[-n:])[:, None]).sum().item()
+        done = end
+    assert whole == pytest.approx(expected, abs=1e-4)
+
+
+def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_sequence():
+    lm, model, tok = tiny_lm()
+    context = "abc "
+    full = model.generate(torch.tensor([tok.encode(context)]), 10, temperature=0)
+    greedy = tok.decode(full[0, len(context) :].tolist())
+    (plain,) = lm.generate_until([instance("generate_until", (context, {"max_gen_toks": 10}))])
+    assert plain == greedy
+    stop = greedy[2:4]
+    (cut,) = lm.generate_until(
+        [instance("generate_until", (context, {"until": [stop], "max_gen_toks": 10}))]
+    )
+    assert cut == greedy.split(stop)[0]
+
+
+def test_a_char_vocabulary_that_cannot_encode_the_task_says_so():
+    lm, _, _ = tiny_lm()
+    with pytest.raises(GptlabError, match="'z' is not in this model's vocabulary.*cannot encode"):
+        lm.loglikelihood([instance("loglikelihood", ("ab", "z"))])
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory, shakespeare):
+    """A char model trained 800 steps, recorded in a local MLflow store."""
+    root = tmp_path_factory.mktemp("eval")
+    run_dir = root / "run"
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=800", "train.eval_every=800", "train.sample_tokens=0",
+        "model.block_size=64", "tracking.mlflow=true", f"paths.outputs={root / 'outputs'}",
+    )  # fmt: skip
+    run_training(compose_config(overrides), run_dir)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_a_trained_model_beats_chance_on_next_line_and_is_recorded_beside_its_run(
+    char_run, shakespeare, tmp_path
+):
+    """Which of 4 lines follows: the trained model's acc_norm is clearly above 1/4; eval.json and
+    the run's own MLflow run (eval/<task>/<metric> at the checkpoint's step) hold the figures,
+    and compare shows them."""
+    from mlflow.tracking import MlflowClient
+
+    from gptlab.compare import from_folder, table
+    from gptlab.eval import main as evaluate
+
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 200)
+    evaluate([f"run={char_run}", "tasks=[next_line]", f"eval.include={tasks}"])
+    got = eval_json(char_run)
+    assert got["_body"]["step"] == 800 and got["_body"]["lm_eval_version"] == lm_eval.__version__
+    assert got[("next_line", "acc_norm")] >= 0.36  # chance: 0.25; 200 examples: stderr 0.034
+    results = json.loads((char_run / "results.json").read_text())
+    client = MlflowClient(f"sqlite:///{char_run.parent / 'outputs' / 'mlflow.db'}")
+    history = client.get_metric_history(results["mlflow_run_id"], "eval/next_line/acc_norm")
+    assert [(p.step, p.value) for p in history] == [(800, got[("next_line", "acc_norm")])]
+    row = table(from_folder(char_run.parent)).splitlines()
+    assert "next_line/acc_norm" in row[0]
+    assert f"{got[('next_line', 'acc_norm')]:.4f}" in row[2]
+
+
+@pytest.mark.slow
+def test_an_untrained_model_does_not_beat_chance(tmp_path, shakespeare):
+    from gptlab.eval import main as evaluate
+
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=1", "optimizer.lr=1e-9", "train.sample_tokens=0",
+        "model.block_size=64",
+    )  # fmt: skip
+    run_training(compose_config(overrides), run_dir)
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 200)
+    evaluate([f"run={run_dir}", "tasks=[next_line]", f"eval.include={tasks}"])
+    assert eval_json(run_dir)[("next_line", "acc_norm")] <= 0.33
+
+
+@pytest.mark.slow
+def test_gptlab_eval_equals_lm_evals_hf_model_on_the_export(tmp_path, shakespeare):
+    """A GPT-2-shaped model with a trained BPE: per-request log-likelihoods within 1e-4 of
+    lm_eval --model hf on its export folder, and the same acc / acc_norm."""
+    pytest.importorskip("transformers")
+    from lm_eval import evaluator
+    from lm_eval.models.huggingface import HFLM
+
+    from gptlab.eval import main as evaluate
+    from gptlab.eval import task_manager
+    from gptlab.evaluation.harness import GptlabLM
+    from gptlab.export import main as export
+    from gptlab.inference import load_model
+
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=40", "train.sample_tokens=0", "model.block_size=64",
+        "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=512",
+    )  # fmt: skip
+    run_training(compose_config(overrides), run_dir)
+    hf_dir = export([f"run={run_dir}", f"out={tmp_path / 'export'}"]) / "hf_gpt2"
+    model, tok, _ = load_model(str(run_dir))
+    ours = GptlabLM(model, tok, torch.device("cpu"), batch_size=4)
+    theirs = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=4)
+    examples = next_line_examples(val_text(shakespeare), 12, seed=3)
+    requests = [
+        instance("loglikelihood", (e["context"], choice))
+        for e in examples
+        for choice in e["choices"]
+    ]
+    requests.append(instance("loglikelihood", ("", "ROMEO: what?")))  # the empty context
+    got, expected = ours.loglikelihood(requests), theirs.loglikelihood(requests)
+    assert max(abs(a[0] - b[0]) for a, b in zip(got, expected)) <= 1e-4
+    assert [a[1] for a in got] == [b[1] for b in expected]
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 30)
+    evaluate([f"run={run_dir}", "tasks=[next_line]", f"eval.include={tasks}", "eval.mlflow=false"])
+    mine = eval_json(run_dir)
+    hf = evaluator.simple_evaluate(
+        model=theirs, tasks=["next_line"], task_manager=task_manager(str(tasks), ["next_line"]),
+        log_samples=False, bootstrap_iters=0,
+    )["results"]["next_line"]  # fmt: skip
+    assert mine[("next_line", "acc")] == hf["acc,none"]
+    assert mine[("next_line", "acc_norm")] == hf["acc_norm,none"]
+
+
+@pytest.mark.slow
+def test_two_processes_score_a_sharded_checkpoint_as_one_does(tmp_path, shakespeare):
+    """An fsdp run's sharded checkpoint, evaluated by 1 and by 2 processes (gloo): equal figures."""
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=20", "train.sample_tokens=0", "hardware=cpu_x2",
+        "parallelism=fsdp",
+    )  # fmt: skip
+    run_training(compose_config(overrides), run_dir)
+    assert any(p.is_dir() for p in (run_dir / "checkpoints").glob("ckpt_*"))  # sharded
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 25)
+    figures = []
+    for hardware in ("cpu", "cpu_x2"):
+        r = run_cli(
+            ["gptlab.eval", f"run={run_dir}", "tasks=[next_line]", f"eval.include={tasks}",
+             f"hardware={hardware}", "eval.mlflow=false"],
+            cwd=tmp_path, timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        body = eval_json(run_dir)["_body"]
+        assert body["processes"] == (1 if hardware == "cpu" else 2)
+        figures.append({(x["task"], x["metric"]): x["value"] for x in body["results"]})
+    assert figures[0].keys() == figures[1].keys() and len(figures[0]) == 2
+    for key, value in figures[0].items():
+        assert math.isclose(figures[1][key], value, rel_tol=1e-12), key
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_and_writes_nothing(trained_char, tmp_path, shakespeare, monkeypatch):
+    from gptlab.eval import main as evaluate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 5)
+    run = f"run={trained_char}"
+    cases = [
+        ([run, "tasks=[next_lin]", f"eval.include={tasks}"], "'next_lin' is not in .*next_line"),
+        ([f"run={tmp_path}", "tasks=[next_line]", f"eval.include={tasks}"], "no checkpoint found"),
+        ([run, "tasks=[next_line]", f"eval.include={tasks}", "eval.limit=0"], "eval.limit=0"),
+        ([run, "tasks=[arc_easy]"], "task 'arc_easy': its data could not be loaded.*eval.include"),
+        ([run, "tasks=[]"], "name at least one task"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(GptlabError, match=message):
+            evaluate(argv)
+        assert not (trained_char / "eval.json").exists()
+    unicode_task = tmp_path / "unicode"
+    unicode_task.mkdir()
+    data = write_jsonl([{"context": "ROMEO:\n", "choices": ["caf\u00e9", "tea"], "label": 0}],
+                       unicode_task / "u.jsonl")  # fmt: skip
+    (unicode_task / "u.yaml").write_text(task_yaml("u", data))
+    with pytest.raises(GptlabError, match="'\u00e9' is not in this model's vocabulary"):
+        evaluate([run, "tasks=[u]", f"eval.include={unicode_task}"])
+    assert not (trained_char / "eval.json").exists()
+
+
+@pytest.fixture(scope="module")
+def trained_char(tmp_path_factory, shakespeare):
+    run_dir = tmp_path_factory.mktemp("bad") / "run"
+    run_training(compose_config(nano_overrides(shakespeare, "train.sample_tokens=0")), run_dir)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_the_command_line_prints_the_table_and_help(trained_char, tmp_path, shakespeare):
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 6)
+    r = run_cli(
+        ["gptlab.eval", f"run={trained_char}", "tasks=[next_line]", f"eval.include={tasks}",
+         "eval.limit=4", "eval.mlflow=false"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "|next_line|" in r.stdout.replace(" ", "") and "acc_norm" in r.stdout
+    assert eval_json(trained_char)["_body"]["results"][0]["n"] == 4
+    help_text = run_cli(["gptlab.eval", "--help"], cwd=tmp_path).stdout
+    assert "python -m gptlab.eval run=PATH tasks=" in help_text and "eval.include" in help_text

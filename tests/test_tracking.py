@@ -61,7 +61,8 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     for key, name in METRIC_NAMES.items():
         expected = {r["step"]: r[key] for r in rows if key in r}
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
-        assert got and got == pytest.approx(expected, rel=1e-6), name  # MLflow stores doubles
+        optional = key.startswith("hellaswag")  # only when eval.hellaswag.every is set
+        assert (got or optional) and got == pytest.approx(expected, rel=1e-6), name
     # the results again, once, as sortable summary/* metrics
     assert run.data.metrics["summary/best_val_loss"] == pytest.approx(results["best_val_loss"])
     assert run.data.metrics["summary/wall_s"] == pytest.approx(results["wall_s"])

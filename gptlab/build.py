@@ -31,6 +31,7 @@ from gptlab.records.layout import last_logged_step
 from gptlab.records.store import flatten, local_uri
 from gptlab.records.tracker import NullTracker, Tracker
 from gptlab.run import Run
+from gptlab.search import trial as search_trial
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
         "vocab_size": data.vocab_size,
     })  # fmt: skip
     mlflow_run_id = resume(run, resume_from, loaded)
+    # a search trial's line to its study (pruning): a bad link fails before any training
+    run.trial = search_trial.open_link(cfg.hparams_search, d.is_main)
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, mlflow_run_id)
         slurm.write_job_record(run_dir)

@@ -147,7 +147,7 @@ def from_folder(folder: Path) -> List[RunRecord]:
             RunRecord(
                 name=d.name,
                 overrides=parse_overrides(read_overrides(d)),
-                status="FINISHED" if results else "INCOMPLETE",
+                status=folder_status(results),
                 best_val_loss=_best(results.get("best_val_loss"), curve),
                 best_val_bpb=_best(results.get("best_val_bpb"), bpb),
                 tokens_per_s=_finite(results.get("tokens_per_s")),
@@ -164,6 +164,13 @@ def from_folder(folder: Path) -> List[RunRecord]:
     if sweep is not None and Path(sweep["sweep_dir"]) == folder.resolve():
         _statuses_from_mlflow(records, sweep)
     return records
+
+
+def folder_status(results: Dict[str, Any]) -> str:
+    """A run folder's status: PRUNED (a search trial its pruner stopped), FINISHED or INCOMPLETE."""
+    if not results:
+        return "INCOMPLETE"
+    return "PRUNED" if results.get("stopped_by") == layout.PRUNED else "FINISHED"
 
 
 def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> None:
@@ -183,8 +190,9 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
     for rec in records:
         run = by_dir.get(rec.run_dir)
         if run is not None:
+            pruned = run.data.tags.get("search.state") == "PRUNED"
             rec.status, rec.error, rec.run_id = (
-                run.info.status,
+                "PRUNED" if pruned else run.info.status,
                 run.data.tags.get("error"),
                 run.info.run_id,
             )
@@ -299,8 +307,23 @@ def differing_keys(records: List[RunRecord]) -> List[str]:
     """Override keys whose value is not the same in every run, in first-seen order."""
     keys: List[str] = []
     for r in records:
-        keys += [k for k in r.overrides if k not in keys]
+        keys += [k for k in r.overrides if k not in keys and k not in SEARCH_KEYS]
     return [k for k in keys if len({r.overrides.get(k) for r in records}) > 1]
+
+
+# a search trial's own overrides: its number is the run's name, its storage is where it reports
+SEARCH_KEYS = ("hparams_search.trial", "hparams_search.storage")
+
+
+def shown(value: Optional[str]) -> str:
+    """An override's value for the table: a sampled float to 4 significant digits."""
+    if value is None:
+        return "-"
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return value if len(value) <= 8 or not math.isfinite(number) else f"{number:.4g}"
 
 
 METRICS = ("loss", "bpb")
@@ -337,7 +360,7 @@ def table(records: List[RunRecord], metric: str = "loss") -> str:
         rows.append(
             [
                 r.name[:60],
-                *[r.overrides.get(k, "-") for k in keys],
+                *[shown(r.overrides.get(k)) for k in keys],
                 r.status,
                 _figure(r.best_val_loss, ".4f"),
                 _figure(r.best_val_bpb, ".4f"),

@@ -122,6 +122,25 @@ class LoopEvalConfig:
 
 
 @dataclass
+class HparamsSearchConfig:
+    """A Bayesian search's settings (gptlab/search); a trial's job reads its study and number."""
+
+    study_name: Optional[str]
+    metric: str
+    direction: Optional[str]
+    n_trials: int
+    n_jobs: int
+    sampler: str
+    seed: int
+    pruner: str
+    pruner_startup_trials: int
+    pruner_warmup_steps: int
+    max_failure_rate: float
+    storage: Optional[str]
+    trial: Optional[int]
+
+
+@dataclass
 class Config:
     model: GPTConfig
     data: DataConfig
@@ -132,6 +151,7 @@ class Config:
     tracking: TrackingConfig
     paths: PathsConfig
     eval: LoopEvalConfig
+    hparams_search: HparamsSearchConfig
     # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
     expected: Dict[str, Any]
 

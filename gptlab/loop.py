@@ -20,6 +20,7 @@ from gptlab import checkpoint, distributed
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
 from gptlab.metrics import mfu
+from gptlab.records.layout import PRUNED
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
     from gptlab.run import Run
@@ -260,11 +261,29 @@ def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tup
     if (do_log or do_eval or do_hellaswag) and p.step > run.logged_until_step:
         run.tracker.log_metrics(p.step, metrics)
         report.progress(p.step, {**figures, "train_loss": p.train_loss, **metrics}, p.best_val)
-    if do_save:
+    pruned = pruned_now(run, p, do_eval or do_hellaswag, metrics)
+    if pruned:
+        p.stopped_by = PRUNED
+    if do_save or (pruned and run.train.save_checkpoints):
         save_checkpoint(run, p, p.last_val if do_eval else None)
-    if p.stopped_by is not None:
+    if pruned:
+        report.say(
+            f"trial {run.trial.number} pruned at step {p.step}: its evaluations are worse than "
+            f"the finished trials' median at this step; checkpoint saved"
+        )
+    elif p.stopped_by is not None:
         report.stopped(p.stopped_by, p.step, run.checkpoint_dir, run.train.resume)
     report.open_window()  # evaluation, checkpointing and logging are not training throughput
+
+
+def pruned_now(run: "Run", p: Progress, evaluated: bool, metrics: Dict[str, Any]) -> bool:
+    """A search trial, just evaluated before its last step: whether the pruner stops it here (every
+    rank gets rank 0's answer)."""
+    if run.trial is None or not evaluated or p.stopped_by is not None:
+        return False
+    if p.step >= run.train.max_steps:
+        return False  # finished anyway: its objective counts in full
+    return run.trial.should_prune(p.step, metrics)
 
 
 def train(run: "Run") -> Dict[str, Any]:

@@ -54,6 +54,7 @@ class SweepCallback(Callback):
     def __init__(self) -> None:
         self.parent: Optional[Dict[str, Any]] = None
         self.ended = False
+        self.tolerated_failures = 0  # a search's trials may fail up to its max_failure_rate
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         console.setup_logging()  # the launching process: Hydra configures job logging per job only
@@ -62,6 +63,13 @@ class SweepCallback(Callback):
             check_uri(t.uri)  # each job would refuse it: one line before the first
         except GptlabError as e:
             fail(f"gptlab.{config.hydra.job.name}", e)
+        if is_search(config):
+            from gptlab.search.sweeper import check
+
+            try:
+                check(config)  # a bad search: one line, before its parent run exists
+            except GptlabError as e:
+                fail(f"gptlab.{config.hydra.job.name}", e)
         if not t.mlflow:
             return
         # Resolving ${now:...} here caches it: Hydra's launcher reuses the same folder for the jobs.
@@ -75,7 +83,13 @@ class SweepCallback(Callback):
             sweep = identity.sweep_identity(config, overrides, launcher, sweep_dir)
             # for SQLite: creates and migrates the store, once, before any job
             client = mlflow_client(uri)
-            run = parent.create(client, uri, sweep)
+            search = is_search(config)
+            if search:
+                hs = config.hparams_search
+                self.tolerated_failures = int(hs.max_failure_rate * hs.n_trials)
+            # a search started again continues its study, and its parent run with it
+            run = search and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
+            run = run or parent.create(client, uri, sweep)
             self.parent = {**sweep, "uri": uri, "parent_run_id": run.info.run_id,
                            "experiment_id": run.info.experiment_id}  # fmt: skip
             sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +119,10 @@ class SweepCallback(Callback):
         self.ended = True
         p = self.parent
         try:
-            parent.end(mlflow_client(p["uri"]), p["experiment_id"], p["parent_run_id"], stopped)
+            parent.end(
+                mlflow_client(p["uri"]), p["experiment_id"], p["parent_run_id"], stopped,
+                tolerated_failures=self.tolerated_failures,
+            )  # fmt: skip
         except Exception as e:  # noqa: BLE001
             log.warning(
                 f"could not close the sweep's MLflow parent run {p['parent_run_id']}: "
@@ -129,6 +146,14 @@ class SweepCallback(Callback):
             parent.record_failed_job(mlflow_client(sweep["uri"]), sweep, ident, error)
         except Exception as e:  # noqa: BLE001
             log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
+
+
+SEARCH_SWEEPER = "hydra_plugins.gptlab_search.optuna_search.GptlabOptunaSweeper"
+
+
+def is_search(config: DictConfig) -> bool:
+    """Whether this multirun is a hyperparameter search (hydra/sweeper=gptlab_optuna)."""
+    return str(OmegaConf.select(config, "hydra.sweeper._target_", default="")) == SEARCH_SWEEPER
 
 
 class SubmissionReporter(Callback):

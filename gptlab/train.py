@@ -66,7 +66,8 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             f"{'' if bpb is None else f' ({bpb:.4f} bpb)'} | "
             f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}"
         )
-        status = "KILLED" if results["stopped_by"] else "FINISHED"
+        # a pruned trial ended as its search meant it to: only a stop by a signal is KILLED
+        status = "KILLED" if results["stopped_by"] not in (None, layout.PRUNED) else "FINISHED"
         return results
     except KeyboardInterrupt:  # a second stop signal: ended at once
         status = "KILLED"
@@ -123,7 +124,7 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
             console.next_start(run_dir / layout.CHECKPOINTS, cfg.train.resume)
         ) from None
     if (
-        results.get("stopped_by")
+        results.get("stopped_by") not in (None, layout.PRUNED)
         and hc.mode == RunMode.MULTIRUN
         and hc.launcher._target_ == BASIC_LAUNCHER
     ):

@@ -2,9 +2,10 @@
 # A tracking server for a team: `mlflow server` on its own PostgreSQL, artifacts proxied by the server.
 #
 #   bash launch/mlflow_server.sh up       install PostgreSQL (if missing) and psycopg (the `server`
-#                                         extra), create the database cluster and the `mlflow`
-#                                         database (once), start both; wait until /health answers;
-#                                         print the `tracking.uri=...` to give gptlab
+#                                         extra), create the database cluster and the `mlflow` and
+#                                         `optuna` databases (once), start both; wait until /health
+#                                         answers; print the `tracking.uri=...` to give gptlab and
+#                                         the `hparams_search.storage=...` of searches' studies
 #   bash launch/mlflow_server.sh status   both processes and the runs held; exit 0 when /health answers
 #   bash launch/mlflow_server.sh down     stop mlflow server (all its workers) and PostgreSQL, by PID;
 #                                         the data stays: `up` again serves the same runs
@@ -49,6 +50,7 @@ SOCK="$STATE_DIR/pgsocket"
 LOG="$STATE_DIR/log"
 RUN="$STATE_DIR/run"
 DB=mlflow
+STUDY_DB=optuna  # hyperparameter searches' studies (hparams_search.storage), beside the runs
 PG_USER=postgres  # the database role (and, as root, the system user that runs the cluster)
 
 say() { echo "mlflow_server: $*"; }
@@ -78,6 +80,7 @@ client_host() {
 }
 URI="http://$(client_host):$PORT"
 BACKEND="postgresql+psycopg://$PG_USER@/$DB?host=$SOCK"
+STUDY_URL="postgresql+psycopg://$PG_USER@/$STUDY_DB?host=$SOCK"
 
 # ---- PostgreSQL -----------------------------------------------------------------------------------
 
@@ -149,9 +152,12 @@ start_postgres() {
             -o "-c listen_addresses='' -k $SOCK" start >"$LOG/pg_ctl.log" 2>&1 \
             || { tail -5 "$LOG/postgres.log" >&2; die "PostgreSQL did not start (log: $LOG/postgres.log)"; }
     fi
-    if [ "$(as_pg "$bin/psql" -h "$SOCK" -U "$PG_USER" -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$DB'")" != 1 ]; then
-        as_pg "$bin/createdb" -h "$SOCK" -U "$PG_USER" "$DB" || die "createdb $DB failed (log: $LOG/postgres.log)"
-    fi
+    local db
+    for db in "$DB" "$STUDY_DB"; do
+        if [ "$(as_pg "$bin/psql" -h "$SOCK" -U "$PG_USER" -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'")" != 1 ]; then
+            as_pg "$bin/createdb" -h "$SOCK" -U "$PG_USER" "$db" || die "createdb $db failed (log: $LOG/postgres.log)"
+        fi
+    done
 }
 
 stop_postgres() {
@@ -295,6 +301,7 @@ cmd_up() {
     wait_healthy
     say "up: mlflow server (pid $(mlflow_pid), $WORKERS workers) on $HOST:$PORT, PostgreSQL (pid $(pg_pid)) in $PGDATA, artifacts in $ARTIFACTS; logs in $LOG"
     say "use: tracking.uri=$URI"
+    say "searches on this machine: hparams_search.storage=$STUDY_URL"
 }
 
 cmd_down() {
@@ -324,6 +331,7 @@ cmd_status() {
         held="$(runs_held)"
         [ -n "$held" ] && echo "database: $held"
         echo "use: tracking.uri=$URI"
+        echo "searches on this machine: hparams_search.storage=$STUDY_URL"
     else
         echo "health: no answer from $URI/health"
         rc=1

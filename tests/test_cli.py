@@ -378,7 +378,8 @@ def test_a_mistyped_key_or_choice_gets_the_nearest_key_or_the_choices(
 def test_keys_are_suggested_from_the_commands_own_schema():
     keys, groups = config_keys("ui")
     assert nearest_keys("prot", keys, groups) == ["ui.port"]
-    assert nearest_keys("seed", keys, groups) == ["data.seed", "train.seed"]  # equally likely: both
+    # equally likely: all of them
+    assert nearest_keys("seed", keys, groups) == ["data.seed", "train.seed", "hparams_search.seed"]
     assert nearest_keys("heads", keys, groups) == ["model.n_head"]
     assert nearest_keys("expected.x", keys, groups) == []  # never the section above the key
 

@@ -14,6 +14,8 @@ ci_up_mlflow_server() {
     GPTLAB_MLFLOW_DIR="$GPTLAB_CI_MLFLOW_DIR" GPTLAB_MLFLOW_PORT="$GPTLAB_CI_MLFLOW_PORT" \
         GPTLAB_PYTHON="$python" bash launch/mlflow_server.sh up
     export GPTLAB_TEST_MLFLOW_URI="http://127.0.0.1:$GPTLAB_CI_MLFLOW_PORT"
+    # the same PostgreSQL's study database (the script's STUDY_URL): searches' tests use it
+    export GPTLAB_TEST_OPTUNA_URL="postgresql+psycopg://postgres@/optuna?host=$GPTLAB_CI_MLFLOW_DIR/pgsocket"
 }
 
 ci_down_mlflow_server() {

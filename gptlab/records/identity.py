@@ -73,9 +73,27 @@ def sweep_run_name(base: str, job_overrides: List[str], sweep: Dict[str, Any]) -
     keys = set(sweep.get("swept") or [])
     if keys:
         own = [o for o in job_overrides if o.partition("=")[0] in keys]
-    else:  # a sweeper that generates the values (no `a,b` on the command line)
-        own = [o for o in job_overrides if o not in sweep.get("overrides", [])]
+    else:  # a sweeper that generates the values (no `a,b` on the command line): a search's trial
+        given = set(sweep.get("overrides", []))
+        own = [o for o in job_overrides if o not in given and not o.startswith(_UNNAMED)]
+        if any(o.startswith("hparams_search.trial=") for o in own):  # sampled values: shortened
+            own = [_short(o) for o in own]
     return f"{base} {' '.join(own)}" if own else base
+
+
+_UNNAMED = ("hparams_search.storage=",)  # where the trial reports: not what it is
+
+
+def _short(override: str) -> str:
+    """`hparams_search.trial=3` -> `trial=3`, `optimizer.lr=0.007230917851781505` -> `lr=0.007231`:
+    a sampled value's name, short enough to read in a list of runs."""
+    key, _, value = override.partition("=")
+    try:
+        number = float(value)
+        value = value if value.lstrip("-").isdigit() else f"{number:.4g}"
+    except ValueError:
+        pass
+    return f"{key.rsplit('.', 1)[-1]}={value}"
 
 
 def sweep_identity(config: Mapping[str, Any], overrides: List[str], launcher: str,

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 METRICS = "metrics.jsonl"  # one JSON row per logged step (train, val, lr, throughput)
+# results.json's stopped_by of a search trial that its pruner stopped (gptlab/search/trial.py)
+PRUNED = "pruned"
 RESULTS = "results.json"  # the run's final figures, written when it ends
 CONFIG = "config_resolved.yaml"  # the config with interpolations filled in
 DERIVED = "derived.json"  # figures derived from the config (accumulation, FLOPs per token, ...)

@@ -64,6 +64,21 @@ def create(client: Any, uri: str, sweep: Dict[str, Any], tags: Optional[Dict[str
     return run
 
 
+def reopen(client: Any, uri: str, recorded: Optional[Dict[str, Any]]) -> Any:
+    """The parent run that `recorded` (a sweep.json) names, RUNNING again; None when there is none
+    in this store (another store, deleted): a search started again keeps its one parent."""
+    if not recorded or recorded.get("uri") != uri or not recorded.get("parent_run_id"):
+        return None
+    try:
+        run = client.get_run(recorded["parent_run_id"])
+    except Exception:  # noqa: BLE001 - not in this store any more: a new parent
+        return None
+    if run.info.lifecycle_stage != "active":
+        return None
+    client.update_run(run.info.run_id, status="RUNNING")
+    return run
+
+
 def child_tags(sweep: Dict[str, Any], parent_run_id: str) -> Dict[str, str]:
     """The tags that nest a job's run under the sweep's parent."""
     return {store.PARENT_TAG: parent_run_id, "sweep_dir": sweep["sweep_dir"]}
@@ -82,10 +97,13 @@ def record_failed_job(
     client.set_terminated(run.info.run_id, status="FAILED")
 
 
-def end(client: Any, experiment_id: str, parent_run_id: str, stopped: bool) -> None:
-    """End the parent from its children: FAILED if a job failed or the sweep stopped early, else
-    FINISHED; with the job counts, the best job's summary/best_val_loss, and for a failed SLURM job
-    the rank and node that failed (`slurm_error`)."""
+def end(
+    client: Any, experiment_id: str, parent_run_id: str, stopped: bool, tolerated_failures: int = 0
+) -> None:
+    """End the parent from its children: FAILED if a job failed (more than tolerated_failures: a
+    search's allowance) or the sweep stopped early, else FINISHED; with the job counts, the best
+    job's summary/best_val_loss, and for a failed SLURM job the rank and node that failed
+    (`slurm_error`)."""
     from gptlab import slurm
 
     runs = store.children(client, experiment_id, parent_run_id)
@@ -108,7 +126,8 @@ def end(client: Any, experiment_id: str, parent_run_id: str, stopped: bool) -> N
         if why:
             client.set_tag(r.info.run_id, "slurm_error", why[:5000])
             slurm_errors.append(why)
-    if failed or stopped:
-        why = f"{len(failed)} of {len(runs)} jobs failed" if failed else "the sweep stopped early"
+    too_many = len(failed) > tolerated_failures
+    if too_many or stopped:
+        why = f"{len(failed)} of {len(runs)} jobs failed" if too_many else "the sweep stopped early"
         client.set_tag(parent_run_id, "error", "; ".join([why, *slurm_errors])[:5000])
-    client.set_terminated(parent_run_id, status="FAILED" if failed or stopped else "FINISHED")
+    client.set_terminated(parent_run_id, status="FAILED" if too_many or stopped else "FINISHED")

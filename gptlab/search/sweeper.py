@@ -1,0 +1,497 @@
+"""The sweeper's side of a search: ask the study for trials, launch each as a gptlab job, tell the
+study how it ended.
+
+- Up to hparams_search.n_jobs trials run at once on a submitit launcher (SLURM), each its own job
+  (hardware.nodes x nproc_per_node tasks, like any gptlab job), a new one starting as soon as one
+  ends; Hydra's basic launcher runs them one after another in this process.
+- A trial's folder is <search folder>/<trial number>; its objective is read from its results.json.
+- A trial that fails (diverges, crashes, is killed) is told FAIL with one line saying why; the
+  search stops once more than max_failure_rate x n_trials have failed. A trial its job reports as
+  pruned is told PRUNED.
+- The sweeper records itself as each trial's owner and keeps a heartbeat in the study. Started again
+  after it died, it finds its trials still RUNNING with a dead owner, cancels their SLURM jobs if
+  any still run, and launches them again in their folders: they resume from their checkpoints under
+  the same trial number, so no trial runs twice and the study ends at n_trials.
+- The sweep's MLflow parent run (gptlab/sweep.py) gets the search space, and as trials end the best
+  value, trial and params; each trial's run gets its number, state and objective.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.errors import GptlabError
+from gptlab.records import layout
+from gptlab.search import space as spaces
+from gptlab.search import study as studies
+
+log = logging.getLogger("gptlab.search")
+
+HEARTBEAT_S = 10.0  # how often a sweeper marks itself alive in the study
+STALE_S = 60.0  # a sweeper silent this long (on another host) is taken for dead
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def owner_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def owner_alive(owner: Optional[str], beats: Dict[str, Any], now: float) -> bool:
+    """Whether the sweeper `owner` (host:pid) still runs: a process check on this host, else its
+    heartbeat's age."""
+    if not owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    beat = beats.get(f"{studies.OWNER_ATTR}:{owner}")
+    return isinstance(beat, (int, float)) and now - beat < STALE_S
+
+
+def check_keys(cfg: DictConfig, space: Dict[str, Any]) -> None:
+    """Every key of the search space must be a key of the job's config (one line naming it)."""
+    from gptlab import cli
+
+    missing = [
+        k for k in space if OmegaConf.select(cfg, k.lstrip("+~"), default=_MISSING) is _MISSING
+    ]
+    if not missing:
+        return
+    key = missing[0]
+    keys = cli._leaves(OmegaConf.to_container(cfg, resolve=False))
+    near = cli.nearest_keys(key, keys, {})
+    hint = f"; did you mean {' or '.join(near)}?" if near else ""
+    raise GptlabError(f"search space: {key} is not a key of the training config{hint}")
+
+
+_MISSING = object()
+
+
+class Search:
+    """One sweeper process's part of a study."""
+
+    def __init__(self, config: DictConfig, launcher: Any, params: Dict[str, Any]) -> None:
+        self.config, self.launcher, self.params = config, launcher, params
+        self.hs = config.hparams_search
+        self.sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        self.owner = owner_id()
+        self.stop_beating = threading.Event()
+
+    # --- set-up: everything that can be wrong is said before the first trial starts
+    def prepare(self, arguments: Sequence[str]) -> None:
+        hs = self.hs
+        every = OmegaConf.select(self.config, "eval.hellaswag.every", default=0)
+        self.direction = studies.check_settings(hs, every)
+        self.space, fixed = spaces.parse(self.params, arguments)
+        if not self.space:
+            raise GptlabError(
+                "the search space is empty: hydra.sweeper.params (an hparams_search file) or a "
+                "sweep on the command line names what to search"
+            )
+        check_keys(self.config, self.space)
+        # the trial's own settings are the sweeper's to give
+        self.fixed = [o for o in fixed if not o.lstrip("+~").startswith("hparams_search.trial=")]
+        self.url = studies.storage_url(hs.storage, str(self.config.paths.outputs))
+        self.storage = studies.open_storage(self.url)
+        self.study = self._study()
+        self.allowed_failures = math.floor(hs.max_failure_rate * hs.n_trials)
+
+    def _study(self) -> Any:
+        import optuna
+
+        hs = self.hs
+        recorded = {
+            studies.SPACE_ATTR: {k: spaces.describe(d) for k, d in self.space.items()},
+            studies.FIXED_ATTR: sorted(self.fixed),
+            studies.METRIC_ATTR: hs.metric,
+        }
+        study = optuna.create_study(
+            study_name=str(hs.study_name),
+            storage=self.storage,
+            sampler=studies.make_sampler(hs.sampler, hs.seed),
+            pruner=studies.make_pruner(hs),
+            direction=self.direction,
+            load_if_exists=True,
+        )
+        sid = self.storage.get_study_id_from_name(str(hs.study_name))
+        attrs = self.storage.get_study_system_attrs(sid)
+        if studies.SPACE_ATTR not in attrs:
+            for key, value in recorded.items():
+                self.storage.set_study_system_attr(sid, key, value)
+            return study
+        if study.direction.name.lower() != self.direction:
+            raise GptlabError(
+                f"study {hs.study_name!r} in {studies.redact(self.url)} was made to "
+                f"{study.direction.name.lower()}, not {self.direction}: choose another "
+                f"hparams_search.study_name"
+            )
+        for key, value in recorded.items():
+            if attrs.get(key) != value:
+                what = key.split(":", 1)[1]
+                raise GptlabError(
+                    f"study {hs.study_name!r} in {studies.redact(self.url)} holds a search with "
+                    f"another {what} ({attrs.get(key)} here: {value}); the same command continues "
+                    f"a study, another needs its own hparams_search.study_name"
+                )
+        return study
+
+    # --- the search
+    def run(self) -> List[Any]:
+        import optuna
+
+        hs = self.hs
+        sid = self.storage.get_study_id_from_name(str(hs.study_name))
+        self.study_id = sid
+        beat = threading.Thread(target=self._beat, daemon=True)
+        self._heartbeat()
+        beat.start()
+        self.parent = self._read_parent()
+        self._record_space()
+        done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
+        log.info(
+            f"search {hs.study_name!r}: {hs.n_trials} trials ({len(done)} done), {hs.n_jobs} at "
+            f"a time, {self.direction} {hs.metric}; study in {studies.redact(self.url)}; trials "
+            f"in {self.sweep_dir}/<trial>"
+        )
+        returns: List[Any] = []
+        launcher = type(self.launcher)
+        self.basic = f"{launcher.__module__}.{launcher.__name__}" == BASIC_LAUNCHER
+        n_jobs = 1 if self.basic else int(hs.n_jobs)
+        if self.basic and hs.n_jobs > 1:
+            log.info("the basic launcher runs one trial at a time (hydra/launcher=slurm_*: more)")
+        pool = cf.ThreadPoolExecutor(max_workers=n_jobs) if not self.basic else None
+        running: Dict[Any, int] = {}
+        try:
+            while True:
+                self._check_failures()
+                for number in self._next_trials(n_jobs - len(running), set(running.values())):
+                    overrides = self._overrides(number)
+                    if pool is None:
+                        returns.append(self._finish(number, self._launch(number, overrides)))
+                        break
+                    running[pool.submit(self._launch, number, overrides)] = number
+                if pool is None:
+                    if not self._more_to_do(set()):
+                        break
+                    continue
+                if not running:
+                    if self._others_running():
+                        time.sleep(HEARTBEAT_S)  # another sweeper's trials: wait for the count
+                        continue
+                    break
+                finished, _ = cf.wait(list(running), return_when=cf.FIRST_COMPLETED)
+                for future in finished:
+                    returns.append(self._finish(running.pop(future), future))
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            self.stop_beating.set()
+        self._summary(optuna)
+        return returns
+
+    def _more_to_do(self, ours: set) -> bool:
+        trials = self.study.get_trials(deepcopy=False)
+        return len(trials) < self.hs.n_trials or bool(self._orphans(trials, ours))
+
+    def _others_running(self) -> bool:
+        from optuna.trial import TrialState
+
+        beats = self.storage.get_study_system_attrs(self.study_id)
+        now = time.time()
+        return any(
+            t.state == TrialState.RUNNING
+            and owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now)
+            for t in self.study.get_trials(deepcopy=False)
+        )
+
+    def _orphans(self, trials: List[Any], ours: set) -> List[Any]:
+        from optuna.trial import TrialState
+
+        beats = self.storage.get_study_system_attrs(self.study_id)
+        now = time.time()
+        return [
+            t
+            for t in trials
+            if t.state == TrialState.RUNNING
+            and t.number not in ours
+            and not owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now)
+        ]
+
+    def _next_trials(self, slots: int, ours: set) -> List[int]:
+        """Up to `slots` trial numbers to launch: a dead sweeper's trials first, then new ones."""
+        numbers: List[int] = []
+        trials = self.study.get_trials(deepcopy=False)
+        for t in self._orphans(trials, ours)[:slots]:
+            self._adopt(t)
+            numbers.append(t.number)
+        total = len(trials)
+        while len(numbers) < slots and total < self.hs.n_trials:
+            trial = self.study.ask(self.space)
+            self.storage.set_trial_system_attr(trial._trial_id, studies.OWNER_ATTR, self.owner)
+            numbers.append(trial.number)
+            total += 1
+        return numbers
+
+    def _adopt(self, t: Any) -> None:
+        """Take over a dead sweeper's RUNNING trial: its SLURM job (if it still runs) is cancelled
+        and waited for, so the trial's folder is free for the job that resumes it."""
+        self.storage.set_trial_system_attr(t._trial_id, studies.OWNER_ATTR, self.owner)
+        job = t.system_attrs.get(studies.SLURM_ATTR)
+        log.info(
+            f"trial {t.number}: its sweeper is gone; resuming it"
+            + (f" (cancelling its SLURM job {job} first)" if job else "")
+        )
+        if job:
+            cancel_and_wait(str(job))
+
+    def _overrides(self, number: int) -> List[str]:
+        trial = self.study.get_trials(deepcopy=False)[number]
+        sampled = [spaces.override(k, trial.params[k]) for k in self.space]
+        url = self.url.replace("'", "\\'")
+        return [
+            *self.fixed,
+            *sampled,
+            f"hparams_search.trial={number}",
+            f"hparams_search.storage='{url}'",
+        ]
+
+    def _launch(self, number: int, overrides: List[str]) -> Any:
+        """Run one trial's job (blocks until it ends); its JobReturn, or the exception."""
+        try:
+            return self.launcher.launch([overrides], initial_job_idx=number)[0]
+        except Exception as e:  # noqa: BLE001 - a job that died: its outcome, not the search's
+            return e
+
+    def _finish(self, number: int, outcome: Any) -> Any:
+        """Tell the study how trial `number` ended; one line on the console; MLflow's records."""
+        from hydra.core.utils import JobStatus
+        from optuna.trial import TrialState
+
+        if isinstance(outcome, cf.Future):
+            outcome = outcome.result()
+        folder = self.sweep_dir / str(number)
+        results = read_results(folder)
+        state, value, why = TrialState.FAIL, None, None
+        if isinstance(outcome, BaseException):
+            why = one_line(outcome)
+            from gptlab import slurm
+
+            why = slurm.job_error(str(folder)) or why
+        elif outcome.status == JobStatus.FAILED:
+            why = one_line(outcome._return_value)
+        elif results is None:
+            why = f"no {layout.RESULTS} in {folder}"
+        elif results.get("stopped_by") == layout.PRUNED:
+            state = TrialState.PRUNED
+        elif results.get("stopped_by"):
+            why = f"stopped by {results['stopped_by']} at step {results.get('steps')}"
+        else:
+            value = studies.objective(results, self.hs.metric)
+            if value is None:
+                why = f"its results have no {self.hs.metric} (got {results.get(self.hs.metric)})"
+            else:
+                state = TrialState.COMPLETE
+        trial = self.study.get_trials(deepcopy=False)[number]
+        if trial.state.is_finished():
+            log.info(f"trial {number}: already ended ({trial.state.name}) elsewhere")
+            return outcome
+        if why:
+            self.storage.set_trial_system_attr(trial._trial_id, studies.ERROR_ATTR, why[:2000])
+        self.study.tell(number, value, state=state)
+        self._record_trial(number, trial.params, state.name, value, results, why)
+        self._say(number, trial.params, state.name, value, results, why)
+        return outcome
+
+    def _say(self, number, params, state, value, results, why) -> None:
+        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+        if state == "COMPLETE":
+            text = f"{self.hs.metric} {value:.4f}"
+        elif state == "PRUNED":
+            text = f"pruned at step {(results or {}).get('steps')}"
+        else:
+            text = f"failed: {why}"
+        best = self._best()
+        tail = f" | best {best.value:.4f} (trial {best.number})" if best is not None else ""
+        log.info(f"trial {number} ({shown}): {text}{tail}")
+
+    def _best(self) -> Optional[Any]:
+        try:
+            return self.study.best_trial
+        except ValueError:  # no trial completed yet
+            return None
+
+    def _check_failures(self) -> None:
+        from optuna.trial import TrialState
+
+        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state == TrialState.FAIL]
+        if len(failed) > self.allowed_failures:
+            last = failed[-1]
+            raise GptlabError(
+                f"search stopped: {len(failed)} of {self.hs.n_trials} trials failed, more than "
+                f"hparams_search.max_failure_rate={self.hs.max_failure_rate} allows; the last, "
+                f"trial {last.number}: {last.system_attrs.get(studies.ERROR_ATTR)}"
+            )
+
+    def _summary(self, optuna: Any) -> None:
+        from optuna.trial import TrialState
+
+        trials = self.study.get_trials(deepcopy=False)
+        counts = {s: sum(t.state == s for t in trials) for s in TrialState}
+        best = self._best()
+        best_text = (
+            f"best {self.hs.metric} {best.value:.4f}, trial {best.number}: "
+            + ", ".join(f"{k}={_fmt(v)}" for k, v in best.params.items())
+            if best is not None
+            else "no trial completed"
+        )
+        log.info(
+            f"search {self.hs.study_name!r}: {counts[TrialState.COMPLETE]} complete, "
+            f"{counts[TrialState.PRUNED]} pruned, {counts[TrialState.FAIL]} failed; {best_text}; "
+            f"the trials: python -m gptlab.compare {self.sweep_dir}"
+            + (" compare.metric=bpb" if "bpb" in self.hs.metric else "")
+        )
+
+    # --- heartbeat
+    def _heartbeat(self) -> None:
+        self.storage.set_study_system_attr(
+            self.study_id, f"{studies.OWNER_ATTR}:{self.owner}", time.time()
+        )
+
+    def _beat(self) -> None:
+        while not self.stop_beating.wait(HEARTBEAT_S):
+            try:
+                self._heartbeat()
+            except Exception as e:  # noqa: BLE001 - a busy database: the next beat tries again
+                log.debug(f"heartbeat: {e}")
+
+    # --- MLflow
+    def _read_parent(self) -> Optional[Dict[str, Any]]:
+        return layout.read_json(self.sweep_dir / layout.SWEEP)
+
+    def _client(self) -> Any:
+        from gptlab.records.store import mlflow_client
+
+        return mlflow_client(self.parent["uri"])
+
+    def _record_space(self) -> None:
+        if not self.parent:
+            return
+        try:
+            from gptlab.records import store
+
+            client = self._client()
+            run_id = self.parent["parent_run_id"]
+            store.log_params(
+                client,
+                run_id,
+                {f"space/{k}"[:250]: spaces.describe(d) for k, d in self.space.items()},
+            )
+            for key, value in {
+                "run_type": "search",
+                "search.study": str(self.hs.study_name),
+                "search.storage": studies.redact(self.url),
+                "search.metric": self.hs.metric,
+                "search.direction": self.direction,
+                "search.n_trials": str(self.hs.n_trials),
+            }.items():
+                client.set_tag(run_id, key, value)
+        except Exception as e:  # noqa: BLE001 - the search goes on; the folders keep the records
+            log.warning(f"could not record the search space in MLflow: {e}")
+
+    def _record_trial(self, number, params, state, value, results, why) -> None:
+        if not self.parent:
+            return
+        try:
+            client = self._client()
+            run_id = (results or {}).get("mlflow_run_id") or self._child_of(number)
+            if run_id:
+                client.set_tag(run_id, "search.trial", str(number))
+                client.set_tag(run_id, "search.state", state)
+                if value is not None:
+                    client.log_metric(run_id, "search/objective", value)
+                if why:
+                    client.set_tag(run_id, "search.error", why[:5000])
+            best = self._best()
+            parent_id = self.parent["parent_run_id"]
+            finished = sum(t.state.is_finished() for t in self.study.get_trials(deepcopy=False))
+            client.set_tag(parent_id, "search.finished", str(finished))
+            if best is not None:
+                client.log_metric(parent_id, "search/best_value", best.value, step=finished)
+                client.set_tag(parent_id, "search.best_trial", str(best.number))
+                for k, v in best.params.items():
+                    client.set_tag(parent_id, f"search.best.{k}"[:250], str(v))
+        except Exception as e:  # noqa: BLE001
+            log.warning(f"could not record trial {number} in MLflow: {e}")
+
+    def _child_of(self, number: int) -> Optional[str]:
+        from gptlab.records import store
+
+        client = self._client()
+        folder = str(self.sweep_dir / str(number))
+        for r in store.children(client, self.parent["experiment_id"], self.parent["parent_run_id"]):
+            if r.data.tags.get("run_dir") == folder:
+                return r.info.run_id
+        return None
+
+
+def check(config: DictConfig) -> None:
+    """Everything a search can be told wrong (settings, space, keys, storage), said in one line
+    before anything is made of it (the sweep callback calls this before the MLflow parent run)."""
+    params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=True)
+    Search(config, None, params).prepare([str(o) for o in config.hydra.overrides.task])
+
+
+def read_results(folder: Path) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads((folder / layout.RESULTS).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def one_line(e: Any) -> str:
+    text = str(e).strip().splitlines()
+    first = next((ln.strip() for ln in text if ln.strip()), "")
+    return f"{type(e).__name__}: {first}"[:500] if first else type(e).__name__
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def cancel_and_wait(job: str, timeout_s: float = 300.0) -> None:
+    """scancel a SLURM job (it saves a checkpoint on SIGTERM) and wait until it has left the
+    queue."""
+    try:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return  # no SLURM here: nothing to cancel
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(
+                ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        if out.returncode != 0 or not out.stdout.strip():
+            return
+        time.sleep(1.0)
+    raise GptlabError(f"SLURM job {job} did not end within {timeout_s:.0f}s of scancel")

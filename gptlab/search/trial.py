@@ -1,0 +1,66 @@
+"""A trial's side of the search, inside its training job.
+
+At each evaluation rank 0 reports the figure the objective is made of (val_loss for best_val_loss)
+to the study and asks the pruner whether the trial is hopeless; every rank hears the answer, so all
+stop at the same step. A pruned trial saves its checkpoint and ends like a finished run, with
+results.json saying `stopped_by: pruned`; the sweeper then records it as pruned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Optional
+
+from gptlab import distributed
+from gptlab.search import study as studies
+
+log = logging.getLogger(__name__)
+
+
+class TrialLink:
+    """The job's line to its trial in the study (opened on rank 0 only)."""
+
+    def __init__(self, hs: Any, is_main: bool) -> None:
+        self.number = int(hs.trial)
+        self.reported = studies.METRICS[hs.metric][1]
+        self.is_main = is_main
+        self.storage = self.study = self.trial_id = None
+        if not is_main:
+            return
+        self.storage = studies.open_storage(str(hs.storage))
+        try:
+            self.study = studies.load(self.storage, hs.study_name, hs)
+            study_id = self.storage.get_study_id_from_name(hs.study_name)
+            self.trial_id = self.storage.get_trial_id_from_study_id_trial_number(
+                study_id, self.number
+            )
+        except KeyError:
+            raise studies.GptlabError(
+                f"hparams_search: study {hs.study_name!r} has no trial {self.number} in "
+                f"{studies.redact(str(hs.storage))}; a trial's job is started by the search "
+                f"(python -m gptlab.train -m hparams_search=...)"
+            ) from None
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:  # a sweeper adopting this trial after its sweeper died cancels this job first
+            self.storage.set_trial_system_attr(self.trial_id, studies.SLURM_ATTR, job)
+
+    def should_prune(self, step: int, figures: Dict[str, Any]) -> bool:
+        """Report this evaluation's figure; whether the pruner stops the trial (all ranks)."""
+        decision: Optional[bool] = None
+        if self.is_main:
+            decision = False
+            value = figures.get(self.reported)
+            if value is not None:
+                try:
+                    self.storage.set_trial_intermediate_value(self.trial_id, step, float(value))
+                    frozen = self.storage.get_trial(self.trial_id)
+                    decision = bool(self.study.pruner.prune(self.study, frozen))
+                except Exception as e:  # noqa: BLE001 - the trial goes on unpruned
+                    log.warning(f"trial {self.number}: could not report step {step}: {e}")
+        return bool(distributed.broadcast_object(decision))
+
+
+def open_link(hs: Any, is_main: bool) -> Optional[TrialLink]:
+    """The trial's link when this job is a search trial (hparams_search.trial is set)."""
+    return None if hs.trial is None else TrialLink(hs, is_main)

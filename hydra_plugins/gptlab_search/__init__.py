@@ -1,0 +1,1 @@
+"""gptlab's Optuna sweeper as a Hydra plugin (Hydra takes sweepers from hydra_plugins only)."""

@@ -303,3 +303,26 @@ def test_a_study_continues_only_with_the_same_search(shakespeare, tmp_path):
     other = run_cli([*args, "optimizer.lr=interval(1e-3, 2e-3)"], cwd=tmp_path, timeout=300)
     assert other.returncode != 0
     assert "holds a search with another space" in other.stderr and "study_name" in other.stderr
+
+
+@pytest.mark.slow
+def test_two_sweepers_on_one_study_share_it(shakespeare, tmp_path):
+    from helpers import start_cli
+
+    outputs = tmp_path / "outputs"
+    args = search_args(
+        shakespeare, outputs, "hparams_search.n_trials=4", "train.max_steps=20",
+        "tracking.mlflow=false",
+    )  # fmt: skip
+    procs = [start_cli(args, tmp_path, merge_stderr=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    study = optuna.load_study(study_name="default_job", storage=f"sqlite:///{outputs}/optuna.db")
+    real = [t for t in study.get_trials() if not t.system_attrs.get(studies.SURPLUS_ATTR)]
+    assert sorted(t.number for t in real) == [0, 1, 2, 3]
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in real)
+    # each trial ran in one sweeper only
+    for t in real:
+        ran = [f"trial {t.number} (" in out for out in outs]
+        assert sum(ran) == 1, (t.number, ran)
+        assert (outputs / "searches" / "default_job" / str(t.number) / "results.json").is_file()

@@ -33,7 +33,7 @@ METRIC_ATTR = "gptlab:metric"
 OWNER_ATTR = "gptlab:sweeper"
 SLURM_ATTR = "gptlab:slurm_job"
 ERROR_ATTR = "gptlab:error"
-RUN_ATTR = "gptlab:run_dir"
+SURPLUS_ATTR = "gptlab:surplus"  # asked past n_trials while another sweeper asked too: never run
 
 
 def check_settings(hs: Any, hellaswag_every: int) -> str:

@@ -207,6 +207,11 @@ class Search:
         self._summary(optuna)
         return returns
 
+    def trials(self) -> List[Any]:
+        """The study's trials, without those asked one too many in a race between sweepers."""
+        trials = self.study.get_trials(deepcopy=False)
+        return [t for t in trials if not t.system_attrs.get(studies.SURPLUS_ATTR)]
+
     def _more_to_do(self, ours: set) -> bool:
         trials = self.study.get_trials(deepcopy=False)
         return len(trials) < self.hs.n_trials or bool(self._orphans(trials, ours))
@@ -237,6 +242,8 @@ class Search:
 
     def _next_trials(self, slots: int, ours: set) -> List[int]:
         """Up to `slots` trial numbers to launch: a dead sweeper's trials first, then new ones."""
+        from optuna.trial import TrialState
+
         numbers: List[int] = []
         trials = self.study.get_trials(deepcopy=False)
         for t in self._orphans(trials, ours)[:slots]:
@@ -245,6 +252,11 @@ class Search:
         total = len(trials)
         while len(numbers) < slots and total < self.hs.n_trials:
             trial = self.study.ask(self.space)
+            if trial.number >= self.hs.n_trials:
+                # another sweeper on this study asked at the same moment: one too many, never run
+                self.storage.set_trial_system_attr(trial._trial_id, studies.SURPLUS_ATTR, True)
+                self.study.tell(trial.number, state=TrialState.FAIL)
+                break
             self.storage.set_trial_system_attr(trial._trial_id, studies.OWNER_ATTR, self.owner)
             numbers.append(trial.number)
             total += 1
@@ -341,7 +353,7 @@ class Search:
     def _check_failures(self) -> None:
         from optuna.trial import TrialState
 
-        failed = [t for t in self.study.get_trials(deepcopy=False) if t.state == TrialState.FAIL]
+        failed = [t for t in self.trials() if t.state == TrialState.FAIL]
         if len(failed) > self.allowed_failures:
             last = failed[-1]
             raise GptlabError(
@@ -353,7 +365,7 @@ class Search:
     def _summary(self, optuna: Any) -> None:
         from optuna.trial import TrialState
 
-        trials = self.study.get_trials(deepcopy=False)
+        trials = self.trials()
         counts = {s: sum(t.state == s for t in trials) for s in TrialState}
         best = self._best()
         best_text = (

@@ -289,6 +289,7 @@ def resume(
     run.start_loss_window = tuple(state.loss_window)
     run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
     run.start_bpb = (state.best_val_bpb, state.val_bpb)
+    run.start_hellaswag = dict(state.hellaswag or {})
     # steps logged after the checkpoint (a crash) are not logged again: a resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id

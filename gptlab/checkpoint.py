@@ -306,6 +306,8 @@ class TrainingState:
     # bits per byte: the best and the last evaluated (older checkpoints: inf / None)
     best_val_bpb: float = math.inf
     val_bpb: Optional[float] = None
+    # the latest in-loop HellaSwag figures (hellaswag_acc, hellaswag_acc_norm; older: none)
+    hellaswag: Dict[str, float] = field(default_factory=dict)
     # a sharded checkpoint's folder
     shards: Optional[Path] = field(default=None, metadata={"saved": False})
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})

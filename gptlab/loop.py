@@ -147,6 +147,7 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         best_val_loss=p.best_val,
         best_val_bpb=p.best_bpb,
         val_bpb=p.last_bpb,
+        hellaswag=dict(p.hellaswag),
         loss_window=(window, p.loss_count),
         train_loss=p.train_loss,
         val_loss=p.last_val,
@@ -229,6 +230,7 @@ def start_progress(run: "Run") -> Progress:
     p.loss_count = int(window_count)
     p.train_loss, p.last_val = run.start_losses  # a resumption at the last step logs none
     p.best_bpb, p.last_bpb = run.start_bpb
+    p.hellaswag = dict(run.start_hellaswag)
     return p
 
 

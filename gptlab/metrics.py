@@ -124,7 +124,8 @@ def expectation_met(expected: Dict[str, Any], results: Dict[str, Any]) -> Option
     (at least this), and what is not compared: free text (source, note) and reference figures
     (hellaswag_acc_norm: GPT-2's, which a recipe on other data need not reach).
     """
-    tol = float(expected.get("val_loss_tolerance", 0.05))
+    tol = expected.get("val_loss_tolerance")
+    tol = 0.05 if tol is None else float(tol)
     checks = []
     for key in ("best_val_loss", "val_loss"):
         if expected.get(key) is not None and results.get(key) is not None:

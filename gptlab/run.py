@@ -64,6 +64,8 @@ class Run:
     # HellaSwag's rendered examples and eval.hellaswag, when the loop scores it (every > 0)
     hellaswag: Optional[List[Any]] = None
     hellaswag_config: Any = None
+    # the checkpoint's latest HellaSwag figures (results of a run resumed at its last step)
+    start_hellaswag: Dict[str, float] = field(default_factory=dict)
     # search.trial.TrialLink when this run is a trial of a hyperparameter search (pruning)
     trial: Any = None
     derived: Dict[str, Any] = field(default_factory=dict)

@@ -155,6 +155,21 @@ def test_a_run_logs_hellaswag_at_its_steps_and_in_its_results(one_process):
     assert (results["hellaswag_acc"], results["hellaswag_acc_norm"]) == rows[20]
 
 
+def test_a_run_resumed_at_its_last_step_keeps_its_hellaswag_figures(one_process, shakespeare,
+                                                                    tmp_path):  # fmt: skip
+    """A crash after the last checkpoint, before results.json: the rerun resumes at the last step
+    and its results still carry the last scoring's figures (kept in the checkpoint)."""
+    import shutil
+
+    run_dir, hs_file = one_process
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "results.json").unlink()
+    results = run_training(compose_config(run_overrides(shakespeare, hs_file)), copy)
+    assert results["tokens_this_session"] == 0
+    assert (results["hellaswag_acc"], results["hellaswag_acc_norm"]) == hellaswag_rows(run_dir)[20]
+
+
 def test_the_progress_line_shows_the_figures(caplog):
     from gptlab.console import Reporter
 
@@ -180,37 +195,20 @@ def test_lm_evals_acc_on_the_checkpoint_equals_the_loops(one_process, tmp_path):
     its acc_norm divides by bytes, not tokens, and is not compared."""
     pytest.importorskip("lm_eval")
     from gptlab.eval import main as evaluate
+    from gptlab.evaluation.next_line import task_yaml
 
     run_dir, hs_file = one_process
     tasks = tmp_path / "tasks"
     tasks.mkdir()
-    (tasks / "hs_local.yaml").write_text(TASK.format(path=hs_file.resolve()))
+    task = task_yaml("hs_local", hs_file, text="ctx", choices="endings", delimiter=" ",
+                     metrics=("acc",))  # fmt: skip
+    (tasks / "hs_local.yaml").write_text(task)
     out = evaluate([f"run={run_dir}", "tasks=[hs_local]", f"eval.include={tasks}",
                     "eval.mlflow=false"])  # fmt: skip
     body = json.loads(Path(out).read_text())
     acc = {r["metric"]: r["value"] for r in body["results"] if r["task"] == "hs_local"}["acc"]
     assert body["step"] == 20
     assert acc == pytest.approx(hellaswag_rows(run_dir)[20][0], abs=1e-9)
-
-
-TASK = """task: hs_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{ctx}}}}"
-doc_to_choice: "{{{{endings}}}}"
-doc_to_target: label
-target_delimiter: " "
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
 
 
 @pytest.mark.slow

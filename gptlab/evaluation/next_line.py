@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 
 def next_line_examples(text: str, n: int, choices: int = 4, context_lines: int = 2,
@@ -56,29 +56,33 @@ def write_jsonl(examples: List[Dict], path: Path) -> Path:
     return path
 
 
-def task_yaml(name: str, data_file: Path) -> str:
-    """An lm_eval task over a JSONL file of next_line_examples (absolute path)."""
-    return TASK_TEMPLATE.format(name=name, path=Path(data_file).resolve())
-
-
-TASK_TEMPLATE = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {path}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: label
-target_delimiter: ""
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-"""
+def task_yaml(
+    name: str,
+    data_file: Path,
+    text: str = "context",
+    choices: str = "choices",
+    delimiter: str = "",
+    metrics: Sequence[str] = ("acc", "acc_norm"),
+) -> str:
+    """An lm_eval multiple-choice task over a JSONL file (absolute path): each row's `text` field is
+    the context, its `choices` field the candidates, `label` the right one's index; the choice
+    follows the context after `delimiter` (next_line_examples' rows: the defaults)."""
+    metric_list = "".join(
+        f"  - metric: {m}\n    aggregation: mean\n    higher_is_better: true\n" for m in metrics
+    )
+    return (
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {Path(data_file).resolve()}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        f'doc_to_text: "{{{{{text}}}}}"\n'
+        f'doc_to_choice: "{{{{{choices}}}}}"\n'
+        "doc_to_target: label\n"
+        f"target_delimiter: {json.dumps(delimiter)}\n"
+        f"metric_list:\n{metric_list}"
+        "metadata:\n"
+        "  version: 1.0\n"
+    )

@@ -126,7 +126,7 @@ class Search:
         study = optuna.create_study(
             study_name=str(hs.study_name),
             storage=self.storage,
-            sampler=studies.make_sampler(hs.sampler, hs.seed),
+            sampler=studies.make_sampler(hs.sampler, hs.seed, hs.n_trials),
             pruner=studies.make_pruner(hs),
             direction=self.direction,
             load_if_exists=True,

@@ -301,7 +301,7 @@ cmd_up() {
     wait_healthy
     say "up: mlflow server (pid $(mlflow_pid), $WORKERS workers) on $HOST:$PORT, PostgreSQL (pid $(pg_pid)) in $PGDATA, artifacts in $ARTIFACTS; logs in $LOG"
     say "use: tracking.uri=$URI"
-    say "searches on this machine: hparams_search.storage=$STUDY_URL"
+    say "searches on this machine: hparams_search.storage='$STUDY_URL'"
 }
 
 cmd_down() {
@@ -331,7 +331,7 @@ cmd_status() {
         held="$(runs_held)"
         [ -n "$held" ] && echo "database: $held"
         echo "use: tracking.uri=$URI"
-        echo "searches on this machine: hparams_search.storage=$STUDY_URL"
+        echo "searches on this machine: hparams_search.storage='$STUDY_URL'"
     else
         echo "health: no answer from $URI/health"
         rc=1

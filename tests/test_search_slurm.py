@@ -43,7 +43,7 @@ def test_a_search_on_slurm_survives_its_killed_sweeper(shakespeare, tmp_path, tr
         "model=gpt_nano", "optimizer=adamw", f"data.path={shakespeare}", "train.max_steps=60",
         "train.eval_every=20", "train.eval_steps=2", "train.batch_size=8", "train.sample_tokens=0",
         f"tracking.uri={tracking_server}", f"tracking.experiment={name}",
-        f"hparams_search.study_name={name}", f"hparams_search.storage={url}",
+        f"hparams_search.study_name={name}", f"hparams_search.storage='{url}'",
     ]  # fmt: skip
     sweeper = subprocess.Popen(
         [sys.executable, "-m", *args], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,

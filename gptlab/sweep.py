@@ -43,6 +43,7 @@ from gptlab.records.store import (
     store_failure,
     sync_command,
 )
+from gptlab.search.study import allowed_failures
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,7 @@ class SweepCallback(Callback):
             client = mlflow_client(uri)
             search = is_search(config)
             if search:
-                hs = config.hparams_search
-                self.tolerated_failures = int(hs.max_failure_rate * hs.n_trials)
+                self.tolerated_failures = allowed_failures(config.hparams_search)
             # a search started again continues its study, and its parent run with it
             run = search and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
             run = run or parent.create(client, uri, sweep)

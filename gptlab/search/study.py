@@ -72,6 +72,11 @@ def check_settings(hs: Any, hellaswag_every: int) -> str:
     return direction
 
 
+def allowed_failures(hs: Any) -> int:
+    """How many of a search's trials may fail before it stops (max_failure_rate x n_trials)."""
+    return math.floor(hs.max_failure_rate * hs.n_trials)
+
+
 def storage_url(setting: Optional[str], outputs: str) -> str:
     """The study's database URL: the setting, else SQLite at <paths.outputs>/optuna.db; a relative
     SQLite path is made absolute (trials run in other folders and on other nodes), and PostgreSQL

@@ -19,9 +19,7 @@ study how it ended.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
-import math
 import os
 import socket
 import subprocess
@@ -34,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import GptlabError
 from gptlab.records import layout
+from gptlab.records.store import error_text
 from gptlab.search import space as spaces
 from gptlab.search import study as studies
 
@@ -112,7 +111,7 @@ class Search:
         self.url = studies.storage_url(hs.storage, str(self.config.paths.outputs))
         self.storage = studies.open_storage(self.url)
         self.study = self._study()
-        self.allowed_failures = math.floor(hs.max_failure_rate * hs.n_trials)
+        self.allowed_failures = studies.allowed_failures(hs)
 
     def _study(self) -> Any:
         import optuna
@@ -216,29 +215,23 @@ class Search:
         trials = self.study.get_trials(deepcopy=False)
         return len(trials) < self.hs.n_trials or bool(self._orphans(trials, ours))
 
-    def _others_running(self) -> bool:
-        from optuna.trial import TrialState
-
-        beats = self.storage.get_study_system_attrs(self.study_id)
-        now = time.time()
-        return any(
-            t.state == TrialState.RUNNING
-            and owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now)
-            for t in self.study.get_trials(deepcopy=False)
-        )
-
-    def _orphans(self, trials: List[Any], ours: set) -> List[Any]:
+    def _running(self, trials: List[Any]) -> List[Any]:
+        """The RUNNING trials, each with whether its sweeper is alive: (trial, alive)."""
         from optuna.trial import TrialState
 
         beats = self.storage.get_study_system_attrs(self.study_id)
         now = time.time()
         return [
-            t
+            (t, owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now))
             for t in trials
             if t.state == TrialState.RUNNING
-            and t.number not in ours
-            and not owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now)
         ]
+
+    def _others_running(self) -> bool:
+        return any(alive for _, alive in self._running(self.study.get_trials(deepcopy=False)))
+
+    def _orphans(self, trials: List[Any], ours: set) -> List[Any]:
+        return [t for t, alive in self._running(trials) if not alive and t.number not in ours]
 
     def _next_trials(self, slots: int, ours: set) -> List[int]:
         """Up to `slots` trial numbers to launch: a dead sweeper's trials first, then new ones."""
@@ -300,15 +293,15 @@ class Search:
         if isinstance(outcome, cf.Future):
             outcome = outcome.result()
         folder = self.sweep_dir / str(number)
-        results = read_results(folder)
+        results = layout.read_json(folder / layout.RESULTS)
         state, value, why = TrialState.FAIL, None, None
         if isinstance(outcome, BaseException):
-            why = one_line(outcome)
+            why = error_text(outcome)
             from gptlab import slurm
 
             why = slurm.job_error(str(folder)) or why
         elif outcome.status == JobStatus.FAILED:
-            why = one_line(outcome._return_value)
+            why = error_text(outcome._return_value)
         elif results is None:
             why = f"no {layout.RESULTS} in {folder}"
         elif results.get("stopped_by") == layout.PRUNED:
@@ -469,19 +462,6 @@ def check(config: DictConfig) -> None:
     before anything is made of it (the sweep callback calls this before the MLflow parent run)."""
     params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=True)
     Search(config, None, params).prepare([str(o) for o in config.hydra.overrides.task])
-
-
-def read_results(folder: Path) -> Optional[Dict[str, Any]]:
-    try:
-        return json.loads((folder / layout.RESULTS).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def one_line(e: Any) -> str:
-    text = str(e).strip().splitlines()
-    first = next((ln.strip() for ln in text if ln.strip()), "")
-    return f"{type(e).__name__}: {first}"[:500] if first else type(e).__name__
 
 
 def _fmt(v: Any) -> str:

@@ -13,6 +13,7 @@ import os
 from typing import Any, Dict, Optional
 
 from gptlab import distributed
+from gptlab.errors import GptlabError
 from gptlab.search import study as studies
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class TrialLink:
                 study_id, self.number
             )
         except KeyError:
-            raise studies.GptlabError(
+            raise GptlabError(
                 f"hparams_search: study {hs.study_name!r} has no trial {self.number} in "
                 f"{studies.redact(str(hs.storage))}; a trial's job is started by the search "
                 f"(python -m gptlab.train -m hparams_search=...)"

@@ -16,7 +16,7 @@ from helpers import run_cli
 from gptlab.errors import GptlabError
 from gptlab.search import space as spaces
 from gptlab.search import study as studies
-from gptlab.search.sweeper import owner_alive, owner_id
+from gptlab.search.sweeper import fill_params, owner_alive, owner_id, trial_alive
 from gptlab.search.trial import TrialLink
 
 optuna = pytest.importorskip("optuna")
@@ -120,6 +120,23 @@ def test_a_sweeper_is_alive_while_its_process_runs_or_its_heartbeat_is_fresh():
     assert owner_alive(other, beats, time.time())
     assert not owner_alive(other, beats, time.time() + 120)
     assert not owner_alive(None, beats, time.time())
+
+
+def test_a_trial_being_asked_for_is_no_orphan_and_an_adopted_one_gets_the_whole_space(tmp_path):
+    import time
+
+    import optuna
+
+    space = spaces.parse({"optimizer.lr": "tag(log, interval(1e-4, 1e-2))"}, [])[0]
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/s.db", study_name="s")
+    # what another sweeper's study.ask leaves for a moment: RUNNING, no owner, no params yet
+    tid = study._storage.create_new_trial(study._study_id)
+    t = study._storage.get_trial(tid)
+    assert trial_alive(t, {}, time.time())
+    assert not trial_alive(t, {}, time.time() + 120)  # its sweeper died before sampling it
+    fill_params(study, t, space)
+    lr = study._storage.get_trial(tid).params["optimizer.lr"]
+    assert 1e-4 <= lr <= 1e-2
 
 
 def test_a_trial_worse_than_the_median_is_pruned_and_a_better_one_is_not(tmp_path):

@@ -65,6 +65,28 @@ def owner_alive(owner: Optional[str], beats: Dict[str, Any], now: float) -> bool
     return isinstance(beat, (int, float)) and now - beat < STALE_S
 
 
+def trial_alive(t: Any, beats: Dict[str, Any], now: float) -> bool:
+    """Whether a RUNNING trial's sweeper still runs. A trial another sweeper is asking for at
+    this moment has no owner yet: it is alive until it is as old as a stale heartbeat."""
+    owner = t.system_attrs.get(studies.OWNER_ATTR)
+    if owner:
+        return owner_alive(owner, beats, now)
+    started = t.datetime_start.timestamp() if t.datetime_start else 0.0
+    return now - started < STALE_S
+
+
+def fill_params(study: Any, t: Any, space: Dict[str, Any]) -> None:
+    """Sample the parameters an adopted trial lacks (its sweeper died between asking for it and
+    sampling it), so every trial that runs has the whole space."""
+    import optuna
+
+    missing = {k: d for k, d in space.items() if k not in t.params}
+    if missing:
+        trial = optuna.Trial(study, t._trial_id)
+        for name, dist in missing.items():
+            trial._suggest(name, dist)
+
+
 def check_keys(cfg: DictConfig, space: Dict[str, Any]) -> None:
     """Every key of the search space must be a key of the job's config (one line naming it)."""
     from gptlab import cli
@@ -221,11 +243,7 @@ class Search:
 
         beats = self.storage.get_study_system_attrs(self.study_id)
         now = time.time()
-        return [
-            (t, owner_alive(t.system_attrs.get(studies.OWNER_ATTR), beats, now))
-            for t in trials
-            if t.state == TrialState.RUNNING
-        ]
+        return [(t, trial_alive(t, beats, now)) for t in trials if t.state == TrialState.RUNNING]
 
     def _others_running(self) -> bool:
         return any(alive for _, alive in self._running(self.study.get_trials(deepcopy=False)))
@@ -266,6 +284,7 @@ class Search:
         )
         if job:
             cancel_and_wait(str(job))
+        fill_params(self.study, t, self.space)
 
     def _overrides(self, number: int) -> List[str]:
         trial = self.study.get_trials(deepcopy=False)[number]

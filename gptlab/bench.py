@@ -38,6 +38,7 @@ from gptlab.costs import (
     make_plan,
     peak_tflops_for,
     plan_json,
+    resolve_auto,
     resolve_micro_batch,
     step_estimate,
 )
@@ -53,6 +54,8 @@ class BenchSettings:
     warmup: int  # steps run first and not timed
     steps: int  # timed steps (train.max_steps = warmup + steps)
     mlflow: bool  # also record an MLflow run (conf/bench.yaml: tracking.mlflow follows it)
+    profile: bool  # record the timed steps with torch.profiler (train.profile) in the bench folder
+    ladder: bool  # the tuning ladder: one benchmark per speed lever (gptlab/ladder.py)
 
 
 @dataclass
@@ -79,6 +82,8 @@ def bench_config(cfg: DictConfig) -> DictConfig:
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.train.max_steps = warmup + steps
+        if cfg.bench.profile:
+            cfg.train.profile.steps = [warmup + 1, warmup + steps]
     return cfg
 
 
@@ -99,7 +104,6 @@ def summarise(
     tok_s = tokens / seconds if seconds > 0 else 0.0
     step_ms = [1e3 * sec for _, sec, _ in timed]
     fpt, hfpt, peak = run.flops_per_token, run.derived["hardware_flops_per_token"], run.peak_flops
-    hw, m = cfg.hardware, cfg.model
     return {
         "tokens_per_s": round(tok_s, 1),
         "step_ms": round(statistics.median(step_ms), 2) if step_ms else None,
@@ -115,6 +119,16 @@ def summarise(
         "step_ms_max": round(max(step_ms), 2) if step_ms else None,
         "warmup_steps": warmup,
         "timed_steps": len(timed),
+        "profiled": bool(cfg.train.profile.steps),  # the profiler slows the steps it records
+        **_setting(run, cfg),
+    }
+
+
+def _setting(run, cfg) -> Dict[str, Any]:
+    """What was benchmarked: the model, the data, the hardware and each speed lever's setting."""
+    hw, m = cfg.hardware, cfg.model
+    fpt, hfpt, peak = run.flops_per_token, run.derived["hardware_flops_per_token"], run.peak_flops
+    return {
         "model": m.name,
         "params": run.num_params,
         "n_layer": m.n_layer,
@@ -127,7 +141,9 @@ def summarise(
         "device": str(run.dist.device),
         "world_size": run.dist.world_size,
         "precision": hw.precision,
+        "precision_reason": run.derived.get("precision_reason"),
         "compile": cfg.compile,
+        "compile_reason": run.derived.get("compile_reason"),
         "activation_checkpointing": cfg.parallelism.activation_checkpointing,
         "strategy": cfg.parallelism.strategy,
         "attention_backend": hw.attention_backend,
@@ -152,8 +168,9 @@ def _peak_source(device: str, hw) -> str:
 
 def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """Build, time, and print one JSON line (rank 0). cfg: conf/bench.yaml's (cli.compose)."""
+    stands_for = int(cfg.train.max_steps)  # compile=auto decides for the run a bench measures
     cfg = bench_config(cfg)
-    config = resolve_micro_batch(to_config(cfg, BenchConfig))
+    config = to_config(cfg, BenchConfig)
     flags = dataclasses.asdict(config.bench)  # warmup, steps, mlflow
     if distributed.role(config.hardware) == "parent":
         n = config.hardware.nproc_per_node
@@ -161,11 +178,14 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             f"hardware={config.hardware.name} asks for {n} processes: start the benchmark with "
             f"torchrun --nproc_per_node={n} -m gptlab.bench ..."
         )
-    plan = make_plan(config)
-    est = step_estimate(plan, config, DEFAULT_MFU[config.hardware.device])
-    predicted = plan_json(config, plan, est)
+    planned = resolve_micro_batch(resolve_auto(config, stands_for)[0])
+    plan = make_plan(planned)
+    est = step_estimate(plan, planned, DEFAULT_MFU[config.hardware.device])
+    predicted = plan_json(planned, plan, est)
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run = build(config, run_dir, resolved)  # named and tagged as a benchmark (records.identity)
+    # named and tagged as a benchmark (records.identity)
+    run = build(config, run_dir, resolved, auto_steps=stands_for)
+    config = planned
     status = "FAILED"
     try:
         cuda = run.dist.device.type == "cuda"
@@ -205,7 +225,15 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
 
 def _job(cfg: DictConfig) -> Dict[str, Any]:
     """One benchmark (one job of a sweep): its run folder is Hydra's output folder."""
-    return run_bench(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hc = HydraConfig.get()
+    if cfg.bench.ladder:
+        from gptlab import ladder
+
+        def typed(c: DictConfig) -> BenchConfig:
+            return to_config(bench_config(c), BenchConfig)
+
+        return ladder.run(cfg, typed, list(hc.overrides.task), Path(hc.runtime.output_dir))
+    return run_bench(cfg, Path(hc.runtime.output_dir))
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from gptlab import checkpoint, console, distributed, runtime, slurm
+from gptlab import checkpoint, console, distributed, fastpath, profiling, runtime, slurm
 from gptlab.config import SHARDED, Config
 from gptlab.console import Reporter
-from gptlab.costs import device_peak, flops_for, loss_chunk, resolve_micro_batch
+from gptlab.costs import device_peak, flops_for, loss_chunk, resolve_auto, resolve_micro_batch
 from gptlab.data import build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
@@ -70,13 +70,22 @@ def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, 
         run.tracker.set_tag("expected_met", str(met).lower())
 
 
-def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
+def build(
+    cfg: Config, run_dir: Path, resolved: Dict[str, Any], auto_steps: Optional[int] = None
+) -> Run:
     """Build every object of a training run from a validated Config: this process's place in the
     job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the
-    records."""
-    cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
+    records.
+
+    auto_steps: the run length compile=auto decides for (default train.max_steps; a benchmark
+    passes the run it stands for)."""
     d = distributed.setup(cfg.hardware, cfg.parallelism)
+    cfg, choices = resolve_auto(cfg, auto_steps)  # precision and compile: auto's choices
+    cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
     console.for_rank(d.rank)
+    # a search trial's line to its study: a bad link, or a job superseded by a later launch of its
+    # trial, stops before the folder is claimed or any training
+    trial = search_trial.open_link(cfg.hparams_search, d.is_main)
     run_dir = shared_run_dir(run_dir)
     resume_from, loaded = runfolder.shared_claim(
         run_dir, cfg.train.resume, resolved, d.is_main, log.info
@@ -96,13 +105,17 @@ def build(cfg: Config, run_dir: Path, resolved: Dict[str, Any]) -> Run:
         "val_tokens": len(val_tokens),
         "tokenizer_sha256": data.tokenizer_sha256,
         "vocab_size": data.vocab_size,
+        **fastpath.derived(choices),
     })  # fmt: skip
     mlflow_run_id = resume(run, resume_from, loaded)
-    # a search trial's line to its study (pruning): a bad link fails before any training
-    run.trial = search_trial.open_link(cfg.hparams_search, d.is_main)
+    run.trial = trial
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, mlflow_run_id)
         slurm.write_job_record(run_dir)
+    prof = cfg.train.profile
+    if prof.steps or (prof.oom_snapshot and d.device.type == "cuda"):
+        run.profiler = profiling.StepProfiler(prof, run_dir, d.device, d.rank, run.tracker,
+                                              d.is_main)  # fmt: skip
     run.summary = summary_line(cfg, run.derived)
     return run
 
@@ -168,10 +181,11 @@ def new_run(
 def summary_line(cfg: Config, derived: Dict[str, Any]) -> str:
     """The run in one line, printed when the loop starts."""
     x = derived
+    precision, compiled = fastpath.summary(x, cfg.hardware.precision)
     return (
         f"{cfg.model.name}: {x['params'] / 1e6:.2f}M params | data {cfg.data.name} "
         f"({x['train_tokens']:,} train tokens, vocab {x['vocab_size']}) | {cfg.hardware.name} "
-        f"x{x['world_size']} {cfg.hardware.precision}{_sharding(cfg, x['world_size'])} | "
+        f"x{x['world_size']} {precision}{_sharding(cfg, x['world_size'])}{compiled} | "
         f"batch {cfg.train.batch_size} = {x['micro_batch_size']} x "
         f"{x['accum_steps']} accum x {x['world_size']} ranks of {cfg.model.block_size} tokens | "
         f"peak lr {x['peak_lr']:g} | {cfg.train.max_steps} steps"

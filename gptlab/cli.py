@@ -320,7 +320,8 @@ def config_keys(
 
 def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[str]]) -> List[str]:
     """The keys or config groups that `word` most likely means (none, one, or the few equally
-    likely): itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`), the closest
+    likely): itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`; a deeper one,
+    `train.profile.steps`, only when nothing else fits), the closest
     whole key by difflib (`train.max_step`), else a key whose last part holds it as a word (`steps`
     -> `train.max_steps`) or is close to it. hydra.* keys are candidates only for a word that starts
     with hydra; a section is never offered for a key below it."""
@@ -334,8 +335,10 @@ def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[s
     if word in groups or word in keys:
         return [word]
     ending = sorted((k for k in keys if k.endswith(f".{word}")), key=len)
-    if ending:
-        return ending[:3]
+    # a key of a section's own section (train.profile.steps) only when nothing nearer fits
+    shallow = [k for k in ending if k.count(".") <= max(1, word.count(".") + 1)]
+    if shallow:
+        return shallow[:3]
     close = difflib.get_close_matches(word, [*groups, *keys], n=1, cutoff=_CLOSE_KEY)
     if close:
         return close
@@ -347,8 +350,11 @@ def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[s
 
     # heads: n_head
     holding = [k for k in scope if {name, name.rstrip("s")} & set(k.rpartition(".")[2].split("_"))]
+    holding = [k for k in holding if k not in ending] or holding
     best = max(holding or scope, key=likeness, default=None)
-    return [best] if best is not None and (holding or likeness(best)[0] >= _CLOSE_NAME) else []
+    if best is not None and (holding or likeness(best)[0] >= _CLOSE_NAME):
+        return [best]
+    return ending[:3]
 
 
 def _is_hydra_option(word: str) -> bool:

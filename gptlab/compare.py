@@ -312,7 +312,7 @@ def differing_keys(records: List[RunRecord]) -> List[str]:
 
 
 # a search trial's own overrides: its number is the run's name, its storage is where it reports
-SEARCH_KEYS = ("hparams_search.trial", "hparams_search.storage")
+SEARCH_KEYS = ("hparams_search.trial", "hparams_search.storage", "hparams_search.attempt")
 
 
 def shown(value: Optional[str]) -> str:

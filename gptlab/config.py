@@ -26,6 +26,8 @@ from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
 from gptlab.model import GPTConfig
 from gptlab.optim import OptimizerConfig
+from gptlab.profiling import ProfileConfig
+from gptlab.profiling import check as check_profile
 from gptlab.records.store import check_uri
 
 # parallelism.strategy (distributed.wrap_model reads it)
@@ -63,6 +65,7 @@ class TrainConfig:
     sample_tokens: int  # text generated at the end into samples.txt (0: none)
     sample_prompt: str
     save_checkpoints: bool  # false: no checkpoints at all (benchmarks)
+    profile: ProfileConfig  # torch.profiler over chosen steps (gptlab/profiling.py)
 
 
 @dataclass
@@ -71,13 +74,13 @@ class HardwareConfig:
     device: str  # cpu | cuda
     nproc_per_node: int
     nodes: int
-    precision: str  # fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler)
+    precision: str  # auto | fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler); gptlab.fastpath
     # per-process sequences per forward; null: as large as the batch allows
     micro_batch_size: Optional[int]
     # per device, bf16/fp16, for MFU; null: measure the CPU's matmul rate
     peak_tflops: Optional[float]
     tf32: bool  # TF32 tensor-core matmuls on Ampere and newer
-    compile: bool  # torch.compile by default on this hardware
+    compile: Any  # auto | true | false: torch.compile by default on this hardware (fastpath)
     attention_backend: str  # auto | flash | efficient | math
     threads: Optional[int]  # CPU threads per process; null: torch's default
     peak_tflops_tf32: Optional[float]  # per device, fp32 matmuls as TF32 (when tf32 is on)
@@ -95,7 +98,7 @@ class ParallelismConfig:
     reshard_after_forward: bool
     # tokens per chunk of LM head + loss; 0: whole; null: costs.loss_chunk's rule
     loss_chunk: Optional[int]
-    compile: Optional[bool]  # null: the hardware's default
+    compile: Any  # null: the hardware's default | auto | true | false
     timeout_s: int  # a collective waiting longer than this ends the job
 
 
@@ -138,6 +141,7 @@ class HparamsSearchConfig:
     max_failure_rate: float
     storage: Optional[str]
     trial: Optional[int]
+    attempt: int = 0
 
 
 @dataclass
@@ -163,11 +167,14 @@ class Config:
     def compile(self) -> bool:
         """torch.compile: the parallelism's choice when it makes one, else the hardware's
         default."""
-        return (
+        setting = (
             self.parallelism.compile
             if self.parallelism.compile is not None
             else self.hardware.compile
         )
+        if not isinstance(setting, bool):
+            raise GptlabError("compile=auto: resolve it with costs.resolve_auto first")
+        return setting
 
     @property
     def micro_batch_size(self) -> int:
@@ -218,9 +225,17 @@ def to_config(cfg: DictConfig, schema: type = Config) -> Any:
     return config
 
 
-def _choice(key: str, value: Any, options: List[str]) -> None:
-    if value not in options:
-        raise GptlabError(f"{key}={value}: must be one of {', '.join(options)}")
+def _choice(key: str, value: Any, options: List[Any]) -> None:
+    if not any(value is o or (isinstance(o, str) and value == o) for o in options):
+        shown = ", ".join(_yaml(o) for o in options)
+        raise GptlabError(f"{key}={_yaml(value)}: must be one of {shown}")
+
+
+def _yaml(value: Any) -> str:
+    """A value as it is written in YAML (true, null), for messages."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -294,7 +309,9 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
 def _validate_processes(c: Config) -> None:
     h, p = c.hardware, c.parallelism
     _choice("hardware.device", h.device, ["cpu", "cuda"])
-    _choice("hardware.precision", h.precision, ["fp32", "bf16", "fp16"])
+    _choice("hardware.precision", h.precision, ["auto", "fp32", "bf16", "fp16"])
+    _choice("hardware.compile", h.compile, ["auto", True, False])
+    _choice("parallelism.compile", p.compile, [None, "auto", True, False])
     _choice(
         "hardware.attention_backend", h.attention_backend, ["auto", "flash", "efficient", "math"]
     )
@@ -326,6 +343,7 @@ def _validate_train(c: Config) -> None:
         f"{t.batch_size} sequences do not split over {c.world_size} processes",
     )
     _validate_micro_batch(c)
+    check_profile(t.profile, t.max_steps)
     for key in (
         "eval_every",
         "eval_steps",

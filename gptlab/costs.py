@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
+from gptlab import fastpath
 from gptlab.config import SHARDED, Config, HardwareConfig
 from gptlab.errors import GptlabError
 from gptlab.metrics import machine_memory_bytes, measured_cpu_peak
@@ -174,6 +175,8 @@ def device_peak(hw: HardwareConfig) -> Tuple[float, str]:
     From the preset's figures ("config"), else the CPU's measured matmul rate ("measured"), else
     (0.0, "unknown") for a GPU preset without figures (MFU is then not reported).
     """
+    if hw.precision == fastpath.AUTO:  # the CPU's choice depends on the model: not known here
+        raise GptlabError("hardware.precision=auto: decide it (fastpath.with_precision) first")
     tflops = peak_tflops_for(
         hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32
     )
@@ -344,6 +347,7 @@ def loss_chunk(par: Any, m: GPTConfig, vocab: int) -> int:
 
 
 def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
+    cfg = fastpath.with_precision(cfg)
     m, hw = cfg.model, cfg.hardware
     vocab, assumed = vocab_for(cfg)
     V = padded_vocab(vocab, m.vocab_multiple)
@@ -474,6 +478,23 @@ def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
     )
 
 
+def eager_step_s(cfg: Any) -> Optional[float]:
+    """The expected eager step time: the planner's FLOPs at ASSUMED_MFU of the device's peak."""
+    peak, _ = device_peak(cfg.hardware)
+    if not peak:
+        return None
+    vocab = cfg.model.vocab_size or 65
+    fpt, _ = flops_for(cfg.model, vocab, cfg.parallelism.activation_checkpointing)
+    tokens = cfg.train.batch_size * cfg.model.block_size
+    return tokens * fpt / (fastpath.ASSUMED_MFU[cfg.hardware.device] * peak * cfg.world_size)
+
+
+def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
+    """hardware.precision=auto and hardware.compile=auto decided (gptlab/fastpath.py's rules, the
+    compile rule fed this planner's step time): (the config, the choices with their reasons)."""
+    return fastpath.resolve(cfg, eager_step_s, steps)
+
+
 def resolve_micro_batch(cfg: Config) -> Config:
     """The config with train.micro_batch_size=auto replaced by the planner's choice (else as is)."""
     if cfg.train.micro_batch_size != "auto":
@@ -558,7 +579,7 @@ def fsdp_alternative(
 
 def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
     """Step time, tokens/s and time to train.max_steps at the given MFU of the job's peak."""
-    peak, source = device_peak(cfg.hardware)
+    peak, source = device_peak(fastpath.with_precision(cfg).hardware)
     if not peak:
         return {}
     job_peak = peak * cfg.world_size

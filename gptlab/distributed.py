@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gptlab import runtime, slurm
+from gptlab import fastpath, runtime, slurm
 from gptlab.config import SHARDED
 
 if TYPE_CHECKING:  # hints only: the config classes are data this module reads
@@ -429,6 +429,7 @@ def wrap_model(
     if par.strategy in SHARDED:
         return _shard(model, d, par, hw, compile)
     if compile:
+        fastpath.use_inductor_cache()  # the next run of the command reuses the compiled code
         model = torch.compile(model)
     return _replicate(model, d)
 
@@ -474,6 +475,7 @@ def _shard(
     warnings.filterwarnings("ignore", message=r".*FSDP2-wrapped module.*returned a view tensor")
     for block in model.h:
         if compile:
+            fastpath.use_inductor_cache()
             block.compile()
         fully_shard(
             block, mesh=mesh, mp_policy=policy, reshard_after_forward=par.reshard_after_forward

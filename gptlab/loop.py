@@ -300,16 +300,21 @@ def train(run: "Run") -> Dict[str, Any]:
     run.model.train()
     report.begin(p.step, run.summary)
     stop = StopOnSignal()
+    prof = run.profiler
     try:
         while p.step < t.max_steps and p.stopped_by is None:
             seed_step(t.seed, p.step, run.dist.rank)
             lr = run.lr_at(p.step)
-            grad_norm = optimizer_step(run, lr, p.loss_sum)
+            if prof is not None:
+                prof.begin(p.step + 1)
+            grad_norm = profiled_step(run, lr, p, prof)
             p.step, p.tokens, p.loss_count = (
                 p.step + 1,
                 p.tokens + tokens_per_step,
                 p.loss_count + 1,
             )
+            if prof is not None:
+                prof.end(p.step)
             report.trained(tokens_per_step)
             # every rank stops at the same step, or the others would wait in a collective
             p.stopped_by = distributed.agree_on_signal(stop.received)
@@ -319,9 +324,25 @@ def train(run: "Run") -> Dict[str, Any]:
             else:
                 report.tick(p.step)
     finally:
+        if prof is not None:
+            prof.close()
         stop.restore()
         report.close()
     return results(run, p, time.perf_counter() - wall0)
+
+
+def profiled_step(run: "Run", lr: float, p: Progress, prof: Any) -> torch.Tensor:
+    """optimizer_step; a CUDA step that runs out of memory first leaves the allocator's history
+    (train.profile.oom_snapshot) and says where."""
+    if prof is None:
+        return optimizer_step(run, lr, p.loss_sum)
+    try:
+        return optimizer_step(run, lr, p.loss_sum)
+    except torch.cuda.OutOfMemoryError:
+        path = prof.out_of_memory()
+        if path is not None:
+            run.reporter.say(f"step {p.step + 1} ran out of memory: what it held is in {path}")
+        raise
 
 
 def mean_train_loss(p: Progress) -> float:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
+from gptlab import fastpath
 from gptlab.config import Config
 from gptlab.costs import (
     DEFAULT_MFU,
@@ -28,6 +29,7 @@ from gptlab.costs import (
     Plan,
     make_plan,
     plan_json,
+    resolve_auto,
     resolve_micro_batch,
     step_estimate,
     what_would_fit,
@@ -82,13 +84,20 @@ def _memory_rows(cfg: Config, plan: Plan) -> List[str]:
     return rows
 
 
-def report(cfg: Config, plan: Plan, est: Dict[str, float]) -> str:
+def report(
+    cfg: Config, plan: Plan, est: Dict[str, float], choices: Optional[Tuple[str, str]] = None
+) -> str:
+    """The planner's report; choices: fastpath.summary's (precision, compile) texts."""
     s, m, hw = plan.shape, cfg.model, cfg.hardware
     lines = [
         f"{m.name} on {hw.name} ({plan.world_size} x {hw.device}, {hw.precision}, "
         f"{cfg.parallelism.strategy}): "
         f"{plan.params:,} parameters ({plan.params / 1e6:.1f}M), vocab {s.vocab}"
         + (" (assumed until the data is read)" if plan.vocab_assumed else ""),
+    ]
+    if choices:
+        lines.append(f"precision {choices[0]}{choices[1]}")
+    lines += [
         f"FLOPs per token: {plan.flops_per_token / 1e9:.3f} GFLOP (6N + attention)"
         + (
             f"; {plan.hardware_flops_per_token / 1e9:.3f} GFLOP with checkpointing's recomputation"
@@ -158,13 +167,16 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
     """
     from gptlab.config import to_config
 
-    cfg = resolve_micro_batch(to_config(cfg_dict, PlanConfig))
+    cfg, choices = resolve_auto(to_config(cfg_dict, PlanConfig))
+    cfg = resolve_micro_batch(cfg)
     settings = cfg.plan
     plan = make_plan(cfg)
     mfu_value = settings.mfu or DEFAULT_MFU[cfg.hardware.device]
     est = step_estimate(plan, cfg, mfu_value)
-    out = plan_json(cfg, plan, est)
-    print(json.dumps(out) if settings.json else report(cfg, plan, est), flush=True)
+    decided = fastpath.derived(choices)
+    out = {**plan_json(cfg, plan, est), **decided}
+    text = report(cfg, plan, est, fastpath.summary(decided, cfg.hardware.precision))
+    print(json.dumps(out) if settings.json else text, flush=True)
     if not plan.fits:
         raise GptlabError(
             what_would_fit(

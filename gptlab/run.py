@@ -68,6 +68,8 @@ class Run:
     start_hellaswag: Dict[str, float] = field(default_factory=dict)
     # search.trial.TrialLink when this run is a trial of a hyperparameter search (pruning)
     trial: Any = None
+    # profiling.StepProfiler when train.profile asks for one (else the loop checks nothing)
+    profiler: Any = None
     derived: Dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -9,7 +9,9 @@
 #   gpt2_124m_muon - gpt2_124m with optimizer=muon (bf16 Newton-Schulz on the blocks' matrices, and its weight average): its step
 #                time beside gpt2_124m's AdamW step
 # then the chunked loss (benchmarks/chunked_loss.py: one step's peak memory and time with the whole
-# logits and in 1024-token chunks, gpt2_124m, vocabulary 50,304, micro-batch 16 x 1024, bf16),
+# logits and in 1024-token chunks, gpt2_124m, vocabulary 50,304, micro-batch 16 x 1024, bf16), then
+# the tuning ladder (python -m gptlab.bench bench.ladder=true on gpt2_124m: each speed lever from
+# plain fp32 on, every rung its own benchmark),
 # and writes one JSON file (default outputs/gpu_check.json): the device, torch, and per model the
 # `gptlab.bench` JSON line, the `gptlab.plan plan.json=true` prediction, and any error.
 #
@@ -26,6 +28,9 @@
 #   GPU_CHECK_GPT1B_COMPILE  compile the 1B model too (default false: compiling it costs ~1-2 minutes)
 #   GPU_CHECK_CHUNKED    benchmarks/chunked_loss.py's arguments (default "model=gpt2_124m batch=16
 #                        device=cuda precision=bf16"; the CPU test shrinks it)
+#   GPU_CHECK_LADDER     the ladder's overrides (default "model=gpt2_124m train.batch_size=16
+#                        optimizer=adamw"; "off" skips it)
+#   GPU_CHECK_LADDER_TIMEOUT  seconds for the whole ladder (default 900)
 #   PYTHON               the interpreter (default .venv/bin/python if present, else python3)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +47,8 @@ STEPS=${GPU_CHECK_STEPS:-10}
 TIMEOUT=${GPU_CHECK_TIMEOUT:-200}
 GPT1B_COMPILE=${GPU_CHECK_GPT1B_COMPILE:-false}
 CHUNKED=${GPU_CHECK_CHUNKED:-model=gpt2_124m batch=16 device=cuda precision=bf16}
+LADDER=${GPU_CHECK_LADDER:-model=gpt2_124m train.batch_size=16 optimizer=adamw}
+LADDER_TIMEOUT=${GPU_CHECK_LADDER_TIMEOUT:-900}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
@@ -97,6 +104,14 @@ echo "== chunked loss: $CHUNKED" >&2
 # shellcheck disable=SC2086
 timeout "$TIMEOUT" "$PY" benchmarks/chunked_loss.py $CHUNKED >"$WORK/chunked_loss.out" 2>"$WORK/chunked_loss.err"
 tail -n 1 "$WORK/chunked_loss.out" >&2
+if [ "$LADDER" != "off" ]; then
+  echo "== ladder: $HW $LADDER $SHRINK" >&2
+  # shellcheck disable=SC2086
+  timeout "$LADDER_TIMEOUT" "$PY" -m gptlab.bench bench.ladder=true "bench.warmup=$WARMUP" \
+    "bench.steps=$STEPS" $HW $COMMON $LADDER $SHRINK "hydra.run.dir=$WORK/runs/ladder" \
+    >"$WORK/ladder.out" 2>"$WORK/ladder.err"
+  grep -v '^{' "$WORK/ladder.out" >&2
+fi
 T1=$(date +%s)
 
 mkdir -p "$(dirname "$OUT_JSON")"
@@ -143,8 +158,12 @@ for name in names:
     report["runs"][name] = entry
 chunked = last_json(work / "chunked_loss.out")
 report["chunked_loss"] = chunked or {"error": tail(work / "chunked_loss.err")}
+ladder = last_json(work / "ladder.out")
+if (work / "ladder.out").exists() or (work / "ladder.err").exists():
+    report["ladder"] = ladder or {"error": tail(work / "ladder.err")}
 out.write_text(json.dumps(report, indent=1) + "\n")
 ok = all(r["ok"] for r in report["runs"].values()) and chunked is not None
+ok = ok and (ladder is not None or "ladder" not in report)
 print(json.dumps({"written": str(out), "ok": ok, "wall_s": seconds}))
 sys.exit(0 if ok else 1)
 EOF

@@ -16,12 +16,12 @@ from test_plan import measured_peak_bytes  # noqa: E402
 
 from gptlab import distributed  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
-from gptlab.costs import resolve_micro_batch  # noqa: E402
+from gptlab.costs import resolve_auto, resolve_micro_batch  # noqa: E402
 
 
 def measure(overrides):
     """test_plan's measurement, with the model sharded as a run would shard it."""
-    cfg = resolve_micro_batch(to_config(compose_config(overrides)))
+    cfg = resolve_micro_batch(resolve_auto(to_config(compose_config(overrides)))[0])
     d = distributed.setup(cfg.hardware, cfg.parallelism)
 
     def shard(model):

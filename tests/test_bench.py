@@ -43,7 +43,8 @@ def test_flags():
         compose("bench", ["bench.steps=4", "model=gpt_nano", "bench.warmup=0", "bench.mlflow=true"])
     )
     assert (
-        dict(cfg.bench) == {"warmup": 0, "steps": 4, "mlflow": True}
+        dict(cfg.bench)
+        == {"warmup": 0, "steps": 4, "mlflow": True, "profile": False, "ladder": False}
         and cfg.model.name == "gpt_nano"
     )
     assert cfg.train.max_steps == 4 and cfg.tracking.mlflow is True and cfg.train.log_every == 1
@@ -124,6 +125,8 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
         "GPU_CHECK_WARMUP": "1",
         "GPU_CHECK_STEPS": "2",
         "GPU_CHECK_CHUNKED": "model=gpt_nano batch=2 vocab=5000 chunk=16 device=cpu steps=1",
+        "GPU_CHECK_LADDER": "model=gpt_nano",
+        "CXX": "no-such-compiler",  # the ladder's compile rung is skipped: minutes on a CPU
         "PYTHON": sys.executable,
     }
     out = tmp_path / "gpu_check.json"
@@ -148,3 +151,5 @@ def test_gpu_check_script_on_the_cpu(tmp_path):
     assert report["runs"]["gpt2_124m_fsdp"]["bench"]["strategy"] == "fsdp"
     chunked = report["chunked_loss"]
     assert chunked["chunked"]["peak_step_bytes"] < chunked["whole"]["peak_step_bytes"]
+    rungs = {r["rung"]: r for r in report["ladder"]["ladder"]}
+    assert rungs["plain fp32"]["tokens_per_s"] > 0 and "skipped" in rungs["+ torch.compile"]

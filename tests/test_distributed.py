@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from helpers import model_config, run_cli, typed
 
-from gptlab import distributed, runtime, slurm
+from gptlab import distributed, fastpath, runtime, slurm
 from gptlab.errors import GptlabError
 
 LAUNCH_VARS = (
@@ -60,7 +60,10 @@ def _section(section: str, *overrides: str):
 
 
 def hw(preset: str = "cpu", **changes):
-    return dataclasses.replace(_section("hardware", f"hardware={preset}"), **changes)
+    """A hardware preset with precision=auto decided as for the tests' narrow models."""
+    section = _section("hardware", f"hardware={preset}")
+    decided = fastpath.choose_precision(section.precision, section.device, 64).value
+    return dataclasses.replace(section, **{"precision": decided, **changes})
 
 
 def par(preset: str = "single", **changes):

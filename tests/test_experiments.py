@@ -10,6 +10,7 @@ from helpers import CONF, compose_config
 from omegaconf import OmegaConf
 
 from gptlab.config import to_config
+from gptlab.costs import resolve_auto
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 BASE = "base/reference"  # not a recipe: what the recipes share
@@ -89,7 +90,9 @@ def test_gpt1b_recipe_is_the_reference_run():
         and c.optimizer.lr_scaling == "sqrt"
         and c.optimizer.schedule == "cosine"
     )
-    assert c.optimizer.warmup_steps > 0 and c.hardware.precision == "bf16"
+    # the reference's bf16 and compile: what auto decides for an A100 and a 15,000-step run
+    decided = resolve_auto(c)[0].hardware
+    assert c.optimizer.warmup_steps > 0 and (decided.precision, decided.compile) == ("bf16", True)
 
 
 def test_bpe_25m_recipe():
@@ -121,7 +124,7 @@ def test_gpt2_recipes(name):
     assert (
         c.model.name == "gpt2_124m"
         and c.data.tokenizer.kind == "gpt2"
-        and c.hardware.precision == "bf16"
+        and resolve_auto(c)[0].hardware.precision == "bf16"
     )
     assert (
         c.hardware.attention_backend == "flash"

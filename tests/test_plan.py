@@ -9,14 +9,21 @@ from helpers import REPO, compose_config, run_cli
 
 from gptlab import costs, metrics
 from gptlab.config import to_config
-from gptlab.costs import make_plan, param_count, resolve_micro_batch, shape_for
+from gptlab.costs import make_plan, param_count, resolve_auto, resolve_micro_batch, shape_for
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
 from gptlab.optim import build_optimizer
 
 
+@pytest.fixture(autouse=True)
+def cold_inductor_cache(tmp_path, monkeypatch):
+    """compile=auto's reason names compile's cost, which is lower with inductor's cache warm: the
+    reports below are a first run's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 def cfg_for(*overrides):
-    return resolve_micro_batch(to_config(compose_config(list(overrides))))
+    return resolve_micro_batch(resolve_auto(to_config(compose_config(list(overrides))))[0])
 
 
 @pytest.mark.parametrize(
@@ -367,6 +374,8 @@ def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
     assert capsys.readouterr().out == (
         "gpt_2b7 on a100x8 (8 x cuda, bf16, fsdp): 2,649,052,160 parameters (2649.1M), vocab "
         "50304\n"
+        "precision bf16 (auto: no GPU visible here: assumed Ampere or newer) | compiled (auto: "
+        "19,073 steps of ~10 s: compiling saves ~20.5 h, costs ~90 s)\n"
         "FLOPs per token: 16.879 GFLOP (6N + attention); 20.570 GFLOP with checkpointing's "
         "recomputation\n"
         "batch: 512 sequences x 1024 tokens = 524,288 tokens per step; per device 64 = micro-batch "
@@ -504,6 +513,12 @@ def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
             "model",
             "hardware",
             "world_size",
+            "precision",
+            "precision_auto",
+            "precision_reason",
+            "compile",
+            "compile_auto",
+            "compile_reason",
             "params",
             "flops_per_token",
             "hardware_flops_per_token",
@@ -702,6 +717,8 @@ def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
         "gpt1b on a100x8 (8 x cuda, bf16, ddp): 1,011,496,960 parameters (1011.5M), vocab 65 "
         "(assumed until the data "
         "is read)\n"
+        "precision bf16 (auto: no GPU visible here: assumed Ampere or newer) | compiled (auto: "
+        "15,000 steps of ~1 s: compiling saves ~106 min, costs ~90 s)\n"
         "FLOPs per token: 7.047 GFLOP (6N + attention)\n"
         "batch: 64 sequences x 2048 tokens = 131,072 tokens per step; per device 8 = micro-batch 2 "
         "x 4 accumulation "

@@ -27,7 +27,7 @@ def settings(**changes):
     base = dict(
         study_name="s", metric="best_val_loss", direction=None, n_trials=4, n_jobs=1,
         sampler="tpe", seed=0, pruner="median", pruner_startup_trials=1, pruner_warmup_steps=0,
-        max_failure_rate=0.5, storage=None, trial=None,
+        max_failure_rate=0.5, storage=None, trial=None, attempt=0,
     )  # fmt: skip
     return SimpleNamespace(**{**base, **changes})
 
@@ -96,6 +96,19 @@ def test_the_storage_url_is_absolute_and_postgresql_goes_through_psycopg(tmp_pat
         == "postgresql+psycopg://u@host/optuna"
     )
     assert studies.redact("postgresql+psycopg://u:secret@h/db") == "postgresql+psycopg://u:***@h/db"
+
+
+def test_sweepers_opening_a_new_study_database_at_once_all_open_it(tmp_path):
+    """Two sweepers started together both create the tables of a new SQLite study; the one that
+    loses the race finds them made, instead of stopping on a UNIQUE constraint."""
+    code = "import sys; from gptlab.search import study; study.open_storage(sys.argv[1]); print(1)"
+    for round_ in range(3):
+        url = f"sqlite:///{tmp_path}/{round_}/optuna.db"
+        procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert out.strip() == "1", err[-1000:]
 
 
 def test_an_unreachable_storage_is_one_line():
@@ -167,6 +180,30 @@ def test_a_trial_number_the_study_lacks_is_one_line(tmp_path):
     optuna.create_study(study_name="s", storage=studies.open_storage(url))
     with pytest.raises(GptlabError, match="has no trial 7"):
         TrialLink(settings(storage=url, trial=7), True)
+
+
+def test_a_job_of_a_superseded_launch_ends_without_touching_its_folder(shakespeare, tmp_path):
+    """A dead sweeper's trial job still queued when another sweeper launched the trial again: when
+    it starts, it ends at once with one line, and the folder stays the new launch's."""
+    from gptlab.search.trial import open_link
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    storage = studies.open_storage(url)
+    study = optuna.create_study(study_name="s", storage=storage)
+    t = study.ask()
+    storage.set_trial_system_attr(t._trial_id, studies.ATTEMPT_ATTR, 1)
+    assert open_link(settings(storage=url, trial=0, attempt=1), True).number == 0
+    with pytest.raises(GptlabError, match="another sweeper has launched it again"):
+        open_link(settings(storage=url, trial=0, attempt=0), True)
+    run = tmp_path / "0"
+    out = run_cli([
+        "gptlab.train", "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=5",
+        f"hydra.run.dir={run}", "hparams_search.study_name=s", f"hparams_search.storage='{url}'",
+        "hparams_search.trial=0", "hparams_search.attempt=0",
+    ], cwd=tmp_path)  # fmt: skip
+    assert out.returncode != 0
+    assert "this job ends without touching its folder" in out.stderr
+    assert not (run / "checkpoints").exists() and not (run / "results.json").exists()
 
 
 def test_a_trials_run_name_is_short():

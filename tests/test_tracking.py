@@ -304,7 +304,7 @@ class StalledClient:
         self._write()
         self.points += [(m.key, m.step) for m in metrics]
 
-    def log_artifact(self, run_id, path):
+    def log_artifact(self, run_id, path, artifact_path=None):
         self._write()
         self.calls.append(("artifact", Path(path).name))
 

@@ -81,7 +81,8 @@ def sweep_run_name(base: str, job_overrides: List[str], sweep: Dict[str, Any]) -
     return f"{base} {' '.join(own)}" if own else base
 
 
-_UNNAMED = ("hparams_search.storage=",)  # where the trial reports: not what it is
+# where the trial reports and which launch of it this is: not what it is
+_UNNAMED = ("hparams_search.storage=", "hparams_search.attempt=")
 
 
 def _short(override: str) -> str:

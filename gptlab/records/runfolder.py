@@ -66,6 +66,8 @@ FREE = (
     "train.sample_tokens",
     "train.sample_prompt",
     "train.save_checkpoints",
+    "train.profile.",
+    "hparams_search.attempt",  # a trial resumed by another sweeper: the same trial
     # where the text is, not what it is
     "data.path",
     "data.cache_dir",

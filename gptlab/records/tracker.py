@@ -100,7 +100,7 @@ class NullTracker:
 
     def log_metrics(self, step: int, metrics: Dict[str, float]) -> None: ...
 
-    def log_artifact(self, path: Path) -> None: ...
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None: ...
 
     def set_tag(self, key: str, value: str) -> None: ...
 
@@ -424,9 +424,11 @@ class MLflowRun:
             self._send("metrics", self._client.log_batch, metrics=batch, points=len(batch))
         self._buffer = []
 
-    def log_artifact(self, path: Path) -> None:
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         if self._client is not None:
-            self._send(f"artifact {Path(path).name}", self._client.log_artifact, str(path))
+            self._send(
+                f"artifact {Path(path).name}", self._client.log_artifact, str(path), artifact_path
+            )
 
     def set_tag(self, key: str, value: str) -> None:
         if self._client is not None:
@@ -521,9 +523,9 @@ class Tracker:
             for name, value in mlflow_metrics(metrics).items():
                 self._tb.add_scalar(name, value, step)
 
-    def log_artifact(self, path: Path) -> None:
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         if self.mlflow:
-            self.mlflow.log_artifact(path)
+            self.mlflow.log_artifact(path, artifact_path)
 
     def set_tag(self, key: str, value: str) -> None:
         if self.mlflow:

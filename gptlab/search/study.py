@@ -8,6 +8,7 @@ on one study share it. Trials' jobs open the same storage to report their evalua
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -32,6 +33,7 @@ FIXED_ATTR = "gptlab:fixed"
 METRIC_ATTR = "gptlab:metric"
 OWNER_ATTR = "gptlab:sweeper"
 SLURM_ATTR = "gptlab:slurm_job"
+ATTEMPT_ATTR = "gptlab:attempt"  # the trial's current launch; a job of an earlier one ends at once
 ERROR_ATTR = "gptlab:error"
 SURPLUS_ATTR = "gptlab:surplus"  # asked past n_trials while another sweeper asked too: never run
 
@@ -103,14 +105,27 @@ def open_storage(url: str) -> Any:
         kwargs = {"connect_args": {"timeout": 60}}
     elif url.startswith("postgresql"):
         kwargs = {"connect_args": {"connect_timeout": 10}}
-    try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-    except Exception as e:  # noqa: BLE001 - any driver's error: one line with the URL
-        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-        why = lines[0] if lines else type(e).__name__
-        raise GptlabError(
-            f"hparams_search.storage={redact(url)}: cannot open the study's database: {why[:300]}"
-        ) from None
+    for attempt in range(3):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        except Exception as e:  # noqa: BLE001 - any driver's error: one line with the URL
+            if attempt < 2 and _made_at_once(e):
+                time.sleep(0.5)  # another sweeper made the tables at the same moment: they exist
+                continue
+            error = e
+            break
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+    why = lines[0] if lines else type(error).__name__
+    raise GptlabError(
+        f"hparams_search.storage={redact(url)}: cannot open the study's database: {why[:300]}"
+    ) from None
+
+
+def _made_at_once(e: BaseException) -> bool:
+    """Whether opening failed because another process was creating the same tables."""
+    from sqlalchemy.exc import IntegrityError
+
+    return isinstance(e, IntegrityError) or "already exists" in str(e)
 
 
 def redact(url: str) -> str:

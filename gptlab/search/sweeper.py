@@ -129,7 +129,8 @@ class Search:
             )
         check_keys(self.config, self.space)
         # the trial's own settings are the sweeper's to give
-        self.fixed = [o for o in fixed if not o.lstrip("+~").startswith("hparams_search.trial=")]
+        own = ("hparams_search.trial=", "hparams_search.attempt=")
+        self.fixed = [o for o in fixed if not o.lstrip("+~").startswith(own)]
         self.url = studies.storage_url(hs.storage, str(self.config.paths.outputs))
         self.storage = studies.open_storage(self.url)
         self.study = self._study()
@@ -275,9 +276,16 @@ class Search:
 
     def _adopt(self, t: Any) -> None:
         """Take over a dead sweeper's RUNNING trial: its SLURM job (if it still runs) is cancelled
-        and waited for, so the trial's folder is free for the job that resumes it."""
+        and waited for, so the trial's folder is free for the job that resumes it.
+
+        The attempt is raised before the job id is read: a job of the dead sweeper that was still
+        queued records its id and then reads the attempt when it starts (gptlab/search/trial.py),
+        so it is either cancelled here or finds itself superseded and ends without touching the
+        folder."""
         self.storage.set_trial_system_attr(t._trial_id, studies.OWNER_ATTR, self.owner)
-        job = t.system_attrs.get(studies.SLURM_ATTR)
+        attempt = int(t.system_attrs.get(studies.ATTEMPT_ATTR, 0)) + 1
+        self.storage.set_trial_system_attr(t._trial_id, studies.ATTEMPT_ATTR, attempt)
+        job = self.storage.get_trial(t._trial_id).system_attrs.get(studies.SLURM_ATTR)
         log.info(
             f"trial {t.number}: its sweeper is gone; resuming it"
             + (f" (cancelling its SLURM job {job} first)" if job else "")
@@ -294,6 +302,7 @@ class Search:
             *self.fixed,
             *sampled,
             f"hparams_search.trial={number}",
+            f"hparams_search.attempt={trial.system_attrs.get(studies.ATTEMPT_ATTR, 0)}",
             f"hparams_search.storage='{url}'",
         ]
 

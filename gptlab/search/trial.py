@@ -24,6 +24,7 @@ class TrialLink:
 
     def __init__(self, hs: Any, is_main: bool) -> None:
         self.number = int(hs.trial)
+        self.superseded: Optional[str] = None
         self.reported = studies.METRICS[hs.metric][1]
         self.is_main = is_main
         self.storage = self.study = self.trial_id = None
@@ -45,6 +46,15 @@ class TrialLink:
         job = os.environ.get("SLURM_JOB_ID")
         if job:  # a sweeper adopting this trial after its sweeper died cancels this job first
             self.storage.set_trial_system_attr(self.trial_id, studies.SLURM_ATTR, job)
+        # read after the job id is written (the adopting sweeper raises the attempt, then reads
+        # the id): a job queued by a dead sweeper either is cancelled or learns it is superseded
+        current = self.storage.get_trial(self.trial_id).system_attrs.get(studies.ATTEMPT_ATTR, 0)
+        if int(current) > int(hs.attempt):
+            self.superseded = (
+                f"trial {self.number}: this job is launch {hs.attempt} of it, and another sweeper "
+                f"has launched it again (launch {current}); this job ends without touching its "
+                f"folder"
+            )
 
     def should_prune(self, step: int, figures: Dict[str, Any]) -> bool:
         """Report this evaluation's figure; whether the pruner stops the trial (all ranks)."""
@@ -63,5 +73,12 @@ class TrialLink:
 
 
 def open_link(hs: Any, is_main: bool) -> Optional[TrialLink]:
-    """The trial's link when this job is a search trial (hparams_search.trial is set)."""
-    return None if hs.trial is None else TrialLink(hs, is_main)
+    """The trial's link when this job is a search trial (hparams_search.trial is set). A job that a
+    later launch of its trial superseded stops here, on every rank, before it claims the folder."""
+    if hs.trial is None:
+        return None
+    link = TrialLink(hs, is_main)
+    superseded = distributed.broadcast_object(link.superseded)
+    if superseded:
+        raise GptlabError(superseded)
+    return link

@@ -1,0 +1,156 @@
+"""train.profile: record chosen steps of a run with torch.profiler, and what a CUDA step that runs
+out of memory held.
+
+``train.profile.steps=[A,B]`` records steps A..B (inclusive) with CPU (and CUDA) activities,
+shapes and memory, and writes into ``<run folder>/profile/``:
+- ``trace_rank<r>.json``: the Chrome/Perfetto trace (ui.perfetto.dev, chrome://tracing), each step
+  a ``step N`` range;
+- ``operators_rank<r>.txt``: the operators ranked by their own time;
+- on CUDA, ``memory_rank<r>.pickle``: the allocator's history over those steps
+  (pytorch.org/memory_viz).
+Rank 0's files go to MLflow under ``profile/``. With ``train.profile.oom_snapshot=true`` (CUDA) the
+allocator's history is recorded from the first step, and a step that runs out of memory writes
+``memory_oom_rank<r>.pickle`` before the run fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional
+
+import torch
+
+from gptlab.errors import GptlabError
+
+log = logging.getLogger(__name__)
+
+FOLDER = "profile"
+MEMORY_ENTRIES = 200_000  # allocator events kept (the newest): a few steps of a large model
+
+
+@dataclass
+class ProfileConfig:
+    steps: Optional[List[int]]  # [first, last] step recorded (1-based, inclusive); null: off
+    rows: int  # operators in the table
+    oom_snapshot: bool  # CUDA: record the allocator's history so an out-of-memory step leaves one
+
+
+def check(cfg: ProfileConfig, max_steps: int) -> None:
+    """train.profile's settings: one line naming what is wrong."""
+    if cfg.steps is None:
+        return
+    steps = list(cfg.steps)
+    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        raise GptlabError(
+            f"train.profile.steps={steps}: give the first and last step to record, e.g. [5,7]"
+        )
+    first, last = steps
+    if not 1 <= first <= last:
+        raise GptlabError(f"train.profile.steps=[{first},{last}]: need 1 <= first <= last")
+    if first > max_steps:
+        raise GptlabError(
+            f"train.profile.steps=[{first},{last}]: the run ends at step {max_steps} first"
+        )
+    if cfg.rows < 1:
+        raise GptlabError(f"train.profile.rows={cfg.rows}: must be at least 1")
+
+
+class StepProfiler:
+    """Records train.profile.steps of the loop; the loop calls begin(step) before a step and
+    end(step) after it. Does nothing (one comparison a step) when profiling is off."""
+
+    def __init__(self, cfg: Optional[ProfileConfig], run_dir: Path, device: torch.device,
+                 rank: int, tracker: Any, is_main: bool):  # fmt: skip
+        self.first, self.last = cfg.steps if cfg is not None and cfg.steps else (0, -1)
+        self.rows = cfg.rows if cfg is not None else 0
+        self.folder = Path(run_dir) / FOLDER
+        self.device, self.rank, self.tracker, self.is_main = device, rank, tracker, is_main
+        self.cuda = device.type == "cuda"
+        self.oom_history = bool(cfg and cfg.oom_snapshot and self.cuda)
+        self._prof: Optional[torch.profiler.profile] = None
+        self._range: Optional[Any] = None
+        self._history = False
+        if self.oom_history:
+            self._record_history(True)
+
+    def begin(self, step: int) -> None:
+        if step == self.first:
+            self._start()
+        if self._prof is not None:
+            self._range = torch.profiler.record_function(f"step {step}")
+            self._range.__enter__()
+
+    def end(self, step: int) -> None:
+        if self._prof is None:
+            return
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        self._prof.step()
+        if step >= self.last:
+            self._finish()
+
+    def out_of_memory(self) -> Optional[Path]:
+        """A step ran out of CUDA memory: the allocator's history, when it was recorded."""
+        if not (self.cuda and self._history):
+            return None
+        path = self.folder / f"memory_oom_rank{self.rank}.pickle"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+        self._log(path)
+        return path
+
+    def close(self) -> None:
+        """The run ended (or failed) inside the recorded steps: what was recorded is written."""
+        if self._prof is not None:
+            self._finish()
+        if self._history:
+            self._record_history(False)
+
+    # --- inside
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._record_history(True)
+        self._prof = torch.profiler.profile(
+            activities=activities, record_shapes=True, profile_memory=True
+        )
+        self._prof.start()
+        log.info(f"profiling steps {self.first}..{self.last} into {self.folder}")
+
+    def _finish(self) -> None:
+        prof, self._prof = self._prof, None
+        if self._range is not None:
+            self._range.__exit__(None, None, None)
+            self._range = None
+        prof.stop()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        trace = self.folder / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(trace))
+        table = self.folder / f"operators_rank{self.rank}.txt"
+        sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
+        table.write_text(
+            prof.key_averages(group_by_input_shape=True).table(sort_by=sort, row_limit=self.rows)
+            + "\n"
+        )
+        written = [trace, table]
+        if self.cuda and self._history:
+            memory = self.folder / f"memory_rank{self.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(memory))
+            written.append(memory)
+            if not self.oom_history:
+                self._record_history(False)
+        for path in written:
+            self._log(path)
+        log.info(f"profile of steps {self.first}..{self.last}: {trace} (ui.perfetto.dev), {table}")
+
+    def _record_history(self, on: bool) -> None:
+        torch.cuda.memory._record_memory_history("all" if on else None, max_entries=MEMORY_ENTRIES)
+        self._history = on
+
+    def _log(self, path: Path) -> None:
+        if self.is_main and self.tracker is not None:
+            self.tracker.log_artifact(path, FOLDER)

@@ -479,14 +479,14 @@ def make_plan(cfg: Config, micro_batch: Optional[int] = None) -> Plan:
 
 
 def eager_step_s(cfg: Any) -> Optional[float]:
-    """The expected eager step time: the planner's FLOPs at ASSUMED_MFU of the device's peak."""
+    """The expected eager step time: the planner's FLOPs at DEFAULT_MFU of the device's peak."""
     peak, _ = device_peak(cfg.hardware)
     if not peak:
         return None
     vocab = cfg.model.vocab_size or 65
     fpt, _ = flops_for(cfg.model, vocab, cfg.parallelism.activation_checkpointing)
     tokens = cfg.train.batch_size * cfg.model.block_size
-    return tokens * fpt / (fastpath.ASSUMED_MFU[cfg.hardware.device] * peak * cfg.world_size)
+    return tokens * fpt / (DEFAULT_MFU[cfg.hardware.device] * peak * cfg.world_size)
 
 
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:

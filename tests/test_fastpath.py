@@ -77,14 +77,19 @@ def test_a_set_precision_or_compile_is_kept(cpu_units):
 
 def test_compile_is_chosen_for_a_long_run_and_not_for_a_short_one(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty"))  # a cold cache
-    short = fastpath.choose_compile("auto", "cpu", 20, 0.1)
+    short = fastpath.choose_compile("auto", "cuda", 20, 0.1)
     assert short.value is False and short.auto and "20 steps" in short.reason
-    cost = fastpath.COMPILE_COST_S["cpu"][0]
-    steps = int(2 * cost / (fastpath.COMPILE_SAVING["cpu"] * 0.1))
-    long = fastpath.choose_compile("auto", "cpu", steps, 0.1)
+    cost = fastpath.COMPILE_COST_S["cuda"][0]
+    steps = int(2 * cost / (fastpath.COMPILE_SAVING["cuda"] * 0.1))
+    long = fastpath.choose_compile("auto", "cuda", steps, 0.1)
     assert long.value is True and f"{steps:,} steps" in long.reason
+    # on the CPU a compiled step measured no faster: eager however long the run
+    cpu = fastpath.choose_compile("auto", "cpu", 10**6, 1.0)
+    assert cpu.value is False and "no faster" in cpu.reason
+    monkeypatch.setitem(fastpath.COMPILE_SAVING, "cpu", 0.2)  # a CPU where it pays
+    assert fastpath.choose_compile("auto", "cpu", 10**6, 1.0).value is True
     monkeypatch.setattr(fastpath.shutil, "which", lambda name: None)
-    no_compiler = fastpath.choose_compile("auto", "cpu", steps, 0.1)
+    no_compiler = fastpath.choose_compile("auto", "cpu", 10**6, 1.0)
     assert no_compiler.value is False and "C++ compiler" in no_compiler.reason
 
 
@@ -141,7 +146,7 @@ def test_the_summary_line_and_mlflow_say_what_auto_chose_and_why(shakespeare, tm
     results = run_training(compose_config(overrides), tmp_path / "run")
     config = json.loads((tmp_path / "run" / "derived.json").read_text())
     assert config["precision"] == "fp32" and config["precision_auto"] is True
-    assert config["compile"] is False and "20 steps" in config["compile_reason"]
+    assert config["compile"] is False and "no faster" in config["compile_reason"]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
     run = client.get_run(results["mlflow_run_id"])
     assert run.data.params["derived.precision"] == "fp32"

@@ -26,7 +26,7 @@ from gptlab.evaluation import hellaswag
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
-from gptlab.records import identity, layout, runfolder
+from gptlab.records import identity, layout, lineage, runfolder
 from gptlab.records.layout import last_logged_step
 from gptlab.records.store import flatten, local_uri
 from gptlab.records.tracker import NullTracker, Tracker
@@ -112,6 +112,9 @@ def build(
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, mlflow_run_id)
         slurm.write_job_record(run_dir)
+        datasets = lineage.describe(data.root, data.meta, cfg.data)  # the shards' side files only
+        lineage.write(run_dir, datasets)
+        run.tracker.log_inputs(datasets)
     prof = cfg.train.profile
     if prof.steps or (prof.oom_snapshot and d.device.type == "cuda"):
         run.profiler = profiling.StepProfiler(prof, run_dir, d.device, d.rank, run.tracker,

@@ -14,7 +14,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -23,6 +23,7 @@ from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
 from gptlab.data import Tokenizer
 from gptlab.data.hf_tokenizer import special_token_ids, write_hf_tokenizer
+from gptlab.errors import GptlabError
 from gptlab.inference import load_model
 from gptlab.model import GPT
 
@@ -35,6 +36,10 @@ class ExportConfig:
     out: Optional[str]  # null: <run folder>/export
     which: str  # latest | best
     hf: bool  # also write a Hugging Face GPT-2 folder when the model is GPT-2-shaped
+    mlflow: bool  # also log the export as an MLflow model of the checkpoint's run
+    register: Optional[str]  # also register it as a new version of this model name
+    alias: Optional[str]  # and point this alias (e.g. champion) at the new version
+    tracking_uri: Optional[str]  # null: the store the run was recorded in
 
 
 ConfigStore.instance().store(name="gptlab_export_schema", node=ExportConfig)
@@ -102,6 +107,20 @@ def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
     }
 
 
+def write_model_files(model: GPT, tokenizer: Tokenizer, saved: Any, out: Path) -> List[Path]:
+    """gptlab's own export in `out`: model.safetensors, config.json (the model config, the
+    tokenizer, the step) and the tokenizer as Hugging Face files (returned)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    # the tied LM head is the embedding: store it once
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
+    meta = {"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step}
+    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    return write_hf_tokenizer(tokenizer, out, model.config.block_size)
+
+
 def run_export(config: Any) -> Path:
     """Write the export folder and return it. config: composed from conf/export.yaml."""
     from safetensors.torch import save_file
@@ -115,17 +134,7 @@ def run_export(config: Any) -> Path:
         if cfg.out
         else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
     )
-    out.mkdir(parents=True, exist_ok=True)
-    # the tied LM head is the embedding: store it once
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
-    (out / "config.json").write_text(
-        json.dumps(
-            {"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step},
-            indent=1,
-        )
-    )
-    tokenizer_files = write_hf_tokenizer(tokenizer, out, model.config.block_size)
+    tokenizer_files = write_model_files(model, tokenizer, saved, out)
     print(f"wrote {out / 'model.safetensors'}, {out / 'config.json'} and the tokenizer's files")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"
@@ -137,7 +146,59 @@ def run_export(config: Any) -> Path:
         print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel, AutoTokenizer)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")
+    if cfg.mlflow or cfg.register:
+        log_to_mlflow(cfg, run_path, out, saved.step)
     return out
+
+
+def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str]:
+    """(the store, the MLflow run id) a run folder was recorded as, or one line saying why not."""
+    from gptlab.records import identity, layout
+
+    folder = run_path.parent.parent if run_path.is_file() else run_path
+    config = layout.read_config(folder)
+    results = layout.read_results(folder)
+    run_id = results.get("mlflow_run_id")
+    if config is None or not run_id:
+        raise GptlabError(
+            f"{folder}: the run is not in MLflow (no mlflow_run_id in its results.json); record "
+            f"it with python -m gptlab.sync {folder}, then export again"
+        )
+    sweep = layout.read_sweep(folder) or identity.sweep_from_multirun(folder.parent)
+    return given_uri or identity.store_of(config, sweep), run_id
+
+
+def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> None:
+    """export.mlflow / export.register: the export as the run's MLflow model, then a version."""
+    from gptlab import serving
+    from gptlab.records.store import error_text
+
+    uri, run_id = mlflow_run_of(run_path, cfg.tracking_uri)
+    if cfg.register:  # a bad name is refused before anything is logged
+        serving.check_names(cfg.register, cfg.alias)
+    results = layout_results(run_path)
+    metrics = {k: float(v) for k, v in results.items()
+               if k in METRICS_KEPT and isinstance(v, (int, float))}  # fmt: skip
+    try:
+        info = serving.log_model(uri, run_id, out, step, metrics)
+        print(f"logged as the MLflow model {info.model_uri} of run {run_id} in {uri}")
+        if cfg.register:
+            v = serving.register(uri, info.model_uri, cfg.register, cfg.alias)
+            alias = f", alias @{cfg.alias}" if cfg.alias else ""
+            print(f"registered as models:/{cfg.register}/{v.version}{alias}")
+    except GptlabError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store's errors: one line
+        raise GptlabError(f"MLflow at {uri}: {error_text(e)}") from None
+
+
+METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
+
+
+def layout_results(run_path: Path) -> Dict[str, Any]:
+    from gptlab.records import layout
+
+    return layout.read_results(run_path.parent.parent if run_path.is_file() else run_path)
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

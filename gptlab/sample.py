@@ -1,7 +1,8 @@
 """python -m gptlab.sample run=PATH [prompt=...]: generate text from a run folder's checkpoint.
 
-PATH is a run folder (its newest checkpoint, or the best by validation loss with which=best) or a
-checkpoint file. The model and tokenizer are rebuilt from the checkpoint alone
+PATH is a run folder (its newest checkpoint, or the best by validation loss with which=best), a
+checkpoint file, or an MLflow model URI (models:/NAME/3, models:/NAME@champion, runs:/<id>/model,
+from ``tracking_uri``'s store). The model and tokenizer are rebuilt from the checkpoint alone
 (``gptlab.inference.load_model``): the root config, conf/sample.yaml, holds only the settings
 below (``SampleConfig``), as top-level keys. Text keys take their value as typed:
 ``prompt="ROMEO:"`` is the text ``ROMEO:``.
@@ -13,9 +14,11 @@ text is still generated unless ``max_new_tokens=0``.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -52,6 +55,7 @@ class SampleConfig:
     seed: int
     which: str  # latest | best (by validation loss), for a run folder
     device: str
+    tracking_uri: Optional[str]  # run=models:/...: the MLflow store (null: $MLFLOW_TRACKING_URI)
     attention: AttentionConfig
 
 
@@ -74,15 +78,33 @@ def draw_attention(
     print(f"attention maps ({layers} layers x {heads} heads): {out}", flush=True)
 
 
+MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # MLflow's (gptlab/serving.py loads them)
+
+
+def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
+    """(model, tokenizer, step) from a run folder, a checkpoint file, or an MLflow model URI
+    (models:/NAME/3, models:/NAME@champion, runs:/<id>/model: downloaded into tmp)."""
+    if not str(cfg.run).startswith(MODEL_URIS):
+        model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
+        return model, tok, saved.step
+    from gptlab import serving
+    from gptlab.records.store import default_uri
+
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    model, tok, meta = serving.load_export(serving.download(uri, cfg.run, tmp))
+    return model.to(cfg.device), tok, int(meta.get("step") or 0)
+
+
 def run_sample(config: Any) -> None:
     """Print the generated text (and write the attention maps when attention.out is set).
     config: composed from conf/sample.yaml."""
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, SampleConfig)
-    model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, tok, step = load_for_sample(cfg, Path(tmp))
     prompt = tok.encode(cfg.prompt) or [0]
     if cfg.attention.out is not None:
-        draw_attention(cfg, model, tok, prompt, saved.step)
+        draw_attention(cfg, model, tok, prompt, step)
         if cfg.max_new_tokens == 0:
             return
     idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
@@ -92,7 +114,7 @@ def run_sample(config: Any) -> None:
     )
     for i, row in enumerate(out.tolist()):
         if cfg.num_samples > 1:
-            print(f"--- sample {i + 1} (step {saved.step}) ---")
+            print(f"--- sample {i + 1} (step {step}) ---")
         print(tok.decode(row))
 
 

@@ -53,7 +53,7 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import VALUE_OPTIONS, command, fail, hydra_quote
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.records import identity, layout, parent
+from gptlab.records import identity, layout, lineage, parent
 from gptlab.records.layout import PREVIOUS, read_metrics, read_results
 from gptlab.records.store import (
     DEFAULT_OUTPUTS,
@@ -434,12 +434,24 @@ def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
     for key, value in folder.run_identity.tags.items():
         if key not in run.data.tags:
             client.set_tag(run_id, key, value)
+    send_datasets(client, run, folder)
     return Sent(
         points=send_metrics(client, run_id, folder),
         params=len(params),
         artifacts=send_artifacts(client, run_id, folder.path),
         status=send_status(client, run, folder),
     )
+
+
+def send_datasets(client: Any, run: Any, folder: RunFolder) -> int:
+    """The folder's dataset inputs the run lacks (records/lineage.py); how many were sent."""
+    datasets = lineage.read(folder.path) or []
+    inputs = getattr(run, "inputs", None)
+    have = {(i.dataset.name, i.dataset.digest) for i in (inputs.dataset_inputs if inputs else [])}
+    missing = [d for d in datasets if (d["name"], d["digest"]) not in have]
+    if missing:
+        client.log_inputs(run.info.run_id, datasets=lineage.dataset_inputs(missing))
+    return len(missing)
 
 
 def sync_folder(store: Store, folder: RunFolder) -> str:

@@ -1795,7 +1795,7 @@ def test_fsdp_order_is_checkpointing_then_per_block_compile_then_sharding():
     from gptlab.model import GPT
 
     par = typed("parallelism", "parallelism=fsdp")
-    hw = typed("hardware", "hardware=cpu")
+    hw = typed("hardware", "hardware=cpu", precision="fp32")  # what auto picks for gpt_nano
     d = distributed.setup(hw, par)  # fsdp needs a process group even alone: one rank, in memory
     try:
         cfg = typed("model", "model=gpt_nano", vocab_size=65, dropout=0.0)

@@ -17,6 +17,7 @@ import pytest
 from helpers import compose_config, nano_overrides, run_cli, start_cli, start_mlflow_server
 
 from gptlab.cli import compose
+from gptlab.records import lineage
 from gptlab.records.layout import SWEEP_KIND, read_metrics
 from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS, flatten, mlflow_metrics
 from gptlab.sync import gather_words, main, sync
@@ -184,6 +185,9 @@ def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     )
     assert client(uri).get_experiment(run.info.experiment_id).name == "gpt_nano-shakespeare_char"
     assert capsys.readouterr().out == line + "\n"
+    # the data it trained on, as dataset inputs, as a live run records them
+    recorded = {(i.dataset.name, i.dataset.digest) for i in run.inputs.dataset_inputs}
+    assert recorded == {(d["name"], d["digest"]) for d in lineage.read(folder)}
     # again, and again through the folder that holds it: the same single run, nothing sent
     assert sync([folder], uri) == [f"{folder}: up to date"]
     assert main([str(tmp_path), f"tracking.uri={uri}"]) == [f"{folder}: up to date"]

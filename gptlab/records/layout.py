@@ -18,6 +18,7 @@ SAMPLES = "samples.txt"
 LOSS_PLOT = "loss.png"
 SLURM = "slurm.json"  # the SLURM job that ran it (gptlab/slurm.py)
 BENCH = "bench.json"
+DATASETS = "datasets.json"  # the run's data as MLflow dataset inputs (records/lineage.py)
 EVAL = "eval.json"  # gptlab.eval's results of the run's checkpoint (gptlab/evaluation/)
 CHECKPOINTS = "checkpoints"
 TENSORBOARD = "tensorboard"
@@ -32,7 +33,7 @@ MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
 
 # What a run folder holds besides Hydra's .hydra/ and the log file (a new attempt owns those)
 RECORDS = (CHECKPOINTS, METRICS, RESULTS, SAMPLES, LOSS_PLOT, CONFIG, DERIVED, IDENTITY,
-           TENSORBOARD, SLURM, BENCH, EXPORT, EVAL)  # fmt: skip
+           TENSORBOARD, SLURM, BENCH, EXPORT, EVAL, DATASETS)  # fmt: skip
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of
 STARTED = (METRICS, CONFIG)  # a run folder whose run began recording
 

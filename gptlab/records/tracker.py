@@ -104,6 +104,8 @@ class NullTracker:
 
     def set_tag(self, key: str, value: str) -> None: ...
 
+    def log_inputs(self, datasets: List[Dict[str, Any]]) -> None: ...
+
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None: ...
 
     def write_results(self, results: Dict[str, Any]) -> None: ...
@@ -434,6 +436,14 @@ class MLflowRun:
         if self._client is not None:
             self._send(f"tag {key}", self._client.set_tag, key, value)
 
+    def log_inputs(self, datasets: List[Dict[str, Any]]) -> None:
+        """The run's data as MLflow dataset inputs (records/lineage.py's descriptions)."""
+        if self._client is not None and datasets:
+            from gptlab.records import lineage
+
+            inputs = lineage.dataset_inputs(datasets)
+            self._send("datasets", self._client.log_inputs, datasets=inputs)
+
     def finish(self, status: str) -> None:
         """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store
         to take it; what it did not take is one line naming gptlab.sync."""
@@ -530,6 +540,10 @@ class Tracker:
     def set_tag(self, key: str, value: str) -> None:
         if self.mlflow:
             self.mlflow.set_tag(key, value)
+
+    def log_inputs(self, datasets: List[Dict[str, Any]]) -> None:
+        if self.mlflow:
+            self.mlflow.log_inputs(datasets)
 
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
         """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact,

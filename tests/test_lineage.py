@@ -1,0 +1,56 @@
+"""A run's data as MLflow dataset inputs (gptlab/records/lineage.py): the same prepared data shows
+the same digest in every run, other data another one, live and through gptlab.sync."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import compose_config, nano_overrides
+from mlflow import MlflowClient
+
+from gptlab.records import lineage
+from gptlab.train import run_training
+
+
+def train(data_path, tmp_path, name, *extra):
+    outputs = tmp_path / "outputs"
+    overrides = nano_overrides(
+        data_path, "tracking.mlflow=true", "train.sample_tokens=0", f"paths.outputs={outputs}",
+        f"data.cache_dir={tmp_path / 'cache'}", *extra,
+    )  # fmt: skip
+    results = run_training(compose_config(overrides), tmp_path / name)
+    client = MlflowClient(tracking_uri=f"sqlite:///{outputs}/mlflow.db")
+    return client.get_run(results["mlflow_run_id"]), tmp_path / name
+
+
+def inputs_of(run):
+    return {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}  # context -> dataset
+
+
+def test_the_same_data_has_the_same_digest_and_other_data_another(shakespeare, tmp_path):
+    first, folder = train(shakespeare, tmp_path, "a")
+    again, _ = train(shakespeare, tmp_path, "b", "train.seed=1")  # another run, the same data
+    other_text = tmp_path / "other.txt"
+    other_text.write_text(shakespeare.read_text()[:200_000].upper())
+    other, _ = train(other_text, tmp_path, "c")
+
+    seen = inputs_of(first)
+    assert set(seen) == {"training", "validation"}
+    train_set = seen["training"]
+    assert train_set.name == "shakespeare_char-train" and len(train_set.digest) == 16
+    assert train_set.source_type == "local"
+    source = json.loads(train_set.source)
+    assert source["path"] == str(shakespeare.resolve()) and source["tokenizer"] == "char"
+    profile = json.loads(train_set.profile)
+    assert profile["tokens"] == 1_003_855 and profile["vocab_size"] == 65
+    assert profile["dtype"] == "uint16"
+    assert seen["validation"].digest != train_set.digest
+
+    assert {k: d.digest for k, d in inputs_of(again).items()} == {
+        k: d.digest for k, d in seen.items()
+    }
+    assert inputs_of(other)["training"].digest != train_set.digest
+    # the run folder holds the same descriptions (what gptlab.sync sends later)
+    assert [d["digest"] for d in lineage.read(folder)] == [
+        seen["training"].digest, seen["validation"].digest
+    ]  # fmt: skip

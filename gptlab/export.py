@@ -129,11 +129,7 @@ def run_export(config: Any) -> Path:
     cfg = to_config(config, ExportConfig)
     model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
-    out = (
-        Path(cfg.out)
-        if cfg.out
-        else (run_path.parent.parent if run_path.is_file() else run_path) / "export"
-    )
+    out = Path(cfg.out) if cfg.out else run_folder_of(run_path) / "export"
     tokenizer_files = write_model_files(model, tokenizer, saved, out)
     print(f"wrote {out / 'model.safetensors'}, {out / 'config.json'} and the tokenizer's files")
     if cfg.hf and gpt2_shaped(model):
@@ -151,11 +147,17 @@ def run_export(config: Any) -> Path:
     return out
 
 
-def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str]:
-    """(the store, the MLflow run id) a run folder was recorded as, or one line saying why not."""
+def run_folder_of(run_path: Path) -> Path:
+    """The run folder of run=: itself, or the folder of a checkpoint file (<run>/checkpoints/f)."""
+    return run_path.parent.parent if run_path.is_file() else run_path
+
+
+def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str, Dict[str, Any]]:
+    """(the store, the MLflow run id, results.json) a run folder was recorded as, or one line
+    saying why not."""
     from gptlab.records import identity, layout
 
-    folder = run_path.parent.parent if run_path.is_file() else run_path
+    folder = run_folder_of(run_path)
     config = layout.read_config(folder)
     results = layout.read_results(folder)
     run_id = results.get("mlflow_run_id")
@@ -165,7 +167,7 @@ def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str]:
             f"it with python -m gptlab.sync {folder}, then export again"
         )
     sweep = layout.read_sweep(folder) or identity.sweep_from_multirun(folder.parent)
-    return given_uri or identity.store_of(config, sweep), run_id
+    return given_uri or identity.store_of(config, sweep), run_id, results
 
 
 def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> None:
@@ -173,10 +175,9 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
     from gptlab import serving
     from gptlab.records.store import error_text
 
-    uri, run_id = mlflow_run_of(run_path, cfg.tracking_uri)
+    uri, run_id, results = mlflow_run_of(run_path, cfg.tracking_uri)
     if cfg.register:  # a bad name is refused before anything is logged
         serving.check_names(cfg.register, cfg.alias)
-    results = layout_results(run_path)
     metrics = {k: float(v) for k, v in results.items()
                if k in METRICS_KEPT and isinstance(v, (int, float))}  # fmt: skip
     try:
@@ -193,12 +194,6 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
 
 
 METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
-
-
-def layout_results(run_path: Path) -> Dict[str, Any]:
-    from gptlab.records import layout
-
-    return layout.read_results(run_path.parent.parent if run_path.is_file() else run_path)
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

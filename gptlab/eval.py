@@ -7,6 +7,10 @@ checkpoint file. The model and tokenizer are gptlab's own, rebuilt from the chec
 Tasks come from lm_eval's registry, or from a folder of task YAMLs (eval.include=DIR; the shipped
 example is conf/eval_tasks/). The results go to the console as a table, to eval.json in the run
 folder, and to the run's own MLflow run as eval/<task>/<metric> at the checkpoint's step.
+PATH may also be a logged or registered model (models:/NAME/1, models:/NAME@champion,
+runs:/<id>/model): it is downloaded from tracking_uri's store (else $MLFLOW_TRACKING_URI, else
+outputs/mlflow.db), its figures go to the MLflow run the model came from, and eval.json beside
+the downloaded model.
 
 With hardware.nproc_per_node > 1 (or under torchrun / SLURM), each rank scores a stride of every
 task's documents and rank 0 gathers the per-document results: the figures equal one process's.
@@ -21,6 +25,7 @@ import functools
 import json
 import logging
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,18 +176,45 @@ def run_folder_of(path: Path) -> Path:
     return path.parent.parent if path.parent.name == layout.CHECKPOINTS else path.parent
 
 
-def evaluate_checkpoint(cfg: EvalConfig, rank: int, world: int, device: Any) -> Optional[Dict]:
+Source = Dict[str, Optional[str]]  # a downloaded model: its folder, store and source run
+
+
+def fetch_model(cfg: EvalConfig) -> Source:
+    """run=<model URI>: the model downloaded (once, before any rank starts), where it came from."""
+    from gptlab import serving
+    from gptlab.records.store import default_uri
+
+    uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    folder = serving.download(uri, cfg.run, Path(tempfile.mkdtemp(prefix="gptlab-eval-")))
+    return {"folder": str(folder), "store": uri, "run_id": serving.source_run(uri, cfg.run)}
+
+
+def load_scored(cfg: EvalConfig, device: Any, source: Optional[Source]) -> tuple:
+    """(model, tokenizer, step, what it is, its MLflow run id) of run=."""
+    if source is not None:
+        from gptlab import serving
+
+        model, tokenizer, meta = serving.load_export(Path(source["folder"]))
+        return model.to(device), tokenizer, int(meta.get("step") or 0), cfg.run, source["run_id"]
+    from gptlab.inference import load_model
+
+    path = checkpoint.find(cfg.run, cfg.which)
+    model, tokenizer, saved = load_model(str(path), "latest", str(device))
+    return model, tokenizer, saved.step, str(path.resolve()), saved.mlflow_run_id
+
+
+def evaluate_checkpoint(
+    cfg: EvalConfig, rank: int, world: int, device: Any, source: Optional[Source] = None
+) -> Optional[Dict]:
     """Score the checkpoint on every rank; rank 0 returns eval.json's body, the others None."""
     import lm_eval
     from lm_eval import evaluator
 
     from gptlab.evaluation.harness import GptlabLM
-    from gptlab.inference import load_model
 
     manager = task_manager(cfg.eval.include, cfg.tasks)
     check_tasks(manager, cfg.tasks, cfg.eval.include)
-    path = checkpoint.find(cfg.run, cfg.which)
-    model, tokenizer, saved = load_model(str(path), "latest", str(device))
+    model, tokenizer, step, scored, run_id = load_scored(cfg, device, source)
     autocast, precision = autocast_for(cfg.eval.precision, device)
     lm = GptlabLM(model, tokenizer, device, cfg.eval.batch_size, autocast, rank, world,
                   cfg.eval.rolling_context)  # fmt: skip
@@ -202,8 +234,8 @@ def evaluate_checkpoint(cfg: EvalConfig, rank: int, world: int, device: Any) -> 
     from lm_eval.utils import make_table
 
     return {
-        "checkpoint": str(path.resolve()),
-        "step": saved.step,
+        "checkpoint": scored,
+        "step": step,
         "tasks": list(cfg.tasks),
         "limit": limit,
         "num_fewshot": cfg.eval.num_fewshot,
@@ -213,28 +245,30 @@ def evaluate_checkpoint(cfg: EvalConfig, rank: int, world: int, device: Any) -> 
         "time": datetime.datetime.now().isoformat(timespec="seconds"),
         "results": summarize(results, cfg.tasks),
         "table": make_table(results),
-        "mlflow_run_id": saved.mlflow_run_id,
+        "mlflow_run_id": run_id,
     }
 
 
-def record(cfg: EvalConfig, body: Dict[str, Any]) -> Path:
+def record(cfg: EvalConfig, body: Dict[str, Any], source: Optional[Source] = None) -> Path:
     """eval.json in the run folder (atomically), and the metrics in the run's MLflow run."""
-    folder = run_folder_of(Path(body["checkpoint"]))
+    folder = Path(source["folder"]) if source else run_folder_of(Path(body["checkpoint"]))
     path = folder / layout.EVAL
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
     os.replace(tmp, path)
     if cfg.eval.mlflow:
-        log_to_mlflow(cfg, folder, body, path)
+        log_to_mlflow(cfg, folder, body, path, source and source["store"])
     return path
 
 
-def log_to_mlflow(cfg: EvalConfig, folder: Path, body: Dict[str, Any], path: Path) -> None:
+def log_to_mlflow(
+    cfg: EvalConfig, folder: Path, body: Dict[str, Any], path: Path, store_uri: Optional[str]
+) -> None:
     from gptlab.records import identity, store
 
     run_id = body.get("mlflow_run_id") or layout.read_results(folder).get("mlflow_run_id")
     config = layout.read_config(folder) or {}
-    uri = cfg.tracking_uri or identity.store_of(config, layout.read_sweep(folder))
+    uri = store_uri or cfg.tracking_uri or identity.store_of(config, layout.read_sweep(folder))
     if run_id is None:
         log.warning("eval: the run has no MLflow run to record into; eval.json holds the results")
         return
@@ -260,32 +294,32 @@ def log_to_mlflow(cfg: EvalConfig, folder: Path, body: Dict[str, Any], path: Pat
         log.warning(f"eval: MLflow {store.store_failure(uri, e)}; eval.json holds the results")
 
 
-def _evaluate(resolved: Dict[str, Any]) -> Optional[Path]:
+def _evaluate(resolved: Dict[str, Any], source: Optional[Source]) -> Optional[Path]:
     """This process's share: join the group, score, and on rank 0 write the records."""
     cfg = to_config(OmegaConf.create(resolved), EvalConfig)
     d = distributed.setup(cfg.hardware, REPLICAS)
     try:
-        body = evaluate_checkpoint(cfg, d.rank, d.world_size, d.device)
+        body = evaluate_checkpoint(cfg, d.rank, d.world_size, d.device, source)
         if body is None:
             return None
         table = body.pop("table", None)
         if table:
             print(table, flush=True)
-        path = record(cfg, body)
+        path = record(cfg, body, source)
         print(f"eval: {len(body['results'])} figures at step {body['step']} -> {path}", flush=True)
         return path
     finally:
         distributed.teardown()
 
 
-def _worker(resolved: Dict[str, Any]) -> None:
+def _worker(resolved: Dict[str, Any], source: Optional[Source]) -> None:
     """One locally spawned rank (distributed.spawn sets RANK / WORLD_SIZE)."""
     from gptlab import console
     from gptlab.cli import fail
 
     console.setup_logging()
     try:
-        _evaluate(resolved)
+        _evaluate(resolved, source)
     except GptlabError as e:
         rank = os.environ.get("RANK", "0")
         fail("gptlab.eval", str(e) if rank == "0" else f"[rank {rank}] {e}")
@@ -302,13 +336,21 @@ def run_eval(config: Any) -> Optional[Path]:
         raise GptlabError(
             "gptlab.eval needs lm-evaluation-harness: pip install -e '.[eval]'"
         ) from None
-    checkpoint.find(cfg.run, cfg.which)  # no checkpoint: one line before any process starts
+    from gptlab import serving
+
+    source = None
+    if serving.is_model_uri(cfg.run):
+        source = fetch_model(cfg)  # an unknown model: one line before any process starts
+    else:
+        checkpoint.find(cfg.run, cfg.which)  # no checkpoint: one line, the same
     check_tasks(task_manager(cfg.eval.include, cfg.tasks), cfg.tasks, cfg.eval.include)
     resolved = OmegaConf.to_container(config, resolve=True)
     if distributed.role(cfg.hardware) == "parent":
-        distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved,))
+        distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved, source))
+        if source:
+            return Path(source["folder"]) / layout.EVAL
         return run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
-    return _evaluate(resolved)
+    return _evaluate(resolved, source)
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

@@ -5,7 +5,8 @@ a folder that Hugging Face ``transformers`` loads as ``GPT2LMHeadModel`` (when t
 installed; the layout needs no transformers to write, only to check). Both folders get the
 tokenizer as Hugging Face files (tokenizer.json, tokenizer_config.json) that ``AutoTokenizer`` loads
 and that encode any text to the ids the model was trained on. The root config,
-conf/export.yaml, holds only the settings below (``ExportConfig``), as top-level keys.
+conf/export.yaml, holds only the settings below (``ExportConfig``); what goes to MLflow is under
+``export.`` (``export.mlflow``, ``export.register``, ``export.alias``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ from gptlab.model import GPT
 
 
 @dataclass
+class MlflowExport:
+    """export.*: the export as an MLflow model, and its registration."""
+
+    mlflow: bool  # also log the export as an MLflow model of the checkpoint's run
+    register: Optional[str]  # also register it as a new version of this model name
+    alias: Optional[str]  # and point this alias (e.g. champion) at the new version
+
+
+@dataclass
 class ExportConfig:
     """The schema of conf/export.yaml (the values are there)."""
 
@@ -36,9 +46,7 @@ class ExportConfig:
     out: Optional[str]  # null: <run folder>/export
     which: str  # latest | best
     hf: bool  # also write a Hugging Face GPT-2 folder when the model is GPT-2-shaped
-    mlflow: bool  # also log the export as an MLflow model of the checkpoint's run
-    register: Optional[str]  # also register it as a new version of this model name
-    alias: Optional[str]  # and point this alias (e.g. champion) at the new version
+    export: MlflowExport
     tracking_uri: Optional[str]  # null: the store the run was recorded in
 
 
@@ -142,7 +150,7 @@ def run_export(config: Any) -> Path:
         print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel, AutoTokenizer)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")
-    if cfg.mlflow or cfg.register:
+    if cfg.export.mlflow or cfg.export.register:
         log_to_mlflow(cfg, run_path, out, saved.step)
     return out
 
@@ -176,17 +184,18 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
     from gptlab.records.store import error_text
 
     uri, run_id, results = mlflow_run_of(run_path, cfg.tracking_uri)
-    if cfg.register:  # a bad name is refused before anything is logged
-        serving.check_names(cfg.register, cfg.alias)
+    name, alias = cfg.export.register, cfg.export.alias
+    if name:  # a bad name is refused before anything is logged
+        serving.check_names(name, alias)
     metrics = {k: float(v) for k, v in results.items()
                if k in METRICS_KEPT and isinstance(v, (int, float))}  # fmt: skip
     try:
         info = serving.log_model(uri, run_id, out, step, metrics)
         print(f"logged as the MLflow model {info.model_uri} of run {run_id} in {uri}")
-        if cfg.register:
-            v = serving.register(uri, info.model_uri, cfg.register, cfg.alias)
-            alias = f", alias @{cfg.alias}" if cfg.alias else ""
-            print(f"registered as models:/{cfg.register}/{v.version}{alias}")
+        if name:
+            v = serving.register(uri, info.model_uri, name, alias)
+            told = f", alias @{alias}" if alias else ""
+            print(f"registered as models:/{name}/{v.version}{told}")
     except GptlabError:
         raise
     except Exception as e:  # noqa: BLE001 - the store's errors: one line

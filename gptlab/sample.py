@@ -78,16 +78,14 @@ def draw_attention(
     print(f"attention maps ({layers} layers x {heads} heads): {out}", flush=True)
 
 
-MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # MLflow's (gptlab/serving.py loads them)
-
-
 def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
     """(model, tokenizer, step) from a run folder, a checkpoint file, or an MLflow model URI
     (models:/NAME/3, models:/NAME@champion, runs:/<id>/model: downloaded into tmp)."""
-    if not str(cfg.run).startswith(MODEL_URIS):
+    from gptlab import serving
+
+    if not serving.is_model_uri(cfg.run):
         model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
         return model, tok, saved.step
-    from gptlab import serving
     from gptlab.records.store import default_uri
 
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()

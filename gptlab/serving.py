@@ -20,6 +20,7 @@ from gptlab.errors import GptlabError
 
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
 MODEL_NAME = "model"  # the logged model's name in its run
+MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # what run= of sample and eval accept
 PARAMS = {"max_new_tokens": 100, "temperature": 0.8, "top_k": 200, "seed": 0}
 
 
@@ -148,6 +149,21 @@ def register(uri: str, model_uri: str, name: str, alias: Optional[str]) -> Any:
     if alias:
         mlflow.MlflowClient(uri).set_registered_model_alias(name, alias, version.version)
     return version
+
+
+def is_model_uri(run: Any) -> bool:
+    return str(run).startswith(MODEL_URIS)
+
+
+def source_run(uri: str, model_uri: str) -> Optional[str]:
+    """The MLflow run a logged or registered model came from (None when MLflow does not say)."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    try:
+        return mlflow.models.get_model_info(model_uri).run_id
+    except Exception:  # noqa: BLE001 - download() has already named a bad URI in one line
+        return None
 
 
 def download(uri: str, model_uri: str, dest: Path) -> Path:

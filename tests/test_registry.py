@@ -48,7 +48,9 @@ def registered(shakespeare, tmp_path_factory):
     """A tiny run on a local SQLite store, registered as version 1 of a model, alias champion."""
     tmp = tmp_path_factory.mktemp("registry")
     run_dir, uri, run_id = train(shakespeare, tmp)
-    export.main([f"run={run_dir}", "register=nano-chars", "alias=champion", "hf=false"])
+    export.main(
+        [f"run={run_dir}", "export.register=nano-chars", "export.alias=champion", "hf=false"]
+    )
     return run_dir, uri, run_id
 
 
@@ -68,6 +70,31 @@ def test_a_registered_model_is_the_runs_and_loads_back_by_name_alias_and_run(reg
         f"runs:/{run_id}/model",
     ):
         assert sampled(capsys, f"run={uri_form}", f"tracking_uri={uri}", *GREEDY) == from_folder
+
+
+def test_eval_of_a_model_uri_scores_as_its_run_folder_and_records_in_its_run(
+    registered, shakespeare, tmp_path
+):
+    """gptlab.eval run=models:/NAME@alias: the same figures as the run folder's checkpoint, in the
+    source run's MLflow run at the model's step; an unknown model is one line."""
+    pytest.importorskip("lm_eval")
+    from test_eval import next_line_task
+
+    from gptlab.eval import main as evaluate
+
+    run_dir, uri, run_id = registered
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 12)
+    common = ["tasks=[next_line]", f"eval.include={tasks}", f"tracking_uri={uri}"]
+    by_folder = json.loads(evaluate([f"run={run_dir}", *common, "eval.mlflow=false"]).read_text())
+    path = evaluate(["run=models:/nano-chars@champion", *common])
+    by_uri = json.loads(path.read_text())
+    values = [(r["task"], r["metric"], r["value"]) for r in by_uri["results"]]
+    assert values == [(r["task"], r["metric"], r["value"]) for r in by_folder["results"]]
+    assert by_uri["step"] == by_folder["step"] and by_uri["mlflow_run_id"] == run_id
+    history = MlflowClient(uri).get_metric_history(run_id, "eval/next_line/acc")
+    assert [(h.step, h.value) for h in history] == [(by_uri["step"], values[0][2])]
+    with pytest.raises(GptlabError, match="models:/no-such-model/1: no such model"):
+        evaluate(["run=models:/no-such-model/1", *common])
 
 
 @pytest.mark.slow
@@ -134,20 +161,28 @@ def test_bad_registry_input_is_one_line_and_registers_nothing(registered, tmp_pa
         client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])
     )
     with pytest.raises(GptlabError, match="a registered model's name"):
-        export.main([f"run={run_dir}", "register=bad/name", "hf=false", f"out={tmp_path}/x"])
+        export.main([f"run={run_dir}", "export.register=bad/name", "hf=false", f"out={tmp_path}/x"])
     with pytest.raises(GptlabError, match="an alias is a name"):
-        export.main([f"run={run_dir}", "register=ok", "alias=v2", "hf=false", f"out={tmp_path}/y"])
+        export.main(
+            [
+                f"run={run_dir}",
+                "export.register=ok",
+                "export.alias=v2",
+                "hf=false",
+                f"out={tmp_path}/y",
+            ]
+        )
     after = client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])
     assert len(after) == before  # nothing was logged for the refused names
     with pytest.raises(GptlabError, match="no such model"):
         sample.main(["run=models:/no-such-model/1", f"tracking_uri={uri}", *GREEDY])
     with pytest.raises(GptlabError, match="MLflow at http://127.0.0.1:9"):
-        export.main([f"run={run_dir}", "mlflow=true", "hf=false", f"out={tmp_path}/z",
+        export.main([f"run={run_dir}", "export.mlflow=true", "hf=false", f"out={tmp_path}/z",
                      "tracking_uri=http://127.0.0.1:9"])  # fmt: skip
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(GptlabError):
-        export.main([f"run={empty}", "register=nano-chars", "hf=false"])
+        export.main([f"run={empty}", "export.register=nano-chars", "hf=false"])
     assert str(client.get_registered_model("nano-chars").latest_versions[0].version) == "1"
 
 
@@ -160,7 +195,7 @@ def test_registration_on_the_team_server_resolves_by_alias(
 ):
     name = f"nano-{uuid.uuid4().hex[:8]}"
     run_dir, uri, run_id = train(shakespeare, tmp_path, tracking_server)
-    export.main([f"run={run_dir}", f"register={name}", "alias=champion", "hf=false"])
+    export.main([f"run={run_dir}", f"export.register={name}", "export.alias=champion", "hf=false"])
     version = MlflowClient(uri).get_model_version_by_alias(name, "champion")
     assert version.run_id == run_id
     from_folder = sampled(capsys, f"run={run_dir}", *GREEDY)

@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -23,6 +24,7 @@ from gptlab.data import build_train_loader, eval_batches, prepare_data
 from gptlab.distributed import Dist
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
+from gptlab.inference import generate_text
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import build_optimizer, lr_at, scaled_lr
@@ -330,17 +332,45 @@ def write_sample(run: Run) -> Optional[str]:
     sharded = distributed.is_sharded(run.raw_model)
     if run.train.sample_tokens <= 0 or not (run.dist.is_main or sharded):
         return None
-    prompt = run.tokenizer.encode(run.train.sample_prompt) or [0]
-    idx = torch.tensor([prompt], dtype=torch.long, device=run.dist.device)
-    gen = torch.Generator(device=run.dist.device).manual_seed(run.train.seed)
     with run.autocast(), run.evaluated_weights():
-        out = run.raw_model.generate(
-            idx, run.train.sample_tokens, temperature=0.8, top_k=200, generator=gen
-        )
+        text = generate_text(
+            run.raw_model, run.tokenizer, run.train.sample_prompt, run.train.sample_tokens,
+            temperature=0.8, top_k=200, seed=run.train.seed,
+        )[0]  # fmt: skip
     if not run.dist.is_main:
         return None
-    text = run.tokenizer.decode(out[0].tolist())
     path = run.run_dir / layout.SAMPLES
     path.write_text(text)
     run.tracker.log_artifact(path)
     return text
+
+
+def log_model(config: Any, tracker: Any, run_dir: Path, results: Dict[str, Any]) -> None:
+    """tracking.log_model: the finished run's last checkpoint (its evaluated weights) as the run's
+    MLflow model, after the run's records are complete. A failure is a warning naming the command
+    that logs it later: the run itself is done."""
+    if not (config.tracking.mlflow and config.tracking.log_model) or tracker.run_id is None:
+        return
+    if not config.train.save_checkpoints:
+        log.info("no MLflow model logged: train.save_checkpoints=false left no checkpoint")
+        return
+    from gptlab.records.store import check_reachable, error_text, sync_command
+    from gptlab.serving import log_checkpoint
+
+    later = f"python -m gptlab.export run={run_dir} export.mlflow=true"
+    if tracker.mlflow.unsent:  # the store went away: the run's own records come first
+        log.warning(f"no MLflow model logged: after {sync_command(run_dir)}, log it with: {later}")
+        return
+    start = time.perf_counter()
+    try:
+        check_reachable(tracker.uri)  # seconds, where MLflow's own client retries for minutes
+        info = log_checkpoint(run_dir, tracker.uri, tracker.run_id, results)
+    except Exception as e:  # noqa: BLE001 - the run is recorded; only its model is missing
+        log.warning(
+            f"the run's MLflow model was not logged ({error_text(e)}); log it with: {later}"
+        )
+        return
+    log.info(
+        f"logged the run's MLflow model {info.model_uri} (step {results['steps']}) in "
+        f"{time.perf_counter() - start:.1f} s"
+    )

@@ -46,6 +46,7 @@ class TrackingConfig:
     system_metrics: bool  # CPU, memory, disk, network (+ GPU with nvidia-ml-py) as system/* metrics
     tensorboard: bool  # also write TensorBoard event files to <run folder>/tensorboard
     plots: bool  # loss.png (train/val loss and lr against tokens) at the end of the run
+    log_model: bool  # a finished run's last checkpoint as the MLflow model of its run
 
 
 @dataclass

@@ -23,9 +23,9 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
 from gptlab.data import Tokenizer
-from gptlab.data.hf_tokenizer import special_token_ids, write_hf_tokenizer
+from gptlab.data.hf_tokenizer import special_token_ids
 from gptlab.errors import GptlabError
-from gptlab.inference import load_model
+from gptlab.inference import load_model, write_model_files
 from gptlab.model import GPT
 
 
@@ -115,20 +115,6 @@ def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
     }
 
 
-def write_model_files(model: GPT, tokenizer: Tokenizer, saved: Any, out: Path) -> List[Path]:
-    """gptlab's own export in `out`: model.safetensors, config.json (the model config, the
-    tokenizer, the step) and the tokenizer as Hugging Face files (returned)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    # the tied LM head is the embedding: store it once
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
-    meta = {"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step}
-    (out / "config.json").write_text(json.dumps(meta, indent=1))
-    return write_hf_tokenizer(tokenizer, out, model.config.block_size)
-
-
 def run_export(config: Any) -> Path:
     """Write the export folder and return it. config: composed from conf/export.yaml."""
     from safetensors.torch import save_file
@@ -187,22 +173,23 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
     name, alias = cfg.export.register, cfg.export.alias
     if name:  # a bad name is refused before anything is logged
         serving.check_names(name, alias)
-    metrics = {k: float(v) for k, v in results.items()
-               if k in METRICS_KEPT and isinstance(v, (int, float))}  # fmt: skip
     try:
-        info = serving.log_model(uri, run_id, out, step, metrics)
-        print(f"logged as the MLflow model {info.model_uri} of run {run_id} in {uri}")
+        model_uri = serving.logged_at(uri, run_id, step)
+        if model_uri:
+            print(f"the run's MLflow model {model_uri} holds this checkpoint (step {step}) already")
+        else:
+            model_uri = serving.log_model(
+                uri, run_id, out, step, serving.model_metrics(results)
+            ).model_uri
+            print(f"logged as the MLflow model {model_uri} of run {run_id} in {uri}")
         if name:
-            v = serving.register(uri, info.model_uri, name, alias)
+            v = serving.register(uri, model_uri, name, alias)
             told = f", alias @{alias}" if alias else ""
             print(f"registered as models:/{name}/{v.version}{told}")
     except GptlabError:
         raise
     except Exception as e:  # noqa: BLE001 - the store's errors: one line
         raise GptlabError(f"MLflow at {uri}: {error_text(e)}") from None
-
-
-METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

@@ -2,14 +2,21 @@
 
 The library side of ``gptlab.sample`` and ``gptlab.export``: neither needs the run's config, only
 the checkpoint's saved model config, weights (their average where the run kept one) and tokenizer.
+``generate_text`` is the one way text is generated from a prompt: the run's samples.txt,
+``gptlab.sample`` and the served MLflow model all call it, so one seed gives one text everywhere.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+import json
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import torch
 
 from gptlab import checkpoint
 from gptlab.data import Tokenizer, load_tokenizer
+from gptlab.data.hf_tokenizer import write_hf_tokenizer
 from gptlab.model import GPT, GPTConfig
 from gptlab.optim import AVERAGE, load_average
 
@@ -24,3 +31,41 @@ def load_model(
     model.load_state_dict(saved.model)
     load_average(model, saved.optimizer)  # the weights the run evaluated (optimizer.ema_decay > 0)
     return model.to(device).eval(), load_tokenizer(saved.tokenizer), saved
+
+
+def generate_text(
+    model: GPT,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: Optional[int],
+    seed: int,
+    num_samples: int = 1,
+) -> List[str]:
+    """num_samples texts, each the prompt and its continuation, drawn with one generator seeded
+    with `seed` on the model's device (temperature 0: greedy; top_k None or 0: every token). An
+    empty prompt starts from token 0."""
+    device = next(model.parameters()).device
+    ids = tokenizer.encode(prompt) or [0]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    out = model.generate(
+        idx, int(max_new_tokens), temperature=float(temperature), top_k=top_k or None,
+        generator=gen,
+    )  # fmt: skip
+    return [tokenizer.decode(row) for row in out.tolist()]
+
+
+def write_model_files(model: GPT, tokenizer: Tokenizer, saved: Any, out: Path) -> List[Path]:
+    """gptlab's own export in `out`: model.safetensors, config.json (the model config, the
+    tokenizer, the step) and the tokenizer as Hugging Face files (returned)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    # the tied LM head is the embedding: store it once
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "gptlab"})
+    meta = {"model": saved.model_config, "tokenizer": saved.tokenizer, "step": saved.step}
+    (out / "config.json").write_text(json.dumps(meta, indent=1))
+    return write_hf_tokenizer(tokenizer, out, model.config.block_size)

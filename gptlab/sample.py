@@ -20,13 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-import torch
 from hydra.core.config_store import ConfigStore
 
 from gptlab.attention import write_attention
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
-from gptlab.inference import load_model
+from gptlab.inference import generate_text, load_model
 
 if TYPE_CHECKING:
     from gptlab.data import Tokenizer
@@ -105,15 +104,14 @@ def run_sample(config: Any) -> None:
         draw_attention(cfg, model, tok, prompt, step)
         if cfg.max_new_tokens == 0:
             return
-    idx = torch.tensor([prompt] * cfg.num_samples, dtype=torch.long, device=cfg.device)
-    gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed)
-    out = model.generate(
-        idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, generator=gen
-    )
-    for i, row in enumerate(out.tolist()):
+    texts = generate_text(
+        model, tok, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+        cfg.num_samples,
+    )  # fmt: skip
+    for i, text in enumerate(texts):
         if cfg.num_samples > 1:
             print(f"--- sample {i + 1} (step {step}) ---")
-        print(tok.decode(row))
+        print(text)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

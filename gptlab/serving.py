@@ -12,7 +12,9 @@ greedy), `top_k` (0: the whole vocabulary) and `seed`. `mlflow models serve -m m
 from __future__ import annotations
 
 import json
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -21,6 +23,7 @@ from gptlab.errors import GptlabError
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
 MODEL_NAME = "model"  # the logged model's name in its run
 MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # what run= of sample and eval accept
+STEP_TAG = "gptlab.step"  # a logged model's tag: the step of the checkpoint it holds
 PARAMS = {"max_new_tokens": 100, "temperature": 0.8, "top_k": 200, "seed": 0}
 
 
@@ -41,16 +44,12 @@ def load_export(folder: Path) -> Tuple[Any, Any, Dict[str, Any]]:
 
 
 def generate(model: Any, tokenizer: Any, prompt: str, params: Dict[str, Any]) -> str:
-    """The prompt and its continuation, as gptlab.sample writes it for one sample."""
-    import torch
+    """The prompt and its continuation for predict's params (PARAMS for those not given)."""
+    from gptlab.inference import generate_text
 
     p = {**PARAMS, **{k: v for k, v in (params or {}).items() if v is not None}}
-    idx = torch.tensor([tokenizer.encode(prompt) or [0]], dtype=torch.long)
-    gen = torch.Generator().manual_seed(int(p["seed"]))
-    top_k = int(p["top_k"]) or None
-    out = model.generate(idx, int(p["max_new_tokens"]), temperature=float(p["temperature"]),
-                         top_k=top_k, generator=gen)  # fmt: skip
-    return tokenizer.decode(out[0].tolist())
+    return generate_text(model, tokenizer, prompt, p["max_new_tokens"], p["temperature"],
+                         int(p["top_k"]), p["seed"])[0]  # fmt: skip
 
 
 def _prompts(model_input: Any) -> List[str]:
@@ -78,7 +77,8 @@ class GptlabModel(PythonModel):  # type: ignore[misc]
     def load_context(self, context: Any) -> None:
         self.model, self.tokenizer, self.meta = load_export(Path(context.artifacts[ARTIFACT]))
 
-    def predict(self, context: Any, model_input: Any, params: Optional[Dict[str, Any]] = None):
+    # model_input has no annotation: MLflow would read a signature from it (the logged one rules)
+    def predict(self, context, model_input, params=None):
         prompts = _prompts(model_input)
         return [generate(self.model, self.tokenizer, p, params or {}) for p in prompts]
 
@@ -110,18 +110,64 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
     client = mlflow.MlflowClient(uri)
     status = client.get_run(run_id).info.status
     mlflow.start_run(run_id=run_id)
+    quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # it copies local files
+    saved_env = {k: os.environ.get(k) for k in quiet}
+    os.environ.update(quiet)
     try:
-        info = mlflow.pyfunc.log_model(
-            name=MODEL_NAME, python_model=GptlabModel(), artifacts={ARTIFACT: str(export_dir)},
-            signature=signature(), step=step,
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors",
-                              "tiktoken", "gptlab"],
-        )  # fmt: skip
+        with warnings.catch_warnings():
+            # predict generates text: an input example would make MLflow run it at every logging
+            warnings.filterwarnings("ignore", message=".*input example was not provided")
+            info = mlflow.pyfunc.log_model(
+                name=MODEL_NAME, python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                artifacts={ARTIFACT: str(export_dir)}, signature=signature(), step=step,
+                tags={STEP_TAG: str(step)},
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors",
+                                  "tiktoken", "gptlab"],
+            )  # fmt: skip
         if metrics:
             mlflow.log_metrics(metrics, step=step, model_id=info.model_id)
     finally:
         mlflow.end_run(status=status)
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return info
+
+
+METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
+
+
+def model_metrics(results: Dict[str, Any]) -> Dict[str, float]:
+    """The results.json figures a logged model carries (METRICS_KEPT, where present)."""
+    return {k: float(results[k]) for k in METRICS_KEPT if isinstance(results.get(k), (int, float))}
+
+
+def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]) -> Any:
+    """A run folder's latest checkpoint as its run's MLflow model (tracking.log_model at the end
+    of a run): the export's files, in a temporary folder that MLflow copies. Its ModelInfo."""
+    import tempfile
+
+    from gptlab.inference import load_model, write_model_files
+
+    model, tokenizer, saved = load_model(str(run_dir), "latest")
+    with tempfile.TemporaryDirectory(prefix="gptlab-model-") as tmp:
+        out = Path(tmp) / ARTIFACT  # MLflow keeps the folder's name
+        write_model_files(model, tokenizer, saved, out)
+        return log_model(uri, run_id, out, saved.step, model_metrics(results))
+
+
+def logged_at(uri: str, run_id: str, step: int) -> Optional[str]:
+    """The URI of the run's logged model of the checkpoint at `step` (tracking.log_model's, or an
+    earlier export's), or None: exporting it again registers that one instead of a copy."""
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    experiment = client.get_run(run_id).info.experiment_id
+    found = client.search_logged_models(
+        experiment_ids=[experiment],
+        filter_string=f"source_run_id = '{run_id}' AND tags.`{STEP_TAG}` = '{int(step)}'",
+    )
+    ready = [m for m in found if str(m.status) == "READY"]
+    return ready[0].model_uri if ready else None
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,254}$")
@@ -177,7 +223,9 @@ def download(uri: str, model_uri: str, dest: Path) -> Path:
     except Exception as e:  # noqa: BLE001 - MLflow's own errors: one line naming the URI
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise GptlabError(f"{model_uri}: no such model in {uri} ({first[:200]})") from None
-    folder = Path(got) / "artifacts" / ARTIFACT
-    if not (folder / "config.json").is_file():
-        raise GptlabError(f"{model_uri}: not a gptlab model (no {ARTIFACT}/config.json in it)")
-    return folder
+    # MLflow keeps the logged folder's own name (export/, or what export's out= named)
+    artifacts = Path(got) / "artifacts"
+    folders = sorted(p.parent for p in artifacts.glob("*/config.json"))
+    if not folders:
+        raise GptlabError(f"{model_uri}: not a gptlab model (no artifacts/*/config.json in it)")
+    return folders[0]

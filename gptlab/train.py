@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab import console, distributed
-from gptlab.build import build, record_expectation, write_sample
+from gptlab.build import build, log_model, record_expectation, write_sample
 from gptlab.cli import command, fail, os_error_message
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
@@ -68,12 +68,17 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         )
         # a pruned trial ended as its search meant it to: only a stop by a signal is KILLED
         status = "KILLED" if results["stopped_by"] not in (None, layout.PRUNED) else "FINISHED"
+        if results["stopped_by"] is None:
+            run.close(status)
+            status = None  # closed: the finally below has nothing left to end
+            log_model(config, run.tracker, run.run_dir, results)
         return results
     except KeyboardInterrupt:  # a second stop signal: ended at once
         status = "KILLED"
         raise
     finally:
-        run.close(status)
+        if status is not None:
+            run.close(status)
         if (
             status == "KILLED"
             and results.get("stopped_by") == "SIGUSR2"

@@ -29,7 +29,8 @@ def inputs_of(run):
 
 def test_the_same_data_has_the_same_digest_and_other_data_another(shakespeare, tmp_path):
     first, folder = train(shakespeare, tmp_path, "a")
-    again, _ = train(shakespeare, tmp_path, "b", "train.seed=1")  # another run, the same data
+    # another run, the same data (and no MLflow model: tracking.log_model=false)
+    again, _ = train(shakespeare, tmp_path, "b", "train.seed=1", "tracking.log_model=false")
     other_text = tmp_path / "other.txt"
     other_text.write_text(shakespeare.read_text()[:200_000].upper())
     other, _ = train(other_text, tmp_path, "c")
@@ -50,6 +51,9 @@ def test_the_same_data_has_the_same_digest_and_other_data_another(shakespeare, t
         k: d.digest for k, d in seen.items()
     }
     assert inputs_of(other)["training"].digest != train_set.digest
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/outputs/mlflow.db")
+    models = client.search_logged_models([first.info.experiment_id])
+    assert sorted(m.source_run_id for m in models) == sorted([first.info.run_id, other.info.run_id])
     # the run folder holds the same descriptions (what gptlab.sync sends later)
     assert [d["digest"] for d in lineage.read(folder)] == [
         seen["training"].digest, seen["validation"].digest

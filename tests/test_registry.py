@@ -13,13 +13,14 @@ import sys
 import time
 import urllib.request
 import uuid
+from types import SimpleNamespace
 
 import pytest
 from helpers import cli_env, compose_config, nano_overrides
 from mlflow import MlflowClient
 from test_slurm import tracking_server  # noqa: F401 - the team server (PostgreSQL in CI)
 
-from gptlab import export, sample
+from gptlab import build, export, sample
 from gptlab.errors import GptlabError
 from gptlab.train import run_training
 
@@ -52,6 +53,26 @@ def registered(shakespeare, tmp_path_factory):
         [f"run={run_dir}", "export.register=nano-chars", "export.alias=champion", "hf=false"]
     )
     return run_dir, uri, run_id
+
+
+def logged_models(client, run_id):
+    experiment = client.get_run(run_id).info.experiment_id
+    return client.search_logged_models([experiment], f"source_run_id = '{run_id}'")
+
+
+def test_a_finished_run_logs_its_model_and_export_registers_that_one(registered):
+    """tracking.log_model (on by default): the run's last checkpoint is its MLflow model, with the
+    step and the final metrics; export.register afterwards registers it, not a copy."""
+    run_dir, uri, run_id = registered
+    client = MlflowClient(uri)
+    results = json.loads((run_dir / "results.json").read_text())
+    [model] = logged_models(client, run_id)  # one: the export found it, logged nothing more
+    assert model.tags["gptlab.step"] == str(results["steps"]) and model.name == "model"
+    metrics = {m.key: m for m in model.metrics}
+    assert metrics["best_val_loss"].value == pytest.approx(results["best_val_loss"])
+    assert metrics["best_val_loss"].step == results["steps"]
+    version = client.get_model_version_by_alias("nano-chars", "champion")
+    assert version.source == model.model_uri
 
 
 def test_a_registered_model_is_the_runs_and_loads_back_by_name_alias_and_run(registered, capsys):
@@ -184,6 +205,23 @@ def test_bad_registry_input_is_one_line_and_registers_nothing(registered, tmp_pa
     with pytest.raises(GptlabError):
         export.main([f"run={empty}", "export.register=nano-chars", "hf=false"])
     assert str(client.get_registered_model("nano-chars").latest_versions[0].version) == "1"
+
+
+def test_a_store_down_when_a_run_ends_is_one_warning_naming_the_command(
+    registered, shakespeare, caplog
+):
+    """The run is done and recorded: a model that cannot be logged costs a warning, in seconds."""
+    run_dir, uri, run_id = registered
+    results = json.loads((run_dir / "results.json").read_text())
+    config = compose_config(nano_overrides(shakespeare, "tracking.mlflow=true"))
+    # the run's tracker as it ends, its store gone since
+    down = SimpleNamespace(
+        run_id=run_id, uri="http://127.0.0.1:9", mlflow=SimpleNamespace(unsent=[])
+    )
+    with caplog.at_level("WARNING", logger="gptlab"):
+        build.log_model(config, down, run_dir, results)
+    assert f"log it with: python -m gptlab.export run={run_dir} export.mlflow=true" in caplog.text
+    assert "127.0.0.1:9" in caplog.text and len(logged_models(MlflowClient(uri), run_id)) == 1
 
 
 @pytest.mark.slow

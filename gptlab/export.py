@@ -167,6 +167,7 @@ def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str, D
 def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> None:
     """export.mlflow / export.register: the export as the run's MLflow model, then a version."""
     from gptlab import serving
+    from gptlab.records import lineage
     from gptlab.records.store import error_text
 
     uri, run_id, results = mlflow_run_of(run_path, cfg.tracking_uri)
@@ -178,9 +179,9 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
         if model_uri:
             print(f"the run's MLflow model {model_uri} holds this checkpoint (step {step}) already")
         else:
-            model_uri = serving.log_model(
-                uri, run_id, out, step, serving.model_metrics(results)
-            ).model_uri
+            metrics = serving.model_metrics(results)
+            datasets = lineage.read(run_folder_of(run_path))
+            model_uri = serving.log_model(uri, run_id, out, step, metrics, datasets).model_uri
             print(f"logged as the MLflow model {model_uri} of run {run_id} in {uri}")
         if name:
             v = serving.register(uri, model_uri, name, alias)

@@ -100,9 +100,11 @@ def signature() -> Any:
 
 
 def log_model(uri: str, run_id: str, export_dir: Path, step: int,
-              metrics: Dict[str, float]) -> Any:  # fmt: skip
-    """Log the export folder as the run's MLflow model (linked to the run, its step and metrics);
-    the run's status is left as it was. Its ModelInfo."""
+              metrics: Dict[str, float],
+              datasets: Optional[List[Dict[str, Any]]] = None) -> Any:  # fmt: skip
+    """Log the export folder as the run's MLflow model (linked to the run, its step and metrics,
+    the validation figures to the run's validation data: lineage.describe's `datasets`); the run's
+    status is left as it was. Its ModelInfo."""
     import mlflow
     import torch
 
@@ -124,8 +126,13 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors",
                                   "tiktoken", "gptlab"],
             )  # fmt: skip
-        if metrics:
-            mlflow.log_metrics(metrics, step=step, model_id=info.model_id)
+        val = validation_dataset(datasets)
+        on_val = {k: v for k, v in metrics.items() if k.startswith(("val_", "best_val_"))}
+        if on_val:
+            mlflow.log_metrics(on_val, step=step, model_id=info.model_id, dataset=val)
+        if len(on_val) < len(metrics):
+            rest = {k: v for k, v in metrics.items() if k not in on_val}
+            mlflow.log_metrics(rest, step=step, model_id=info.model_id)
     finally:
         mlflow.end_run(status=status)
         for k, v in saved_env.items():
@@ -134,6 +141,17 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
 
 
 METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
+
+
+def validation_dataset(datasets: Optional[List[Dict[str, Any]]]) -> Any:
+    """The run's validation data as an MLflow Dataset (None when the run folder has none)."""
+    from mlflow.entities import Dataset
+
+    for d in datasets or []:
+        if d.get("context") == "validation":
+            return Dataset(d["name"], d["digest"], d["source_type"], d["source"], None,
+                           d["profile"])  # fmt: skip
+    return None
 
 
 def model_metrics(results: Dict[str, Any]) -> Dict[str, float]:
@@ -147,12 +165,14 @@ def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]
     import tempfile
 
     from gptlab.inference import load_model, write_model_files
+    from gptlab.records import lineage
 
     model, tokenizer, saved = load_model(str(run_dir), "latest")
     with tempfile.TemporaryDirectory(prefix="gptlab-model-") as tmp:
         out = Path(tmp) / ARTIFACT  # MLflow keeps the folder's name
         write_model_files(model, tokenizer, saved, out)
-        return log_model(uri, run_id, out, saved.step, model_metrics(results))
+        metrics = model_metrics(results)
+        return log_model(uri, run_id, out, saved.step, metrics, lineage.read(run_dir))
 
 
 def logged_at(uri: str, run_id: str, step: int) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""`python -m gptlab.ui` over a store that a real gptlab sweep wrote, and the page it serves
-rendered by a real headless Chromium.
+"""`python -m gptlab.ui` over a store that a real gptlab sweep wrote (and one with a registered
+model), and the pages it serves rendered by a real headless Chromium.
 
 gptlab.ui starts a real `mlflow server` on a free loopback port, in a process group of its own, and
 prints the runs view's URL. Chromium loads that URL (the sweep's jobs folded under the parent run),
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_compare import client_for, sweep  # noqa: F401 - the session's real sweep
+from test_registry import registered  # noqa: F401 - a run registered as nano-chars@champion
 
 from gptlab.ui import free_port
 
@@ -161,3 +162,61 @@ def test_ui_serves_the_sweep_and_chromium_shows_the_parent_and_its_children(swee
         if os.environ.get("CI") == "true":
             pytest.fail(message + ", and CI must run it")
         pytest.skip(message)
+
+
+@pytest.mark.slow
+def test_the_registry_and_model_pages_show_the_version_its_run_metrics_and_data(
+    registered,  # noqa: F811
+    tmp_path,
+):
+    """A registered run's model as a team finds it in the UI: the registered model with its
+    version and alias, the version linking its source run and model, the model's page with its
+    validation figures on the run's validation data (its digest), and the run's page with the
+    datasets it trained on and the model it logged."""
+    from mlflow import MlflowClient
+    from test_registry import logged_models
+
+    from gptlab.records import lineage
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "the model pages need chromium (.ci/setup.d/chromium.sh), and CI must run it"
+            )
+        pytest.skip("the model pages need chromium (.ci/setup.d/chromium.sh installs it)")
+    run_dir, uri, run_id = registered
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    exp = run.info.experiment_id
+    [model] = logged_models(client, run_id)
+    data = {d["context"]: d for d in lineage.read(run_dir)}
+    port = free_port("127.0.0.1", preferred=0)
+    ui, _, server_pid = start_ui(run_dir.parent, port)
+    base = f"http://127.0.0.1:{port}/#"
+    try:
+        text = text_of(render(exe, f"{base}/models/nano-chars", tmp_path / "p1"))
+        assert re.search(r"Version 1 .*champion", text), text[:3000]
+
+        dom = render(exe, f"{base}/models/nano-chars/versions/1", tmp_path / "p2")
+        text = text_of(dom)
+        assert f"Source Run : {run.info.run_name}" in text and "Source Model : model" in text
+        assert f'href="#/experiments/{exp}/runs/{run_id}"' in dom
+        assert f'href="#/experiments/{exp}/models/{model.model_id}"' in dom
+
+        text = text_of(render(exe, f"{base}/experiments/{exp}/models/{model.model_id}",
+                              tmp_path / "p3"))  # fmt: skip
+        val = data["validation"]
+        assert re.search(
+            rf"best_val_loss {val['name']} \(#{val['digest']}\) {run.info.run_name} [0-9.]+", text
+        ), text[:4000]
+
+        text = text_of(render(exe, f"{base}/experiments/{exp}/runs/{run_id}", tmp_path / "p4"))
+        train = data["training"]
+        assert f"Datasets {train['name']} ({train['digest']}) training" in text, text[-3000:]
+        assert "Logged models (1)" in text
+    finally:
+        ui.send_signal(signal.SIGTERM)
+        ui.wait(60)
+        kill_group(ui.pid)
+        kill_group(server_pid)

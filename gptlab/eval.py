@@ -171,11 +171,6 @@ def summarize(results: Dict[str, Any], tasks: List[str]) -> List[Dict[str, Any]]
     return rows
 
 
-def run_folder_of(path: Path) -> Path:
-    """The run folder a checkpoint belongs to (<run>/checkpoints/ckpt_N[.pt])."""
-    return path.parent.parent if path.parent.name == layout.CHECKPOINTS else path.parent
-
-
 Source = Dict[str, Optional[str]]  # a downloaded model: its folder, store and source run
 
 
@@ -251,7 +246,7 @@ def evaluate_checkpoint(
 
 def record(cfg: EvalConfig, body: Dict[str, Any], source: Optional[Source] = None) -> Path:
     """eval.json in the run folder (atomically), and the metrics in the run's MLflow run."""
-    folder = Path(source["folder"]) if source else run_folder_of(Path(body["checkpoint"]))
+    folder = Path(source["folder"]) if source else layout.run_folder_of(Path(body["checkpoint"]))
     path = folder / layout.EVAL
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
@@ -349,7 +344,7 @@ def run_eval(config: Any) -> Optional[Path]:
         distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved, source))
         if source:
             return Path(source["folder"]) / layout.EVAL
-        return run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
+        return layout.run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
     return _evaluate(resolved, source)
 
 

@@ -27,6 +27,7 @@ from gptlab.data.hf_tokenizer import special_token_ids
 from gptlab.errors import GptlabError
 from gptlab.inference import load_model, write_model_files
 from gptlab.model import GPT
+from gptlab.records import layout
 
 
 @dataclass
@@ -123,7 +124,7 @@ def run_export(config: Any) -> Path:
     cfg = to_config(config, ExportConfig)
     model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
-    out = Path(cfg.out) if cfg.out else run_folder_of(run_path) / "export"
+    out = Path(cfg.out) if cfg.out else layout.run_folder_of(run_path) / "export"
     tokenizer_files = write_model_files(model, tokenizer, saved, out)
     print(f"wrote {out / 'model.safetensors'}, {out / 'config.json'} and the tokenizer's files")
     if cfg.hf and gpt2_shaped(model):
@@ -141,17 +142,12 @@ def run_export(config: Any) -> Path:
     return out
 
 
-def run_folder_of(run_path: Path) -> Path:
-    """The run folder of run=: itself, or the folder of a checkpoint file (<run>/checkpoints/f)."""
-    return run_path.parent.parent if run_path.is_file() else run_path
-
-
 def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str, Dict[str, Any]]:
     """(the store, the MLflow run id, results.json) a run folder was recorded as, or one line
     saying why not."""
-    from gptlab.records import identity, layout
+    from gptlab.records import identity
 
-    folder = run_folder_of(run_path)
+    folder = layout.run_folder_of(run_path)
     config = layout.read_config(folder)
     results = layout.read_results(folder)
     run_id = results.get("mlflow_run_id")
@@ -180,7 +176,7 @@ def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> No
             print(f"the run's MLflow model {model_uri} holds this checkpoint (step {step}) already")
         else:
             metrics = serving.model_metrics(results)
-            datasets = lineage.read(run_folder_of(run_path))
+            datasets = lineage.read(layout.run_folder_of(run_path))
             model_uri = serving.log_model(uri, run_id, out, step, metrics, datasets).model_uri
             print(f"logged as the MLflow model {model_uri} of run {run_id} in {uri}")
         if name:

@@ -21,8 +21,10 @@ when the sweep could not write sweep.json). A run deleted in MLflow is left dele
 What is completed: the metric points whose (name, step) the run lacks (metrics.jsonl, and
 results.json as summary/*), params not logged yet (a param cannot change; the derived.* figures come
 from derived.json), artifacts missing or of another size (config_resolved.yaml,
-results.json, samples.txt, loss.png, bench.json), tags missing, and the status: FINISHED when
-results.json holds the results, KILLED when it says the run was stopped (`stopped_by`). A folder
+results.json, samples.txt, loss.png, bench.json), tags missing, the data as dataset inputs, the
+status: FINISHED when results.json holds the results, KILLED when it says the run was stopped
+(`stopped_by`), and a finished run's model (tracking.log_model) when the store has none of its
+last step. A folder
 without results.json (a run still going, or one that died) leaves the status as it is (RUNNING for a
 new record): sync again once it has ended. Folders of runs with tracking.mlflow=false are skipped.
 Timestamps are approximate: spread by step between the folder's first and last writes.
@@ -259,9 +261,10 @@ class Sent:
     params: int = 0
     artifacts: int = 0
     status: Optional[str] = None  # the status set, when sync changed it
+    model: Optional[str] = None  # the run's MLflow model, when sync logged it
 
     def __bool__(self) -> bool:
-        return bool(self.points or self.params or self.artifacts or self.status)
+        return bool(self.points or self.params or self.artifacts or self.status or self.model)
 
 
 @dataclass
@@ -435,12 +438,32 @@ def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
         if key not in run.data.tags:
             client.set_tag(run_id, key, value)
     send_datasets(client, run, folder)
-    return Sent(
+    sent = Sent(
         points=send_metrics(client, run_id, folder),
         params=len(params),
         artifacts=send_artifacts(client, run_id, folder.path),
         status=send_status(client, run, folder),
     )
+    sent.model = send_model(store, run_id, folder)
+    return sent
+
+
+def send_model(store: Store, run_id: str, folder: RunFolder) -> Optional[str]:
+    """A finished run's model (tracking.log_model), when the store lacks it: what the run's end
+    logs when its store answers. Its URI, or None when nothing was logged."""
+    tracking, train = folder.config.get("tracking") or {}, folder.config.get("train") or {}
+    results = folder.results
+    if not (results and results.get("stopped_by") is None and tracking.get("log_model")):
+        return None
+    from gptlab import checkpoint, serving
+
+    if not train.get("save_checkpoints", True):
+        return None
+    if checkpoint.latest(folder.path / layout.CHECKPOINTS) is None:
+        return None
+    if serving.logged_at(store.uri, run_id, int(results.get("steps") or 0)):
+        return None
+    return serving.log_checkpoint(folder.path, store.uri, run_id, results).model_uri
 
 
 def send_datasets(client: Any, run: Any, folder: RunFolder) -> int:
@@ -471,6 +494,7 @@ def sync_folder(store: Store, folder: RunFolder) -> str:
         return f"{folder.path}: up to date{note}"
     what = f"{sent.points} metric points, {sent.params} params, {sent.artifacts} artifacts"
     status = f", {sent.status}" if sent.status else ""
+    status += f", its model {sent.model}" if sent.model else ""
     return f"{folder.path}: recorded as run {run.info.run_id} ({what}{status}){note}"
 
 

@@ -499,6 +499,13 @@ def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_
         assert run.data.tags["overrides"].startswith("model=gpt_nano ")
         artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
         assert artifacts == {"config_resolved.yaml", "results.json", "samples.txt", "loss.png"}
+        # the model the run's end would have logged, once
+        models = client(uri).search_logged_models(
+            [run.info.experiment_id], f"source_run_id = '{run.info.run_id}'"
+        )
+        steps = json.loads((run_dir / "results.json").read_text())["steps"]
+        assert [m.tags["gptlab.step"] for m in models] == [str(steps)]
+        assert line.endswith(f", FINISHED, its model {models[0].model_uri})")
         params = dict(run.data.params)
         r = run_cli(["gptlab.sync", str(run_dir), f"tracking.uri={uri}"], cwd=tmp_path, timeout=180)
         assert r.returncode == 0 and r.stdout == f"{run_dir}: up to date\n", (

@@ -44,6 +44,16 @@ def is_run_folder(folder: Path) -> bool:
     return (folder / HYDRA).is_dir() or started(folder)
 
 
+def run_folder_of(path: Path) -> Path:
+    """The run folder a command's run= names: a run folder itself, or the folder of one of its
+    checkpoints (<run>/checkpoints/ckpt_<step>.pt, or a sharded ckpt_<step>/); a checkpoint file
+    kept elsewhere: the folder it is in."""
+    path = Path(path)
+    if path.parent.name == CHECKPOINTS:
+        return path.parent.parent
+    return path.parent if path.is_file() else path
+
+
 def started(folder: Path) -> bool:
     """Whether the run in folder began recording (a job that failed at its start did not)."""
     return any((Path(folder) / name).is_file() for name in STARTED)

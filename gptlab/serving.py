@@ -6,7 +6,8 @@ gptlab and torch where it is loaded, and nothing else. `predict` takes prompts (
 or a DataFrame with a `prompt` column) and returns each prompt followed by its generated text, as
 `gptlab.sample` prints it for the same seed; the params are `max_new_tokens`, `temperature` (0:
 greedy), `top_k` (0: the whole vocabulary) and `seed`. `mlflow models serve -m models:/NAME/1
---env-manager local` serves it: `POST /invocations`.
+--env-manager local` serves it: `POST /invocations`. A finished run logs its last checkpoint so
+(`log_checkpoint`, tracking.log_model), as do gptlab.export's export.mlflow and gptlab.sync.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gptlab.errors import GptlabError
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
 MODEL_NAME = "model"  # the logged model's name in its run
 MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # what run= of sample and eval accept
+PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 STEP_TAG = "gptlab.step"  # a logged model's tag: the step of the checkpoint it holds
 PARAMS = {"max_new_tokens": 100, "temperature": 0.8, "top_k": 200, "seed": 0}
 
@@ -112,9 +114,8 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
     client = mlflow.MlflowClient(uri)
     status = client.get_run(run_id).info.status
     mlflow.start_run(run_id=run_id)
-    quiet = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}  # it copies local files
-    saved_env = {k: os.environ.get(k) for k in quiet}
-    os.environ.update(quiet)
+    bar = os.environ.get(PROGRESS_BAR)
+    os.environ[PROGRESS_BAR] = "false"  # it copies local files: no bar in the run's output
     try:
         with warnings.catch_warnings():
             # predict generates text: an input example would make MLflow run it at every logging
@@ -135,8 +136,10 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
             mlflow.log_metrics(rest, step=step, model_id=info.model_id)
     finally:
         mlflow.end_run(status=status)
-        for k, v in saved_env.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        if bar is None:
+            os.environ.pop(PROGRESS_BAR, None)
+        else:
+            os.environ[PROGRESS_BAR] = bar
     return info
 
 

@@ -365,6 +365,9 @@ def log_model(config: Any, tracker: Any, run_dir: Path, results: Dict[str, Any])
     try:
         check_reachable(tracker.uri)  # seconds, where MLflow's own client retries for minutes
         info = log_checkpoint(run_dir, tracker.uri, tracker.run_id, results)
+    except KeyboardInterrupt:  # Ctrl-C while it logs: the run is done, only its model is missing
+        log.warning(f"the run's MLflow model was not logged (interrupted); log it with: {later}")
+        return
     except Exception as e:  # noqa: BLE001 - the run is recorded; only its model is missing
         log.warning(
             f"the run's MLflow model was not logged ({error_text(e)}); log it with: {later}"

@@ -66,7 +66,10 @@ def test_a_search_on_slurm_survives_its_killed_sweeper(shakespeare, tmp_path, tr
     assert "its sweeper is gone; resuming it" in out, out[-3000:]
     trials = optuna.load_study(study_name=name, storage=url).get_trials()
     assert [t.number for t in trials] == list(range(8))
-    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials), [t.state for t in trials]
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials), (
+        [(t.number, t.state.name, t.system_attrs.get("gptlab:error")) for t in trials],
+        out[-3000:],
+    )
     search = tmp_path / "outputs" / "searches" / name
     results = {}
     for t in trials:
@@ -87,7 +90,9 @@ def test_a_search_on_slurm_survives_its_killed_sweeper(shakespeare, tmp_path, tr
     assert len(parents) == 1, [r.data.tags.get("run_type") for r in runs]
     parent = parents[0]
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(kids) == 8
+    assert len(kids) == 8, [
+        (k.data.tags.get("search.trial"), k.info.status, k.data.tags.get("run_dir")) for k in kids
+    ]
     complete = {t.number: t.value for t in trials if t.state.name == "COMPLETE"}
     for k in kids:
         number = int(k.data.tags["search.trial"])

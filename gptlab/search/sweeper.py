@@ -292,7 +292,28 @@ class Search:
         )
         if job:
             cancel_and_wait(str(job))
+        self._drop_unsaved_attempt(t.number)
         fill_params(self.study, t, self.space)
+
+    def _drop_unsaved_attempt(self, number: int) -> None:
+        """A taken-over trial with no checkpoint starts afresh (its folder's records moved aside):
+        the MLflow run its cancelled job had begun holds nothing to continue, and is deleted, so the
+        trial stays one child of the search (MLflow keeps deleted runs restorable)."""
+        from gptlab import checkpoint
+        from gptlab.records import store
+
+        folder = self.sweep_dir / str(number)
+        if not self.parent or checkpoint.latest(folder / layout.CHECKPOINTS) is not None:
+            return
+        try:
+            client = self._client()
+            parent = self.parent
+            for r in store.children(client, parent["experiment_id"], parent["parent_run_id"]):
+                if r.data.tags.get("run_dir") == str(folder):
+                    client.delete_run(r.info.run_id)
+                    log.info(f"trial {number}: no checkpoint; its unfinished MLflow run is deleted")
+        except Exception as e:  # noqa: BLE001 - the trial goes on; at worst it has two runs
+            log.warning(f"trial {number}: could not delete its unfinished MLflow run: {e}")
 
     def _overrides(self, number: int) -> List[str]:
         trial = self.study.get_trials(deepcopy=False)[number]

@@ -169,14 +169,22 @@ def test_folders_are_taken_as_typed():
     assert list(compose("sync").sync.folders) == [] and compose("sync").tracking.uri is None
 
 
+def logged_models(uri, run):
+    return client(uri).search_logged_models(
+        [run.info.experiment_id], f"source_run_id = '{run.info.run_id}'"
+    )
+
+
 def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (line,) = main([str(folder), f"tracking.uri={uri}"])
     (run,) = all_runs(uri)
     points, params = sum(len(s) for s in expected_points(folder).values()), param_count(folder)
+    # and the model the run's end would have logged, once
+    (model,) = logged_models(uri, run)
     assert line == (
         f"{folder}: recorded as run {run.info.run_id} ({points} metric points, {params} params, 4 "
-        f"artifacts, FINISHED)"
+        f"artifacts, FINISHED, its model {model.model_uri})"
     )
     assert_complete(uri, run, folder)
     assert (
@@ -217,10 +225,11 @@ def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
         sum(len(s) for s in expected_points(folder).values()) - len(half),
         param_count(folder) - 1,
     )
+    (model,) = logged_models(uri, run)
     assert (
         line
         == f"{folder}: recorded as run {run.info.run_id} ({sent} metric points, {params} params, 4 "
-        f"artifacts, FINISHED)"
+        f"artifacts, FINISHED, its model {model.model_uri})"
     )
     (done,) = all_runs(uri)
     assert done.info.run_name == "half"  # the run it was, completed in place
@@ -500,9 +509,7 @@ def test_a_run_made_offline_is_recorded_through_a_server_later(shakespeare, tmp_
         artifacts = {a.path for a in client(uri).list_artifacts(run.info.run_id)}
         assert artifacts == {"config_resolved.yaml", "results.json", "samples.txt", "loss.png"}
         # the model the run's end would have logged, once
-        models = client(uri).search_logged_models(
-            [run.info.experiment_id], f"source_run_id = '{run.info.run_id}'"
-        )
+        models = logged_models(uri, run)
         steps = json.loads((run_dir / "results.json").read_text())["steps"]
         assert [m.tags["gptlab.step"] for m in models] == [str(steps)]
         assert line.endswith(f", FINISHED, its model {models[0].model_uri})")

@@ -148,13 +148,10 @@ METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellasw
 
 def validation_dataset(datasets: Optional[List[Dict[str, Any]]]) -> Any:
     """The run's validation data as an MLflow Dataset (None when the run folder has none)."""
-    from mlflow.entities import Dataset
+    from gptlab.records import lineage
 
-    for d in datasets or []:
-        if d.get("context") == "validation":
-            return Dataset(d["name"], d["digest"], d["source_type"], d["source"], None,
-                           d["profile"])  # fmt: skip
-    return None
+    val = [d for d in datasets or [] if d.get("context") == "validation"]
+    return lineage.mlflow_dataset(val[0]) if val else None
 
 
 def model_metrics(results: Dict[str, Any]) -> Dict[str, float]:

@@ -84,15 +84,19 @@ def read(run_dir: Path) -> Optional[List[Dict[str, Any]]]:
     return record.get("datasets") if record else None
 
 
+def mlflow_dataset(d: Dict[str, Any]) -> Any:
+    """One description as an MLflow Dataset entity."""
+    from mlflow.entities import Dataset
+
+    return Dataset(d["name"], d["digest"], d["source_type"], d["source"], None, d["profile"])
+
+
 def dataset_inputs(datasets: List[Dict[str, Any]]) -> List[Any]:
     """The descriptions as MLflow DatasetInputs (the context as MLflow's own input tag)."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     return [
-        DatasetInput(
-            Dataset(d["name"], d["digest"], d["source_type"], d["source"], None, d["profile"]),
-            [InputTag(MLFLOW_DATASET_CONTEXT, d["context"])],
-        )
+        DatasetInput(mlflow_dataset(d), [InputTag(MLFLOW_DATASET_CONTEXT, d["context"])])
         for d in datasets
     ]

@@ -300,18 +300,14 @@ class Search:
         the MLflow run its cancelled job had begun holds nothing to continue, and is deleted, so the
         trial stays one child of the search (MLflow keeps deleted runs restorable)."""
         from gptlab import checkpoint
-        from gptlab.records import store
 
         folder = self.sweep_dir / str(number)
         if not self.parent or checkpoint.latest(folder / layout.CHECKPOINTS) is not None:
             return
         try:
-            client = self._client()
-            parent = self.parent
-            for r in store.children(client, parent["experiment_id"], parent["parent_run_id"]):
-                if r.data.tags.get("run_dir") == str(folder):
-                    client.delete_run(r.info.run_id)
-                    log.info(f"trial {number}: no checkpoint; its unfinished MLflow run is deleted")
+            for run_id in self._runs_of(number):
+                self._client().delete_run(run_id)
+                log.info(f"trial {number}: no checkpoint; its unfinished MLflow run is deleted")
         except Exception as e:  # noqa: BLE001 - the trial goes on; at worst it has two runs
             log.warning(f"trial {number}: could not delete its unfinished MLflow run: {e}")
 
@@ -495,15 +491,17 @@ class Search:
         except Exception as e:  # noqa: BLE001
             log.warning(f"could not record trial {number} in MLflow: {e}")
 
-    def _child_of(self, number: int) -> Optional[str]:
+    def _runs_of(self, number: int) -> List[str]:
+        """The ids of the parent's child runs made in trial `number`'s folder."""
         from gptlab.records import store
 
-        client = self._client()
         folder = str(self.sweep_dir / str(number))
-        for r in store.children(client, self.parent["experiment_id"], self.parent["parent_run_id"]):
-            if r.data.tags.get("run_dir") == folder:
-                return r.info.run_id
-        return None
+        kids = store.children(self._client(), self.parent["experiment_id"],
+                              self.parent["parent_run_id"])  # fmt: skip
+        return [r.info.run_id for r in kids if r.data.tags.get("run_dir") == folder]
+
+    def _child_of(self, number: int) -> Optional[str]:
+        return next(iter(self._runs_of(number)), None)
 
 
 def check(config: DictConfig) -> None:

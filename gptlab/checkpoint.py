@@ -517,4 +517,8 @@ def restore_rng(state: Dict[str, Any]) -> None:
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a resume may see fewer (any world size
+        # resumes; seed_step reseeds every device at each step anyway), or more
+        saved = state["cuda"]
+        for index in range(min(len(saved), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(saved[index], index)

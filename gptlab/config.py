@@ -316,6 +316,12 @@ def _validate_processes(c: Config) -> None:
     _choice(
         "hardware.attention_backend", h.attention_backend, ["auto", "flash", "efficient", "math"]
     )
+    _check(
+        not (h.device == "cuda" and h.attention_backend == "flash" and h.precision == "fp32"),
+        "hardware.attention_backend",
+        "flash runs only in bf16 or fp16 on a GPU: set hardware.precision=bf16, or "
+        "hardware.attention_backend=auto (SDPA then picks flash where the inputs allow it)",
+    )
     _check(h.nproc_per_node >= 1, "hardware.nproc_per_node", "must be >= 1")
     _check(h.nodes >= 1, "hardware.nodes", "must be >= 1")
     _choice("parallelism.strategy", p.strategy, list(STRATEGIES))

@@ -23,8 +23,14 @@ from typing import Any, Dict, List, Optional, Tuple
 from gptlab import fastpath
 from gptlab.config import SHARDED, Config, HardwareConfig
 from gptlab.errors import GptlabError
-from gptlab.metrics import machine_memory_bytes, measured_cpu_peak
+from gptlab.metrics import (
+    gpu_peak_tflops,
+    machine_memory_bytes,
+    measured_cpu_peak,
+    measured_gpu_peak,
+)
 from gptlab.model import GPTConfig, padded_vocab
+from gptlab.optim import muon_owners, ns_dtype
 
 GiB = 2**30
 
@@ -172,8 +178,10 @@ def peak_tflops_for(
 def device_peak(hw: HardwareConfig) -> Tuple[float, str]:
     """(peak FLOP/s of one device at the hardware's precision, where it came from).
 
-    From the preset's figures ("config"), else the CPU's measured matmul rate ("measured"), else
-    (0.0, "unknown") for a GPU preset without figures (MFU is then not reported).
+    From the preset's figures ("config"); else, on a GPU, the visible GPU's datasheet figures by its
+    name ("GPU name", metrics.GPU_PEAKS), else its measured matmul rate ("measured"); on the CPU
+    its measured matmul rate ("measured"). (0.0, "unknown") only where a GPU preset without
+    figures is planned with no GPU visible (MFU is then not reported).
     """
     if hw.precision == fastpath.AUTO:  # the CPU's choice depends on the model: not known here
         raise GptlabError("hardware.precision=auto: decide it (fastpath.with_precision) first")
@@ -182,9 +190,18 @@ def device_peak(hw: HardwareConfig) -> Tuple[float, str]:
     )
     if tflops:
         return tflops * 1e12, "config"
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(hw.precision, "float32")
     if hw.device == "cpu":
         return measured_cpu_peak("bfloat16" if hw.precision == "bf16" else "float32"), "measured"
-    return 0.0, "unknown"
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0, "unknown"
+    name = torch.cuda.get_device_name(torch.cuda.current_device())
+    tflops = gpu_peak_tflops(name, hw.precision, hw.tf32)
+    if tflops:
+        return tflops * 1e12, f"{name} datasheet"
+    return measured_gpu_peak(dtype), f"measured on {name}"
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -218,6 +235,9 @@ class Shape:
     layer_params: int = 0  # parameters of one block (what a sharded run gathers at a time)
     loss_chunk: int = 0  # tokens per chunk of LM head + loss (model.ChunkedHeadLoss); 0: whole
     optimizer_floats: float = 2.0  # fp32 optimizer numbers per parameter (AdamW: two moments)
+    # the matrices Muon orthogonalises, (rows, cols) each (muon_matrices); none without Muon
+    muon_shapes: Tuple[Tuple[int, int], ...] = ()
+    ns_bytes: int = 4  # the size of Muon's Newton-Schulz dtype (optim.ns_dtype)
 
 
 def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
@@ -266,6 +286,9 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     of backward the root's whole gradient (in the compute dtype and its fp32 copy for the
     reduce-scatter) and the block gradients not yet reduce-scattered (checked against the
     allocator's peak on 2 processes in tests/test_plan.py).
+
+    The optimizer step is a moment of its own: this rank's gradients beside newton_schulz, what
+    Muon's step holds (``newton_schulz_bytes``; 0 with AdamW).
     """
     c = _BYTES[s.precision]
     tokens = micro_batch * s.block_size
@@ -295,10 +318,61 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
         "gathered": sharded["gathered"],
         "activations": tokens * (kept + embed + head) + head_grad,
         "transient": max(logits, recompute),
+        "newton_schulz": newton_schulz_bytes(s),
     }
-    peak = _step_peak(parts, recompute, s.sharded)
+    # the optimizer step: this rank's gradients and what Muon's step holds beside them
+    optimizer_step = 4.0 * s.params / shards + parts["newton_schulz"]
+    peak = max(_step_peak(parts, recompute, s.sharded), optimizer_step)
     parts["total"] = parts["weights"] + parts["optimizer"] + parts["ddp"] + peak
     return parts
+
+
+def muon_matrices(cfg: Config, vocab: int) -> Tuple[Tuple[int, int], ...]:
+    """The matrices Muon orthogonalises (none unless optimizer.name=muon), as optim.build_optimizer
+    picks them: each block's attention c_attn and c_proj, MLP c_fc and c_proj, and an untied head
+    (vocab: the padded vocabulary)."""
+    if cfg.optimizer.name != "muon":
+        return ()
+    m = cfg.model
+    d, h = m.n_embd, m.hidden_dim
+    fc = (2 if m.mlp == "swiglu" else 1) * h
+    block = ((3 * d, d), (d, d), (fc, d), (d, h))
+    return block * m.n_layer + (() if m.tie_weights else ((vocab, d),))
+
+
+def newton_schulz_bytes(s: Shape) -> float:
+    """What Muon's step holds beside the weights, gradients and state (0 without Muon): the Nesterov
+    updates (fp32, this rank's part of each matrix) and, in the Newton-Schulz dtype, what
+    orthogonalising this rank's share of the matrices takes (optim.muon_owners, over the shards
+    when sharded, else over the world): its largest stack with the iteration's x, next x and two
+    grams; split over ranks, its results too, and the collectives' buffers: replicated, one other
+    owner's broadcast results at a time; sharded, the owner's whole matrices gathered beside its
+    results, and the all-to-alls' buffers (this rank's rows of every matrix)."""
+    if not s.muon_shapes:
+        return 0.0
+    ranks = s.shards if s.sharded else s.world_size
+    owners = muon_owners(s.muon_shapes, ranks)
+    shares = [[m for m, o in zip(s.muon_shapes, owners) if o == k] for k in range(ranks)]
+    share = max(float(sum(r * c for r, c in mine)) for mine in shares)
+    iteration = max(_stack_peak(mine) for mine in shares)
+    local = sum(r * c for r, c in s.muon_shapes) / (s.shards if s.sharded else 1)
+    if ranks == 1:
+        held = iteration
+    elif s.sharded:
+        held = max(2 * share + iteration, 2 * share + local)
+    else:
+        held = max(share + iteration, 2 * share)
+    return 4.0 * local + s.ns_bytes * held
+
+
+def _stack_peak(shapes: List[Tuple[int, int]]) -> float:
+    """Numbers held while the largest of these matrices' stacks (one per shape, turned wide: k
+    matrices of r <= c) iterates: the stack, x, the next x (k r c each) and two grams (k r^2)."""
+    by_shape: Dict[Tuple[int, int], int] = {}
+    for shape in shapes:
+        key = (min(shape), max(shape))
+        by_shape[key] = by_shape.get(key, 0) + 1
+    return max((k * (3.0 * r * c + 2.0 * r * r) for (r, c), k in by_shape.items()), default=0.0)
 
 
 def _step_peak(parts: Dict[str, float], recompute: float, sharded: bool) -> float:
@@ -347,6 +421,8 @@ def loss_chunk(par: Any, m: GPTConfig, vocab: int) -> int:
 
 
 def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
+    import torch
+
     cfg = fastpath.with_precision(cfg)
     m, hw = cfg.model, cfg.hardware
     vocab, assumed = vocab_for(cfg)
@@ -379,6 +455,8 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         layer_params=block_params(m),
         loss_chunk=loss_chunk(cfg.parallelism, m, vocab),
         optimizer_floats=optimizer_floats(cfg, params, matmuls, V * m.n_embd),
+        muon_shapes=muon_matrices(cfg, V),
+        ns_bytes=ns_dtype(cfg.optimizer.muon_ns_dtype, torch.device(hw.device)).itemsize,
     )
     return shape, params, assumed
 
@@ -492,7 +570,14 @@ def eager_step_s(cfg: Any) -> Optional[float]:
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
     """hardware.precision=auto and hardware.compile=auto decided (gptlab/fastpath.py's rules, the
     compile rule fed this planner's step time): (the config, the choices with their reasons)."""
-    return fastpath.resolve(cfg, eager_step_s, steps)
+    resolved, choices = fastpath.resolve(cfg, eager_step_s, steps)
+    hw = resolved.hardware
+    if hw.device == "cuda" and hw.attention_backend == "flash" and hw.precision == "fp32":
+        raise GptlabError(
+            f"hardware.attention_backend=flash needs bf16 or fp16, and precision auto chose fp32 "
+            f"({choices['precision'].reason}): set hardware.attention_backend=auto"
+        )
+    return resolved, choices
 
 
 def resolve_micro_batch(cfg: Config) -> Config:

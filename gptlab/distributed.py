@@ -133,10 +133,15 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     else:
         device = torch.device("cpu")
     global _CONTROL_GROUP
-    if (world > 1 or par.strategy in SHARDED) and not dist.is_initialized():
+    # ddp under a launcher (torchrun, SLURM) joins a group even alone: a world of one runs the
+    # same DDP wrapper and backend as the many-GPU job (gpu_check's DDP at world 1 over NCCL)
+    launched_ddp = par.strategy == "ddp" and "MASTER_ADDR" in os.environ
+    if (world > 1 or par.strategy in SHARDED or launched_ddp) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=par.timeout_s)
         # fsdp on one device still needs a process group for its mesh: a one-rank group in memory
-        alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if world == 1 else {}
+        alone = {}
+        if world == 1 and not launched_ddp:
+            alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timeout,
@@ -425,23 +430,56 @@ def wrap_model(
     break its graph at every block's FSDP hook and silently run eager.
     """
     if par.activation_checkpointing:
-        model.activation_checkpointing = True
+        model.activation_checkpointing = True  # inside each block's forward: compiled with it
+        if compile:
+            compile_with_checkpointing(d.world_size > 1 and par.strategy not in SHARDED)
     if par.strategy in SHARDED:
         return _shard(model, d, par, hw, compile)
     if compile:
         fastpath.use_inductor_cache()  # the next run of the command reuses the compiled code
         model = torch.compile(model)
-    return _replicate(model, d)
+    return _replicate(model, d, par.strategy == "ddp" and dist.is_initialized())
 
 
-def _replicate(model: nn.Module, d: Dist) -> nn.Module:
-    """A whole copy per process: alone, the model itself; with others, DDP keeps the copies in
+def compile_with_checkpointing(ddp: bool) -> None:
+    """Dynamo settings for compiled blocks that checkpoint their activations.
+
+    Every block runs the same forward code under its own guards, and backward re-runs them in
+    reverse order: Dynamo's LRU reordering of cached graphs then keeps missing and recompiling,
+    so it is turned off (as torchtitan does with checkpointing). Under DDP, torch before 2.6 had
+    DDPOptimizer refuse graphs holding checkpointing's higher-order op (pytorch#104674): there
+    DDP's buckets are not split into graphs (one graph, gradients reduced after it).
+    """
+    import torch._dynamo
+
+    set_lru = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
+    if set_lru is not None:
+        set_lru(False)
+    if ddp and torch_older_than(2, 6):
+        torch._dynamo.config.optimize_ddp = False
+
+
+def torch_older_than(major: int, minor: int) -> bool:
+    version = torch.__version__.split("+")[0].split(".")
+    return (int(version[0]), int(version[1])) < (major, minor)
+
+
+def _replicate(model: nn.Module, d: Dist, alone_in_ddp: bool = False) -> nn.Module:
+    """A whole copy per process: alone, the model itself (unless alone_in_ddp: parallelism=ddp
+    launched as a world of one, whose process group is up); with others, DDP keeps the copies in
     step."""
-    if d.world_size == 1:
+    if d.world_size == 1 and not alone_in_ddp:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    # No buffer broadcast: the buffers (rotary and sinusoidal tables) are the same on every rank by
+    # construction, and broadcasting them makes every forward a collective, so that a rank with
+    # no validation batch (train.eval_steps < world size) would leave the others waiting in it.
+    return DDP(
+        model,
+        device_ids=[d.device.index] if d.device.type == "cuda" else None,
+        broadcast_buffers=False,
+    )
 
 
 # hardware.precision -> the dtype FSDP gathers parameters in for compute (master weights stay fp32)
@@ -535,7 +573,7 @@ def agree_on_signal(received: Optional[str]) -> Optional[str]:
         return received
     codes = {None: 0, "SIGINT": 1, "SIGTERM": 2, "SIGUSR2": 3}
     # a CPU tensor over the gloo control group: no host-device synchronisation on GPUs
-    flag = torch.tensor([codes.get(received, 2)])
+    flag = torch.tensor([codes.get(received, 2)], device="cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_CONTROL_GROUP)
     return {v: k for k, v in codes.items()}[int(flag.item())]
 

@@ -142,12 +142,14 @@ def load_tasks(manager: Any, tasks: List[str]) -> Dict[str, Any]:
 
 
 def autocast_for(precision: str, device: Any):
-    import torch
-
+    """(the autocast context, the precision): auto is training's rule on a GPU (bf16 from Ampere
+    on; torch.cuda.is_bf16_supported() also counts emulated bf16) and fp32 on the CPU."""
+    from gptlab import fastpath
     from gptlab.build import autocast_factory
 
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        cuda = device.type == "cuda"
+        precision = fastpath.choose_precision("auto", "cuda", 0).value if cuda else "fp32"
     return autocast_factory(device.type, precision), precision
 
 

@@ -90,16 +90,17 @@ def evaluate(run: "Run") -> Dict[str, float]:
             if i < len(run.val_batches):
                 x, y = run.val_batches[i]
             else:  # padding: the collectives need this rank, the sums do not
-                x = y = torch.zeros((1, run.block_size), dtype=torch.long)
+                x = y = torch.zeros((1, run.block_size), dtype=torch.long, device=dev)
             x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
             with run.autocast():
                 _, nats = model(x, y, per_token=True)
             if i < len(run.val_batches):
                 nbytes = run.token_bytes[y]
                 counted = nats.masked_fill(nbytes == 0, 0.0)
-                sums += torch.stack(
-                    [nats.sum(), torch.tensor(y.numel()), counted.sum(), nbytes.sum()]
-                ).to(sums)
+                sums[0] += nats.sum()
+                sums[1] += y.numel()  # a Python number: no tensor on another device
+                sums[2] += counted.sum()
+                sums[3] += nbytes.sum()
     model.train()
     if run.dist.world_size > 1:
         torch.distributed.all_reduce(sums)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from functools import lru_cache
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -48,6 +48,73 @@ def measured_cpu_peak(
             a @ b
             count += 1
         best = max(best, 2 * n**3 * count / elapsed)
+    return best
+
+
+# Dense (not sparse) peak TFLOP/s of common data-centre GPUs, by a part of the name torch reports:
+# bf16/fp16 tensor cores, TF32 ("-": none), fp32. Searched in order ("H100 PCIe" before "H100").
+_GPU_TABLE = """
+H100 PCIe  756   378    51.2
+H100 NVL   835   417.5  60.0
+H100       989   494.5  66.9
+H200       989   494.5  66.9
+GH200      989   494.5  66.9
+H800       989   494.5  66.9
+B200       2250  1100   80.0
+A100       312   156    19.5
+A800       312   156    19.5
+A10G       70    35     31.2
+L40S       362   183    91.6
+L4         121   60     30.3
+A10        125   62.5   31.2
+V100       125   -      15.7
+T4         65    -      8.1
+"""
+
+
+def _gpu_peaks() -> Tuple[Tuple[str, Tuple[float, Optional[float], float]], ...]:
+    rows = []
+    for line in _GPU_TABLE.strip().splitlines():
+        *name, half, tf32, fp32 = line.split()
+        rows.append(
+            (" ".join(name), (float(half), None if tf32 == "-" else float(tf32), float(fp32)))
+        )
+    return tuple(rows)
+
+
+GPU_PEAKS = _gpu_peaks()  # (name part, (bf16/fp16, TF32 or None, fp32)); V100 / T4: fp16 only
+
+
+def gpu_peak_tflops(name: str, precision: str, tf32: bool) -> Optional[float]:
+    """The dense peak TFLOP/s of the GPU called name at a precision, or None for a GPU not in
+    GPU_PEAKS."""
+    for part, (half, tf32_rate, fp32) in GPU_PEAKS:
+        if part.lower() in name.lower():
+            if precision in ("bf16", "fp16"):
+                return half
+            return tf32_rate if tf32 and tf32_rate else fp32
+    return None
+
+
+@lru_cache(maxsize=None)
+def measured_gpu_peak(dtype_name: str = "bfloat16", n: int = 4096, trials: int = 5) -> float:
+    """Dense-matmul FLOP/s of the current GPU (an unknown one: below its datasheet's peak, so MFU
+    reads high, never 0)."""
+    dtype, device = getattr(torch, dtype_name), torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    best = 0.0
+    for _ in range(max(1, trials)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ b
+        end.record()
+        end.synchronize()
+        best = max(best, 10 * 2 * n**3 / (start.elapsed_time(end) / 1e3))
     return best
 
 

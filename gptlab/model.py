@@ -181,7 +181,17 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
+        # recompute the block in backward instead of storing its activations (training only); set
+        # through GPT.activation_checkpointing. Inside forward, so that compiling a block compiles
+        # its checkpointing too: compile(checkpoint(block)), the order torch.compile supports.
+        self.checkpointed = False
+
     def forward(self, x, rope=None, cache=None):
+        if self.checkpointed and self.training and cache is None:
+            return checkpoint(self._forward, x, rope, None, use_reentrant=False)
+        return self._forward(x, rope, cache)
+
+    def _forward(self, x, rope, cache):
         a, new_cache = self.attn(self.ln_1(x), rope, cache)
         x = x + a
         x = x + self.mlp(self.ln_2(x))
@@ -253,8 +263,6 @@ class GPT(nn.Module):
                 "GPTConfig.vocab_size is null: set it from the tokenizer before building"
             )
         self.config = cfg
-        # switched on by distributed.wrap_model for large models
-        self.activation_checkpointing = False
         # tokens per chunk of head + loss when training (ChunkedHeadLoss); 0: whole
         self.loss_chunk = 0
         V, C = cfg.padded_vocab_size, cfg.n_embd
@@ -294,6 +302,17 @@ class GPT(nn.Module):
         """Parameters counted once (the tied LM head shares the embedding)."""
         return sum(p.numel() for p in self.parameters())
 
+    @property
+    def activation_checkpointing(self) -> bool:
+        """Whether every block recomputes its activations in backward (switched on by
+        distributed.wrap_model for large models)."""
+        return all(block.checkpointed for block in self.h)
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, on: bool) -> None:
+        for block in self.h:
+            block.checkpointed = on
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -326,12 +345,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         new_cache: KVCache = []
         for i, block in enumerate(self.h):
-            layer_cache = cache[i] if cache else None
-            if self.activation_checkpointing and self.training and cache is None:
-                # recompute the block in backward instead of storing its activations
-                x, kv = checkpoint(block, x, rope, None, use_reentrant=False)
-            else:
-                x, kv = block(x, rope, layer_cache)
+            x, kv = block(x, rope, cache[i] if cache else None)
             if cache is not None:
                 new_cache.append(kv)
         x = self.ln_f(x)

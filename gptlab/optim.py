@@ -6,11 +6,12 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
 
@@ -252,6 +253,207 @@ def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[choice]
 
 
+# ------------------------------------------------------------ Muon's Newton-Schulz split over ranks
+#
+# Alone, a process orthogonalises every matrix. With others, each rank orthogonalises its share of
+# the matrices (muon_owners) and the results are exchanged, one flat buffer per collective: with
+# replicated parameters (DDP) each owner broadcasts its results in turn; FSDP2's row shards
+# (DTensors, Shard(0) over the mesh's last dimension: fsdp's one, hsdp's within-node one) go to each
+# matrix's owner in one all-to-all and its rows come back in another. Each matrix is orthogonalised
+# whole, in stacks by shape as alone, so the step equals one process's.
+
+
+def ns_flops(shape: Sequence[int], steps: int) -> float:
+    """FLOPs of orthogonalize on one matrix of this shape (either way round; r <= c): per iteration
+    the gram (2 r^2 c), gram @ gram (2 r^3) and poly @ x (2 r^2 c)."""
+    r, c = sorted(shape)
+    return steps * (4.0 * r * r * c + 2.0 * r**3)
+
+
+def muon_owners(shapes: Sequence[Sequence[int]], ranks: int) -> List[int]:
+    """The rank that orthogonalises each matrix: the costliest first, each to the least loaded rank
+    (the lowest of equals). A function of the shapes alone, so every rank computes the same; equal
+    shapes go round the ranks, so each rank's share still stacks by shape."""
+    load, owners = [0.0] * ranks, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], 1), i)):
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        owners[i] = owner
+        load[owner] += ns_flops(shapes[i], 1)
+    return owners
+
+
+def orthogonalized(
+    matrices: Sequence[torch.Tensor], steps: int, dtype: torch.dtype
+) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(index, orthogonalised matrix in dtype) for each matrix, one batched iteration per shape as
+    each stack finishes (the stack is freed when the next begins): every matrix is turned wide (rows
+    <= cols) first and back after, so a block's c_fc (4C, C) and its MLP c_proj (C, 4C) share one
+    (2 n_layer, C, 4C) stack."""
+    by_shape: Dict[Tuple[int, ...], List[int]] = {}
+    for i, m in enumerate(matrices):
+        by_shape.setdefault(tuple(sorted(m.shape)), []).append(i)
+    for shape, members in by_shape.items():
+        stack = torch.empty((len(members), *shape), dtype=dtype, device=matrices[members[0]].device)
+        for j, i in enumerate(members):
+            m = matrices[i]
+            stack[j].copy_(m.mT if m.shape[0] > m.shape[1] else m)  # cast in the same copy
+        ortho = orthogonalize(stack, steps)
+        del stack
+        for j, i in enumerate(members):
+            tall = matrices[i].shape[0] > matrices[i].shape[1]
+            yield i, ortho[j].mT if tall else ortho[j]
+        del ortho  # before the next stack (a caller holding a result keeps it)
+
+
+def orthogonalized_updates(
+    updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype
+) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(index, orthogonalised update) for each update, as its parameter holds it: a DTensor's local
+    rows, else the whole matrix. Split over ranks where there are several (see above)."""
+    if all(isinstance(u, DTensor) for u in updates):
+        mesh = updates[0].device_mesh
+        if _row_sharded(updates, mesh) and mesh.size(mesh.ndim - 1) > 1:
+            return iter(enumerate(_sharded_split(updates, steps, dtype, mesh)))
+        return _whole(updates, steps, dtype)
+    replicated = not any(isinstance(u, DTensor) for u in updates)
+    if replicated and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _replicated_split(updates, steps, dtype, dist.group.WORLD)
+    return _whole(updates, steps, dtype)
+
+
+def _row_sharded(updates: Sequence[DTensor], mesh) -> bool:
+    """Whether every update is split by rows over the mesh's last dimension and replicated over any
+    other (fsdp, hsdp), on this one mesh."""
+    wanted = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
+    return all(u.device_mesh == mesh and tuple(u.placements) == wanted for u in updates)
+
+
+def _whole(updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype):
+    """Every matrix orthogonalised here: a DTensor gathered whole first, and its rows kept after."""
+    wholes = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
+    for i, o in orthogonalized(wholes, steps, dtype):
+        u = updates[i]
+        if isinstance(u, DTensor):  # this rank's rows, sliced here: no communication
+            o = distribute_tensor(
+                o.contiguous(), u.device_mesh, u.placements, src_data_rank=None
+            ).to_local()
+        yield i, o
+
+
+def _replicated_split(
+    updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype, group
+) -> Iterator[Tuple[int, torch.Tensor]]:
+    """Whole updates on every rank (DDP): each rank orthogonalises its share into one flat buffer,
+    then each owner broadcasts its buffer in turn and its results are yielded before the next
+    (one owner's buffer held at a time, beside this rank's own)."""
+    ranks, me = dist.get_world_size(group), dist.get_rank(group)
+    owners = muon_owners([u.shape for u in updates], ranks)
+    shares = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
+    offsets = [_offsets([updates[i].numel() for i in share]) for share in shares]
+    device = updates[0].device
+    mine = torch.empty(offsets[me][-1], dtype=dtype, device=device)
+    _pack(mine, offsets[me], orthogonalized([updates[i] for i in shares[me]], steps, dtype))
+    for r, share in enumerate(shares):
+        if not share:  # more ranks than matrices
+            continue
+        flat = mine if r == me else torch.empty(offsets[r][-1], dtype=dtype, device=device)
+        dist.broadcast(flat, src=dist.get_global_rank(group, r), group=group)
+        for j, i in enumerate(share):
+            yield i, flat[offsets[r][j] : offsets[r][j + 1]].view(updates[i].shape)
+        del flat
+
+
+def _pack(send: torch.Tensor, offsets: Sequence[int], results) -> None:
+    """Each (index, result) into send at offsets[index] (a result lives no longer than its copy)."""
+    for j, o in results:
+        send[offsets[j] : offsets[j + 1]].view(o.shape).copy_(o)
+        del o  # its stack is freed before the next one is built
+
+
+def _offsets(sizes: Sequence[int]) -> List[int]:
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+def _chunk_rows(rows: int, ranks: int) -> List[Tuple[int, int]]:
+    """(first row, row count) of each rank's shard of a Shard(0) DTensor (torch.chunk's split)."""
+    size = -(-rows // ranks)
+    return [
+        (min(r * size, rows), max(0, min(rows, (r + 1) * size) - r * size)) for r in range(ranks)
+    ]
+
+
+def _exchange(
+    pieces_for: Sequence[Sequence[torch.Tensor]],
+    sizes_from: Sequence[int],
+    group,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> List[torch.Tensor]:
+    """One all-to-all of flat buffers: pieces_for[r] (cast to dtype) go to rank r, and the flat
+    segment each rank sent here (sizes_from[r] numbers) comes back."""
+    sizes_to = [sum(t.numel() for t in pieces) for pieces in pieces_for]
+    send = torch.empty(sum(sizes_to), dtype=dtype, device=device)
+    at = 0
+    for t in (t for pieces in pieces_for for t in pieces):
+        send[at : at + t.numel()].view(t.shape).copy_(t)
+        at += t.numel()
+    received = torch.empty(sum(sizes_from), dtype=dtype, device=device)
+    dist.all_to_all_single(received, send, list(sizes_from), sizes_to, group=group)
+    return list(received.split(list(sizes_from)))
+
+
+def _sharded_split(
+    updates: Sequence[DTensor], steps: int, dtype: torch.dtype, mesh
+) -> List[torch.Tensor]:
+    """Row shards (FSDP2): every rank sends each matrix's rows to the matrix's owner (one
+    all-to-all), the owners orthogonalise their matrices whole, and every rank gets its rows of
+    every result back (another). Under hsdp each node's ranks split the work among themselves."""
+    dim = mesh.ndim - 1
+    group, ranks, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+    device = updates[0].to_local().device
+    owners = muon_owners([u.shape for u in updates], ranks)
+    rows = [_chunk_rows(u.shape[0], ranks) for u in updates]
+    mine = [i for i, o in enumerate(owners) if o == me]
+    cols = [u.shape[1] for u in updates]
+    # what each rank holds of my matrices, and what I hold of each rank's
+    of_mine = [sum(rows[i][r][1] * cols[i] for i in mine) for r in range(ranks)]
+    of_theirs = [
+        sum(rows[i][me][1] * cols[i] for i, o in enumerate(owners) if o == r) for r in range(ranks)
+    ]
+    to_owner = [[u.to_local() for u, o in zip(updates, owners) if o == r] for r in range(ranks)]
+    segments = _exchange(to_owner, of_mine, group, dtype, device)
+    wholes = [torch.empty(updates[i].shape, dtype=dtype, device=device) for i in mine]
+    for r, segment in enumerate(segments):
+        at = 0
+        for whole, i in zip(wholes, mine):
+            first, count = rows[i][r]
+            whole[first : first + count].copy_(
+                segment[at : at + count * cols[i]].view(count, cols[i])
+            )
+            at += count * cols[i]
+    del segments
+    done = dict(orthogonalized(wholes, steps, dtype))
+    del wholes
+    back = [[done[j][slice(*_span(rows[i][r]))] for j, i in enumerate(mine)] for r in range(ranks)]
+    del done
+    segments = _exchange(back, of_theirs, group, dtype, device)
+    out: Dict[int, torch.Tensor] = {}
+    for r, segment in enumerate(segments):
+        at = 0
+        for i in (i for i, o in enumerate(owners) if o == r):
+            count = rows[i][me][1]
+            out[i] = segment[at : at + count * cols[i]].view(count, cols[i])
+            at += count * cols[i]
+    return [out[i] for i in range(len(updates))]
+
+
+def _span(first_count: Tuple[int, int]) -> Tuple[int, int]:
+    return first_count[0], first_count[0] + first_count[1]
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised
     by Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere),
@@ -292,33 +494,15 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         torch._foreach_lerp_(bufs, grads, 1 - group["momentum"])
         updates = torch._foreach_lerp(grads, bufs, group["momentum"])  # Nesterov
-        # One batched iteration per matrix shape, each matrix turned wide (rows <= cols): a block's
-        # c_fc (4C, C) and its MLP c_proj (C, 4C) share one (2 n_layer, C, 4C) stack. Under FSDP
-        # each rank holds a shard of rows (a DTensor): the whole update is gathered, and every rank
-        # orthogonalises every matrix and keeps its own rows, so the step equals one process's.
-        by_shape: dict = {}
-        for u, p in zip(updates, params):
-            whole = u.full_tensor() if isinstance(u, DTensor) else u
-            tall = whole.shape[0] > whole.shape[1]
-            wide = whole.mT if tall else whole
-            by_shape.setdefault(tuple(wide.shape), []).append((wide, p, tall))
-        device = updates[0].device
-        dtype = ns_dtype(self.ns_dtype, device)
+        dtype = ns_dtype(self.ns_dtype, updates[0].device)
         torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-        for shape, members in by_shape.items():
-            stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
-            for j, (wide, _, _) in enumerate(members):
-                stack[j].copy_(wide)  # the cast to the iteration's dtype in the same copy
-            ortho = orthogonalize(stack, group["ns_steps"])
-            # the 0.2 sqrt(max dim) scale, the lr and the cast back folded into one add per matrix
-            alpha = -group["lr"] * 0.2 * math.sqrt(max(shape))
-            for j, (_, p, tall) in enumerate(members):
-                o = ortho[j].mT if tall else ortho[j]
-                if isinstance(p, DTensor):  # this rank's rows, sliced here: no communication
-                    o = distribute_tensor(
-                        o.contiguous(), p.device_mesh, p.placements, src_data_rank=None
-                    )
-                p.add_(o, alpha=alpha)
+        # each orthogonalised update as p holds it (a DTensor's: its own rows), applied as it comes;
+        # the 0.2 sqrt(max dim) scale, the lr and the cast back folded into one add per matrix
+        for i, o in orthogonalized_updates(updates, group["ns_steps"], dtype):
+            p = params[i]
+            alpha = -group["lr"] * 0.2 * math.sqrt(max(p.shape))
+            (p.to_local() if isinstance(p, DTensor) else p).add_(o, alpha=alpha)
+            del o  # its stack is freed before the next one is built
 
     def _adamw(self, group, params):
         for p in params:

@@ -72,8 +72,11 @@ def _memory_rows(cfg: Config, plan: Plan) -> List[str]:
         ("gathered", "gathered weights in flight (sharded)"),
         ("activations", "activations"),
         ("transient", "logits / recompute peak"),
+        ("newton_schulz", "Muon's Newton-Schulz (optimizer step)"),
         ("total", "peak (estimate)"),
     ):
+        if key == "newton_schulz" and not (plan.memory_ckpt[key] or plan.memory_no_ckpt[key]):
+            continue  # AdamW: no such step
         rows.append(
             f"  {label:<40} {_gb(plan.memory_ckpt[key]):>14} {_gb(plan.memory_no_ckpt[key]):>17}"
         )

@@ -897,3 +897,17 @@ def test_a_file_that_is_not_a_gptlab_checkpoint_is_named_for_what_it_is(tmp_path
         f"checkpoint {newer} has checkpoint format v99; this gptlab reads v1, v2: "
         "use the gptlab version that wrote it"
     )
+
+
+def test_a_checkpoint_from_more_gpus_than_visible_restores_the_rng_of_those_there(monkeypatch):
+    """An 8-GPU checkpoint's eight CUDA generator states, resumed where one GPU is visible: the one
+    visible device gets its state; torch's set_rng_state_all would fail on the second."""
+    state = {**checkpoint.rng_state(), "cuda": [torch.full((4,), i, dtype=torch.uint8, device="cpu")
+                                                for i in range(8)]}  # fmt: skip
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, s)))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("all GPUs"))
+    checkpoint.restore_rng(state)
+    assert [(i, s.tolist()) for i, s in restored] == [(0, [0, 0, 0, 0])]

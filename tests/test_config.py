@@ -89,6 +89,11 @@ def test_derived_batch_split():
         (["model.dropout=1.5"], "model.dropout"),
         (["+model.foo=1"], "model.foo"),
         (["+train.max_step=10"], "train.max_step"),
+        # flash takes only half precision: an fp32 run would fail at its first forward on a GPU
+        (
+            ["hardware=a100x8", "hardware.attention_backend=flash", "hardware.precision=fp32"],
+            "hardware.attention_backend",
+        ),  # fmt: skip
     ],
 )
 def test_impossible_configs_name_the_key(overrides, key):
@@ -128,3 +133,21 @@ def test_bad_overrides_give_one_line_and_no_traceback(tmp_path, shakespeare, ove
     assert "Traceback" not in r.stderr
     # nothing was trained: no checkpoint, no results
     assert not list(Path(tmp_path).rglob("results.json")) and not list(Path(tmp_path).rglob("*.pt"))
+
+
+@pytest.mark.parametrize("preset", ["gpu", "a100x8", "h100x8", "h200"])
+def test_every_gpu_preset_trains_in_fp32_too(preset):
+    """No preset forces a half-precision-only kernel: hardware.precision=fp32 validates."""
+    c = to_config(compose_config([f"hardware={preset}", "hardware.precision=fp32"]))
+    assert c.hardware.attention_backend != "flash"
+
+
+def test_flash_with_precision_auto_choosing_fp32_is_refused_in_one_line(monkeypatch):
+    """A GPU without bf16 tensor cores: auto picks fp32, which flash cannot run."""
+    from gptlab import costs, fastpath
+
+    monkeypatch.setattr(fastpath, "gpu_capability", lambda: (7, 0))
+    c = to_config(compose_config(["hardware=a100x8", "hardware.attention_backend=flash"]))
+    with pytest.raises(GptlabError, match="attention_backend=flash.*sm_70") as e:
+        costs.resolve_auto(c)
+    assert "\n" not in str(e.value)

@@ -364,3 +364,37 @@ def test_readme_names_the_files_and_folders_the_code_writes():
         row.split("`")[1].split("/")[0] for row in table.splitlines() if row.startswith("| `")
     }
     assert listed and listed <= {".hydra", *RECORDS}, listed - {".hydra", *RECORDS}
+
+
+# The training, evaluation and checkpoint paths: a tensor they make meets the model's on its device
+DEVICE_PATHS = ["loop.py", "optim.py", "checkpoint.py", "run.py", "inference.py",
+                "distributed.py", "evaluation/scoring.py", "evaluation/hellaswag.py",
+                "evaluation/harness.py"]  # fmt: skip
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+             "randint", "linspace", "eye", "scalar_tensor"}  # fmt: skip
+
+
+def factories_without_device(source: str):
+    """(line, call) of each torch.<factory>(...) that does not name its device."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value
+        if not (isinstance(owner, ast.Name) and owner.id == "torch"):
+            continue
+        if node.func.attr in FACTORIES and "device" not in {k.arg for k in node.keywords}:
+            found.append((node.lineno, f"torch.{node.func.attr}"))
+    return found
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_tensor_factories_on_the_device_paths_name_their_device(path):
+    """A factory without device= makes a CPU tensor: on a GPU it fails where it meets the model's
+    (tests/test_devices.py runs these paths under a device guard); device="cpu" says it is meant."""
+    assert factories_without_device((PKG / path).read_text()) == []
+
+
+def test_the_factory_finder_finds_a_factory_without_a_device():
+    code = "torch.tensor(3)\ntorch.zeros(2, device=d)\ntorch.stack([a])\nx.new_zeros(2)\n"
+    assert factories_without_device(code) == [(1, "torch.tensor")]

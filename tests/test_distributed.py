@@ -15,6 +15,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -514,6 +515,20 @@ def test_setup_of_a_torchrun_worker_on_the_cpu(fake_group, env):
     assert fake_group.kept == [True]
 
 
+def test_setup_of_ddp_launched_as_a_world_of_one_joins_a_group(fake_group, env):
+    """torchrun --nproc_per_node=1 ... parallelism=ddp: the launcher's group (env://), so the one
+    process runs DDP's wrapper and backend as the many-GPU job does; single stays alone."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():  # fmt: skip
+        env.setenv(name, value)
+    distributed.setup(hw(), par("single"))
+    assert fake_group.init == []
+    distributed.setup(hw(), par("ddp", timeout_s=42))
+    assert fake_group.init == [
+        {"backend": "gloo", "timeout": datetime.timedelta(seconds=42), "device_id": None}
+    ]
+
+
 @pytest.mark.parametrize(
     "world, nodes, cores, threads",
     [(2, 2, 8, 8), (4, 1, 2, 1), (2, 1, None, 1), (2, 2, None, 1), (2, 1, 3, 1), (3, 1, 9, 3)],
@@ -835,7 +850,14 @@ def test_replicate_alone_and_with_others(one_rank_group, monkeypatch):
         )
         == "ddp"
     )
-    assert made.calls == [((model,), {"device_ids": [3]})]
+    # no buffer broadcast: it would make every forward a collective (evaluation's hang)
+    assert made.calls == [((model,), {"device_ids": [3], "broadcast_buffers": False})]
+    # parallelism=ddp launched alone (torchrun --nproc_per_node=1): DDP all the same
+    alone = distributed._replicate(model, distributed.Dist(), alone_in_ddp=True)
+    assert alone == "ddp" and made.calls[-1] == (
+        (model,),
+        {"device_ids": None, "broadcast_buffers": False},
+    )
 
 
 def test_wrap_model_without_sharding_leaves_checkpointing_as_configured():
@@ -1346,6 +1368,23 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
         assert val == pytest.approx(ref_val, abs=1e-5), name
 
 
+@pytest.mark.slow
+def test_ddp_with_fewer_validation_batches_than_ranks_finishes(tmp_path, shakespeare):
+    """train.eval_steps=1 on 2 ranks of a rotary model: rank 1 has no validation batch and goes
+    straight to the sums' all-reduce. With DDP broadcasting buffers (the rotary tables), rank 0's
+    evaluation forward was a collective rank 1 never joined: a hang until killed."""
+    args = [*COMMON, f"data.path={shakespeare}", "model.pos_emb=rotary", "train.eval_steps=1",
+            "train.max_steps=4", "train.eval_every=2", "parallelism=ddp", "hardware=cpu_x2",
+            "parallelism.timeout_s=60"]  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "gptlab.train", *args],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    _, val = losses(tmp_path)
+    assert len(val) == 2 and all(math.isfinite(v) for v in val)
+
+
 def _wait_for(pred, timeout, what):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -1820,3 +1859,47 @@ def test_fsdp_order_is_checkpointing_then_per_block_compile_then_sharding():
     finally:
         distributed.teardown()
         assert not dist.is_initialized()
+
+
+def compiled_graph_ops(module, *args):
+    """The higher-order ops in the graph torch.compile captures of module(*args) (its own backend
+    records the graph; nothing is compiled to code)."""
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend)
+    compiled(*args)
+    return [op for op in ops if "checkpoint" in op]
+
+
+def test_checkpointing_is_applied_before_compile_so_a_compiled_block_holds_it():
+    """wrap_model turns checkpointing on before it compiles: a compiled block (FSDP compiles each)
+    must capture the checkpoint inside its graph, compile(checkpoint(block)); checkpointing around
+    a compiled block (pytorch#166926) is the order torch does not support."""
+    model = tiny_gpt()
+    model.activation_checkpointing = True
+    model.train()
+    x = torch.randn(2, 8, model.config.n_embd, device="cpu")
+    assert compiled_graph_ops(model.h[0], x) != []  # the block's own graph checkpoints
+    model.eval()  # no recompute outside training
+    assert compiled_graph_ops(model.h[0], x) == []
+    model.activation_checkpointing = False
+    model.train()
+    assert compiled_graph_ops(model.h[0], x) == []
+
+
+def test_checkpointing_with_compile_turns_off_dynamos_lru_reordering(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch._C._dynamo.eval_frame, "_set_lru_cache", seen.append)
+    model = tiny_gpt()
+    distributed.wrap_model(model, distributed.Dist(), par(activation_checkpointing=True), hw(),
+                           compile=False)  # fmt: skip
+    assert seen == []
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: m)
+    distributed.wrap_model(model, distributed.Dist(), par(activation_checkpointing=True), hw(),
+                           compile=True)  # fmt: skip
+    assert seen == [False] and model.activation_checkpointing

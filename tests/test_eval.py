@@ -299,3 +299,18 @@ def test_the_command_line_prints_the_table_and_help(trained_char, tmp_path, shak
     assert eval_json(trained_char)["_body"]["results"][0]["n"] == 4
     help_text = run_cli(["gptlab.eval", "--help"], cwd=tmp_path).stdout
     assert "python -m gptlab.eval run=PATH tasks=" in help_text and "eval.include" in help_text
+
+
+@pytest.mark.parametrize("capability,expected", [((7, 0), "fp32"), ((8, 0), "bf16")])
+def test_eval_precision_auto_follows_trainings_rule_on_a_gpu(monkeypatch, capability, expected):
+    """A V100 (sm_70) emulates bf16, which torch.cuda.is_bf16_supported() counts: auto is fp32
+    there, as training chooses; bf16 from Ampere on."""
+
+    from gptlab import eval as eval_command
+    from gptlab import fastpath
+
+    monkeypatch.setattr(fastpath, "gpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    _, precision = eval_command.autocast_for("auto", torch.device("cuda", 0))
+    assert precision == expected
+    assert eval_command.autocast_for("auto", torch.device("cpu"))[1] == "fp32"

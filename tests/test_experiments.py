@@ -127,7 +127,8 @@ def test_gpt2_recipes(name):
         and resolve_auto(c)[0].hardware.precision == "bf16"
     )
     assert (
-        c.hardware.attention_backend == "flash"
+        # auto: SDPA's flash kernel for bf16 on these GPUs, a fallback where flash cannot run
+        c.hardware.attention_backend == "auto"
         and c.optimizer.fused
         and c.optimizer.schedule == "cosine"
     )

@@ -134,10 +134,15 @@ def test_bad_settings_are_one_line(shakespeare, override, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_the_summary_line_and_mlflow_say_what_auto_chose_and_why(shakespeare, tmp_path):
+def test_the_summary_line_and_mlflow_say_what_auto_chose_and_why(
+    shakespeare, tmp_path, monkeypatch
+):
     from mlflow.tracking import MlflowClient
 
     from gptlab.train import run_training
+
+    # the width rule, whatever this CPU has (without bf16 units the reason names those instead)
+    monkeypatch.setattr(fastpath, "cpu_bf16_units", lambda: True)
 
     overrides = nano_overrides(
         shakespeare, "tracking.mlflow=true", "train.sample_tokens=0",

@@ -4,7 +4,7 @@ peaks."""
 import pytest
 import torch
 import torch.nn as nn
-from helpers import model_config
+from helpers import model_config, typed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -348,3 +348,48 @@ def test_activation_bytes_per_layer_token_for_swiglu_and_unfused_attention():
         costs.activation_bytes_per_layer_token(_shape(swiglu=True, flash=False), checkpointing=True)
         == 4 * d
     )
+
+
+@pytest.fixture
+def visible_gpu(monkeypatch):
+    """A GPU called `name` is visible (what device_peak asks of torch.cuda)."""
+
+    def show(name):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: name)
+
+    return show
+
+
+@pytest.mark.parametrize(
+    "name,precision,tf32,tflops",
+    [
+        ("NVIDIA H200", "bf16", True, 989.0),
+        ("NVIDIA H100 PCIe", "bf16", True, 756.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", True, 156.0),
+        ("NVIDIA A100-SXM4-40GB", "fp32", False, 19.5),
+        ("Tesla T4", "fp16", False, 65.0),
+    ],
+)
+def test_a_gpu_preset_without_figures_takes_the_visible_gpus_peak(
+    visible_gpu, name, precision, tf32, tflops
+):
+    """hardware=gpu names no peak: MFU is against the visible GPU's datasheet figure, not 0."""
+    visible_gpu(name)
+    hw = typed("hardware", "hardware=gpu", precision=precision, tf32=tf32)
+    peak, source = costs.device_peak(hw)
+    assert peak == tflops * 1e12 and name in source
+
+
+def test_an_unknown_gpus_peak_is_measured(visible_gpu, monkeypatch):
+    visible_gpu("Some Future GPU")
+    monkeypatch.setattr(costs, "measured_gpu_peak", lambda dtype: {"bfloat16": 5e14}[dtype])
+    peak, source = costs.device_peak(typed("hardware", "hardware=gpu", precision="bf16"))
+    assert peak == 5e14 and source == "measured on Some Future GPU"
+
+
+def test_a_gpu_preset_planned_without_a_gpu_has_no_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hw = typed("hardware", "hardware=gpu", precision="bf16")
+    assert costs.device_peak(hw) == (0.0, "unknown")

@@ -15,7 +15,9 @@ from gptlab.optim import (
     fast_bf16,
     load_average,
     lr_at,
+    muon_owners,
     ns_dtype,
+    ns_flops,
     orthogonalize,
     scaled_lr,
 )
@@ -331,6 +333,114 @@ def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
             assert torch.equal(got[n], p), (n, (got[n] - p).abs().max())
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ Muon's work split over ranks
+
+
+def test_muon_owners_balance_the_newton_schulz_and_deal_equal_shapes_round_the_ranks():
+    shapes = [(64, 256), (256, 64), (64, 192), (64, 64)] * 3
+    for ranks in (1, 2, 3, 5):
+        owners = muon_owners(shapes, ranks)
+        assert owners == muon_owners(shapes, ranks)  # a function of the shapes: every rank agrees
+        loads = [
+            sum(ns_flops(s, 5) for s, o in zip(shapes, owners) if o == r) for r in range(ranks)
+        ]
+        total = sum(ns_flops(s, 5) for s in shapes)
+        # no rank does more than its share plus one matrix
+        assert max(loads) <= total / ranks + ns_flops((64, 256), 5), (ranks, loads)
+        for shape in set(map(lambda s: tuple(sorted(s)), shapes)):
+            dealt = [o for s, o in zip(shapes, owners) if tuple(sorted(s)) == shape]
+            assert max(map(dealt.count, set(dealt))) - min(map(dealt.count, set(dealt))) <= 1
+    assert ns_flops((64, 256), 5) == ns_flops((256, 64), 5) == 5 * (4 * 64 * 64 * 256 + 2 * 64**3)
+
+
+# tall and wide, several of one shape, rows that 2 ranks do not split evenly (7, 5)
+SPLIT_SHAPES = [(24, 8), (8, 24), (8, 8), (24, 8), (7, 8), (12, 5), (5, 12)]
+SPLIT_MODES = ["replicated", "fsdp", "hsdp 1x2", "hsdp 2x1"]
+
+
+def split_model_steps(mode=None, ns="fp32", steps=3):
+    """Three Muon steps on SPLIT_SHAPES' matrices with seeded gradients, the same on every rank:
+    alone (mode None), or in a 2-rank gloo group with the parameters replicated, or sharded by
+    fully_shard (fsdp, a 1-D mesh; hsdp, a 2-D one, replicate x shard). The final weights, whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s)) for s in SPLIT_SHAPES])
+    if mode in ("fsdp", "hsdp 1x2", "hsdp 2x1"):
+        dims = {"fsdp": (2,), "hsdp 1x2": (1, 2), "hsdp 2x1": (2, 1)}[mode]
+        names = ("shard",) if len(dims) == 1 else ("replicate", "shard")
+        holder = torch.nn.Module()
+        holder.matrices = model
+        fully_shard(holder, mesh=init_device_mesh("cpu", dims, mesh_dim_names=names))
+    params = list(model)
+    opt = Muon([{"params": params, "weight_decay": 0.1, "muon": True}], 0.02, (0.9, 0.95),
+               1e-8, 0.9, 5, False, ns)  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen)
+            if isinstance(p, DTensor):
+                g = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None)
+            p.grad = g
+        opt.step()
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in params]
+
+
+def split_worker(rank, store, out):
+    """One rank of test_muon_split_over_two_ranks_equals_one_process: each mode's weights and the
+    number of matrices this rank orthogonalised in each, to out/<rank>.pt."""
+    import torch.distributed as dist
+
+    import gptlab.optim as optim
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    done, real = [], optim.orthogonalize
+
+    def counting(g, steps):
+        done.append(g.shape[0] if g.dim() == 3 else 1)
+        return real(g, steps)
+
+    optim.orthogonalize = counting
+    results = {}
+    try:
+        for ns in ("fp32", "bf16"):
+            for mode in SPLIT_MODES:
+                done.clear()
+                results[ns, mode] = (split_model_steps(mode, ns), sum(done))
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, f"{out}/{rank}.pt")
+
+
+@pytest.mark.slow
+def test_muon_split_over_two_ranks_equals_one_process(tmp_path):
+    """On 2 gloo ranks each rank orthogonalises only its share of the matrices (muon_owners'), and
+    the step equals one process's, which orthogonalises them all: with replicated parameters (an
+    all-gather of the results) and with fully_shard's row shards (an all-to-all to the owners and
+    one back), on a 1-D mesh and on hsdp's 2-D ones. Newton-Schulz in fp32 and in bf16: bitwise
+    both (measured), since each matrix's iteration does not depend on the others in its stack."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(split_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    owners, worst = muon_owners(SPLIT_SHAPES, 2), 0.0
+    for ns, mode in ranks[0]:
+        alone = split_model_steps(None, ns)
+        for rank, results in enumerate(ranks):
+            weights, matrices = results[ns, mode]
+            for got, want in zip(weights, alone):
+                worst = max(worst, (got - want).abs().max().item())
+                assert (got - want).abs().max() <= 1e-6, (mode, rank, (got - want).abs().max())
+            # 3 steps of its share; hsdp over 2 nodes of 1 rank: each node orthogonalises all
+            share = owners.count(rank) if mode != "hsdp 2x1" else len(SPLIT_SHAPES)
+            assert matrices == 3 * share, (mode, rank, matrices)
+    assert 0 < owners.count(0) < len(SPLIT_SHAPES)
+    print(f"muon split over 2 ranks: largest |weight - 1 process| {worst:.1e}")
 
 
 # ------------------------------------------------------------------------------ the weight average

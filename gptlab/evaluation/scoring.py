@@ -65,16 +65,19 @@ def score_pairs(
     for b in range(max(n_batches, rounds or 0)):
         idx = order[b * batch_size : (b + 1) * batch_size]
         if not idx:  # padding forward for the collectives
-            x = torch.zeros((1, min(bucket, block_size) or block_size), dtype=torch.long)
+            x = torch.zeros(
+                (1, min(bucket, block_size) or block_size), dtype=torch.long, device=device
+            )
             with autocast():
-                model(x.to(device))
+                model(x)
             continue
         longest = len(cropped[idx[0]][0])
         length = min(block_size, -(-longest // bucket) * bucket) if bucket else longest
-        x = torch.zeros((len(idx), length), dtype=torch.long)
+        # built on the host, then one copy to the device
+        x = torch.zeros((len(idx), length), dtype=torch.long, device="cpu")
         for row, i in enumerate(idx):
             ids = cropped[i][0]
-            x[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            x[row, : len(ids)] = torch.tensor(ids, dtype=torch.long, device="cpu")
         with autocast():
             logits = model(x.to(device, non_blocking=True))[0]
         for row, i in enumerate(idx):

@@ -339,6 +339,13 @@ def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[s
     shallow = [k for k in ending if k.count(".") <= max(1, word.count(".") + 1)]
     if shallow:
         return shallow[:3]
+    # the same name in another section (train.precision -> hardware.precision; a Hydra Optuna
+    # sweeper's hydra.sweeper.n_trials -> hparams_search.n_trials), outside hydra.* first
+    name = word.rpartition(".")[2]
+    across = sorted((k for k in keys if "." in word and k.rpartition(".")[2] == name),
+                    key=lambda k: (k.startswith("hydra."), len(k)))  # fmt: skip
+    if across:
+        return across[:3]
     close = difflib.get_close_matches(word, [*groups, *keys], n=1, cutoff=_CLOSE_KEY)
     if close:
         return close
@@ -403,6 +410,53 @@ def flag_error(config_name: str, command_name: str, args: Sequence[str]) -> Opti
         else:
             fixes.append(f"no key is like {typed}")
     return f"settings are key=value, not options: {'; '.join(fixes)} ({_help_line(command_name)})"
+
+
+def optional_groups(config_name: str) -> List[str]:
+    """The optional config groups a command's root config names in its defaults list, through the
+    root configs it builds on (`config`); read from the YAML files, without Hydra."""
+    import yaml
+
+    groups: List[str] = []
+    entries = yaml.safe_load((CONF / f"{config_name}.yaml").read_text()).get("defaults") or []
+    for entry in entries:
+        if isinstance(entry, str):
+            if (CONF / f"{entry}.yaml").is_file() and entry != config_name:
+                groups += optional_groups(entry)
+            continue
+        for key in entry:
+            optional, _, name = str(key).partition("optional ")
+            if not optional and name and (CONF / name).is_dir():
+                groups.append(name)
+    return list(dict.fromkeys(groups))
+
+
+def group_options(group: str) -> List[str]:
+    """A config group's options: its files under conf/<group>/, without .yaml."""
+    root = CONF / group
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+
+
+def group_choice_error(config_name: str, args: Sequence[str]) -> Optional[str]:
+    """One line for `group=name` of an optional group (experiment, hparams_search, local, debug)
+    where no file of the group has that name: Hydra says nothing there and runs the default job.
+    A sweep's comma list is checked name by name."""
+    groups = optional_groups(config_name)
+    for word in args:
+        if word.startswith("-") or "=" not in word:
+            continue
+        key, _, value = word.partition("=")
+        group = key.lstrip("+~")
+        if group not in groups or value.strip() in ("", "null"):
+            continue
+        options = group_options(group)
+        for name in (v.strip().strip("'\"") for v in value.split(",")):
+            if name not in options:
+                near = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+                hint = f"did you mean {group}={near[0]}? " if near else ""
+                shown = ", ".join(o for o in options if not o.startswith("base/"))
+                return f"{group}={name}: no such choice; {hint}choose one of {shown}"
+    return None
 
 
 def typo_error(error: BaseException, config_name: str, overrides: Sequence[str]) -> Optional[str]:
@@ -471,6 +525,7 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
     module = importlib.import_module(f"gptlab.{config_name}") if config_name != "config" else None
     words = hydra_words(module, overrides)
     flags = flag_error(config_name, _command_name(config_name), words)
+    flags = flags or group_choice_error(config_name, words)
     if flags:
         raise GptlabError(flags)
     try:
@@ -547,6 +602,7 @@ def _start(app: Callable[[], Any], config_name: str, name: str) -> None:
     from hydra.errors import ConfigCompositionException
 
     flags = flag_error(config_name, name, sys.argv[1:])  # before Hydra's argparse prints its usage
+    flags = flags or group_choice_error(config_name, sys.argv[1:])
     if flags:
         raise GptlabError(flags)
     try:

@@ -83,7 +83,9 @@ class HardwareConfig:
     tf32: bool  # TF32 tensor-core matmuls on Ampere and newer
     compile: Any  # auto | true | false: torch.compile by default on this hardware (fastpath)
     attention_backend: str  # auto | flash | efficient | math
-    threads: Optional[int]  # CPU threads per process; null: torch's default
+    # CPU threads per process: auto (measured at start: all or 1, whichever multiplies faster), a
+    # number, or null (torch's default)
+    threads: Any
     peak_tflops_tf32: Optional[float]  # per device, fp32 matmuls as TF32 (when tf32 is on)
     peak_tflops_fp32: Optional[float]  # per device, plain fp32
     memory_gb: Optional[float]  # per device (GiB), for gptlab.plan; null: this machine's RAM on cpu
@@ -321,6 +323,11 @@ def _validate_processes(c: Config) -> None:
         "hardware.attention_backend",
         "flash runs only in bf16 or fp16 on a GPU: set hardware.precision=bf16, or "
         "hardware.attention_backend=auto (SDPA then picks flash where the inputs allow it)",
+    )
+    _check(
+        h.threads in (None, "auto") or (type(h.threads) is int and h.threads >= 1),
+        "hardware.threads",
+        f"must be auto, a number >= 1 or null (torch's default), got {h.threads!r}",
     )
     _check(h.nproc_per_node >= 1, "hardware.nproc_per_node", "must be >= 1")
     _check(h.nodes >= 1, "hardware.nodes", "must be >= 1")

@@ -26,6 +26,7 @@ from gptlab.errors import GptlabError
 from gptlab.metrics import (
     gpu_peak_tflops,
     machine_memory_bytes,
+    matmul_rate_at,
     measured_cpu_peak,
     measured_gpu_peak,
 )
@@ -570,7 +571,7 @@ def eager_step_s(cfg: Any) -> Optional[float]:
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
     """hardware.precision=auto and hardware.compile=auto decided (gptlab/fastpath.py's rules, the
     compile rule fed this planner's step time): (the config, the choices with their reasons)."""
-    resolved, choices = fastpath.resolve(cfg, eager_step_s, steps)
+    resolved, choices = fastpath.resolve(cfg, eager_step_s, steps, matmul_rate_at)
     hw = resolved.hardware
     if hw.device == "cuda" and hw.attention_backend == "flash" and hw.precision == "fp32":
         raise GptlabError(

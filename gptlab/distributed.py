@@ -22,7 +22,7 @@ import time
 import traceback
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,7 +115,7 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
             f"--nproc_per_node, "
             f"SLURM tasks)"
         )
-    if hw.threads:
+    if isinstance(hw.threads, int):  # auto starts from the default and is measured (fastpath)
         torch.set_num_threads(hw.threads)
     elif hw.device == "cpu" and world > 1:
         # processes on one host share its cores: avoid oversubscribing them
@@ -476,10 +476,20 @@ def _replicate(model: nn.Module, d: Dist, alone_in_ddp: bool = False) -> nn.Modu
     # construction, and broadcasting them makes every forward a collective, so that a rank with
     # no validation batch (train.eval_steps < world size) would leave the others waiting in it.
     return DDP(
-        model,
-        device_ids=[d.device.index] if d.device.type == "cuda" else None,
-        broadcast_buffers=False,
+        model, device_ids=[d.device.index] if d.device.type == "cuda" else None, **_no_buffer_sync()
     )
+
+
+def _no_buffer_sync() -> Dict[str, bool]:
+    """DDP's switch for syncing buffers before every forward, off: forward_sync_buffers where torch
+    has it (it deprecates broadcast_buffers), else broadcast_buffers."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    params = inspect.signature(DDP.__init__).parameters
+    name = "forward_sync_buffers" if "forward_sync_buffers" in params else "broadcast_buffers"
+    return {name: False}
 
 
 # hardware.precision -> the dtype FSDP gathers parameters in for compute (master weights stay fp32)

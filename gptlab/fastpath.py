@@ -87,6 +87,30 @@ def choose_precision(
     return Choice("bf16", f"bf16 units, width {width} >= {CPU_BF16_MIN_WIDTH}", True)
 
 
+def choose_threads(
+    requested: Any, device: str, default: int, rate: Optional[Callable[[int], float]]
+) -> Choice:
+    """hardware.threads: as set (a number, or null: torch's `default`), or auto's choice on the CPU:
+    the default or 1 thread, whichever multiplies faster now (`rate(threads)`: FLOP/s). On a CPU
+    that other processes keep busy, threads wait for each other at every matmul and one thread
+    can be several times faster than all of them."""
+    if requested != AUTO:
+        return Choice(requested, "set", False)
+    if device != "cpu":
+        return Choice(None, "the GPU does the work", True)
+    if default <= 1 or rate is None:
+        return Choice(default, "one core for this process", True)
+    many, one = rate(default), rate(1)
+    if one >= many:
+        return Choice(
+            1,
+            f"the CPU is busy: 1 thread multiplies at {one / 1e9:.0f} GFLOP/s, {default} threads "
+            f"at {many / 1e9:.0f}",
+            True,
+        )
+    return Choice(default, f"{many / 1e9:.0f} GFLOP/s, 1 thread {one / 1e9:.0f}", True)
+
+
 def inductor_cache() -> Path:
     """Inductor's cache folder: $TORCHINDUCTOR_CACHE_DIR, else <gptlab's cache>/inductor."""
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
@@ -147,16 +171,23 @@ def with_precision(cfg: Any) -> Any:
 
 
 def resolve(
-    cfg: Any, step_s: Callable[[Any], Optional[float]], steps: Optional[int] = None
+    cfg: Any,
+    step_s: Callable[[Any], Optional[float]],
+    steps: Optional[int] = None,
+    rate: Optional[Callable[[int], float]] = None,
 ) -> Tuple[Any, Dict[str, Choice]]:
     """(the config with precision and compile decided, the choices with their reasons).
 
     step_s: the planner's expected eager step time of a config (costs.eager_step_s; callers go
     through costs.resolve_auto). steps: the length of the run the choice is for (default
-    train.max_steps; a benchmark passes the run it stands for)."""
+    train.max_steps; a benchmark passes the run it stands for). rate: FLOP/s at a CPU thread
+    count, for hardware.threads=auto (first: the compile rule's step time depends on it)."""
     hw = cfg.hardware
+    threads = choose_threads(hw.threads, hw.device, torch.get_num_threads(), rate)
+    if threads.auto and threads.value:
+        torch.set_num_threads(threads.value)
     precision = choose_precision(hw.precision, hw.device, cfg.model.n_embd)
-    hw = dataclasses.replace(hw, precision=precision.value)
+    hw = dataclasses.replace(hw, precision=precision.value, threads=threads.value)
     requested = cfg.parallelism.compile if cfg.parallelism.compile is not None else hw.compile
     if requested == AUTO:
         staged = dataclasses.replace(cfg, hardware=hw)
@@ -168,6 +199,7 @@ def resolve(
     return dataclasses.replace(cfg, hardware=hw, parallelism=par), {
         "precision": precision,
         "compile": compiled,
+        "threads": threads,
     }
 
 
@@ -185,6 +217,9 @@ def summary(x: Dict[str, Any], precision: str) -> Tuple[str, str]:
     if x.get("precision_auto"):
         precision = f"{x['precision']} (auto: {x['precision_reason']})"
     name = "compiled" if x.get("compile") else "eager"
+    # threads are named when auto left the default for one: the CPU is busy
+    busy = x.get("threads_auto") and x.get("threads") == 1 and "busy" in x["threads_reason"]
+    threads = f" | 1 thread (auto: {x['threads_reason']})" if busy else ""
     if x.get("compile_auto"):
-        return precision, f" | {name} (auto: {x['compile_reason']})"
-    return precision, " | compiled" if x.get("compile") else ""
+        return precision, f" | {name} (auto: {x['compile_reason']}){threads}"
+    return precision, (" | compiled" if x.get("compile") else "") + threads

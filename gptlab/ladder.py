@@ -39,6 +39,7 @@ PLAIN = {
     "hardware.attention_backend": "math",
     "optimizer.fused": False,
     "parallelism.loss_chunk": 0,
+    "hardware.threads": None,  # torch's default; the threads rung sets one per physical core
 }
 # a rung's figures kept in the table and the JSON
 FIGURES = ("tokens_per_s", "step_ms", "mfu", "peak_mem_bytes", "precision", "compile",
@@ -183,7 +184,7 @@ def _threads(plain: Any) -> Rung:
     hw = plain.hardware
     if hw.device == "cuda":
         return Rung("+ threads per core", {}, "a GPU's speed is not set by the CPU threads")
-    if hw.threads:
+    if hw.threads not in (None, "auto"):
         return Rung("+ threads per core", {}, f"set by hardware.threads={hw.threads}")
     per_process = max(1, physical_cores() // max(1, hw.nproc_per_node))
     default = torch.get_num_threads()

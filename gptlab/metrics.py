@@ -51,6 +51,26 @@ def measured_cpu_peak(
     return best
 
 
+def matmul_rate_at(threads: int, n: int = 384, seconds: float = 0.06, trials: int = 3) -> float:
+    """fp32 dense-matmul FLOP/s of this CPU at a thread count, now (the neighbours' load counted:
+    what hardware.threads=auto compares); the thread count is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(n, n, device="cpu")
+        a @ a
+        best = 0.0
+        for _ in range(trials):
+            count, t0 = 0, time.perf_counter()
+            while (elapsed := time.perf_counter() - t0) < seconds / trials or count == 0:
+                a @ a
+                count += 1
+            best = max(best, 2 * n**3 * count / elapsed)
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
 # Dense (not sparse) peak TFLOP/s of common data-centre GPUs, by a part of the name torch reports:
 # bf16/fp16 tensor cores, TF32 ("-": none), fp32. Searched in order ("H100 PCIe" before "H100").
 _GPU_TABLE = """

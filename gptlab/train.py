@@ -108,6 +108,8 @@ def _worker(resolved: Dict[str, Any], run_dir: str) -> None:
         fail("gptlab.train", message if rank == "0" else f"[rank {rank}] {message}")
 
 
+INTERRUPTED = 130  # the shell's exit status after Ctrl-C
+
 # Hydra's default launcher, which runs a sweep's jobs one after another in this process
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
@@ -117,8 +119,9 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
 
     A job stopped by a signal in a sweep whose jobs run in this process ends the sweep: Hydra's
     launcher would start the next job (it goes on after any Exception), so this job leaves with
-    SystemExit(0), and no further job starts. An interruption (KeyboardInterrupt: a second signal,
-    or Ctrl-C before training) carries the line saying where the next start resumes.
+    SystemExit(0), and no further job starts. A run stopped by Ctrl-C (SIGINT) saved a checkpoint
+    but did not finish: it exits 130. An interruption (KeyboardInterrupt: a second signal, or
+    Ctrl-C before training) carries the line saying where the next start resumes.
     """
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
@@ -128,15 +131,16 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
         raise KeyboardInterrupt(
             console.next_start(run_dir / layout.CHECKPOINTS, cfg.train.resume)
         ) from None
-    if (
-        results.get("stopped_by") not in (None, layout.PRUNED)
-        and hc.mode == RunMode.MULTIRUN
-        and hc.launcher._target_ == BASIC_LAUNCHER
-    ):
+    stopped = results.get("stopped_by") not in (None, layout.PRUNED)
+    if stopped and hc.mode == RunMode.MULTIRUN and hc.launcher._target_ == BASIC_LAUNCHER:
         log.info(
             f"{results['stopped_by']}: the sweep stops here; the jobs after this one did not start"
         )
-        raise SystemExit(0)
+        raise SystemExit(INTERRUPTED if results["stopped_by"] == "SIGINT" else 0)
+    if results.get("stopped_by") == "SIGINT":
+        # saved, but not finished: `make train && next-step` must not go on (a scheduler's SIGTERM
+        # and SIGUSR2 keep exit 0: the requeued job resumes by itself)
+        raise SystemExit(INTERRUPTED)
     return results
 
 

@@ -21,6 +21,18 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A run built in this process may set torch's thread count (hardware.threads): the next test
+    starts from the same count."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     return find_shakespeare()

@@ -362,6 +362,22 @@ def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, frag
          "model=gpt_tiny: no such choice; choose one of gpt1b, gpt2_124m, gpt2_1558m, "
          "gpt2_350m, gpt2_774m, gpt_char, gpt_nano"),
         ("config", "optimizer=adam", "optimizer=adam: no such choice; choose one of adamw, muon"),
+        # optional groups: Hydra would say nothing and run the default job
+        ("config", "experiment=shakespeare_char_bby",
+         "experiment=shakespeare_char_bby: no such choice; did you mean "
+         "experiment=shakespeare_char_baby? choose one of bpe_25m, gpt1b_shakespeare, "
+         "gpt2_124m_fineweb_edu, gpt2_124m_gutenberg, gpt_2b7_fsdp, shakespeare_char_baby"),
+        ("config", "debug=smok",
+         "debug=smok: no such choice; did you mean debug=smoke? choose one of smoke"),
+        ("config", "hparams_search=default_job,defualt_job",
+         "hparams_search=defualt_job: no such choice; did you mean hparams_search=default_job? "
+         "choose one of default_job, gpt2_124m, lr_warmup"),
+        ("config", "local=defualt", "local=defualt: no such choice; choose one of slurm_example"),
+        # the same name in another section; a Hydra Optuna sweeper's key
+        ("config", "train.precision=auto",
+         "train.precision: no such key; did you mean hardware.precision=auto?"),
+        ("config", "hydra.sweeper.n_trials=6",
+         "hydra.sweeper.n_trials: no such key; did you mean hparams_search.n_trials=6?"),
     ],
 )  # fmt: skip
 def test_a_mistyped_key_or_choice_gets_the_nearest_key_or_the_choices(
@@ -394,6 +410,8 @@ def test_keys_are_suggested_from_the_commands_own_schema():
         (["gptlab.prepare", "--model=gpt_nano"], "model=gpt_nano, not --model=gpt_nano"),
         (["gptlab.train", "train.max_step=10"], "did you mean train.max_steps=10?"),
         (["gptlab.train", "model=gpt_tiny"], "choose one of gpt1b, gpt2_124m"),
+        (["gptlab.train", "experiment=shakespeare_char_bby"], "experiment=shakespeare_char_baby?"),
+        (["gptlab.train", "-m", "hparams_search=defualt_job"], "hparams_search=default_job?"),
         (["gptlab.plan", "-m", "--cfg", "job"], "Only one of --run, --multirun"),
     ],
 )

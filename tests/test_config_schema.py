@@ -129,6 +129,7 @@ SMOKE = [
     "train.sample_tokens=20",
     "tracking.mlflow=false",
     "optimizer.warmup_steps=5",
+    "hardware.threads=null",
 ]
 
 

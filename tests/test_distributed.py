@@ -851,13 +851,12 @@ def test_replicate_alone_and_with_others(one_rank_group, monkeypatch):
         == "ddp"
     )
     # no buffer broadcast: it would make every forward a collective (evaluation's hang)
-    assert made.calls == [((model,), {"device_ids": [3], "broadcast_buffers": False})]
+    off = distributed._no_buffer_sync()
+    assert list(off.values()) == [False]
+    assert made.calls == [((model,), {"device_ids": [3], **off})]
     # parallelism=ddp launched alone (torchrun --nproc_per_node=1): DDP all the same
     alone = distributed._replicate(model, distributed.Dist(), alone_in_ddp=True)
-    assert alone == "ddp" and made.calls[-1] == (
-        (model,),
-        {"device_ids": None, "broadcast_buffers": False},
-    )
+    assert alone == "ddp" and made.calls[-1] == ((model,), {"device_ids": None, **off})
 
 
 def test_wrap_model_without_sharding_leaves_checkpointing_as_configured():

@@ -165,3 +165,39 @@ def test_the_summary_line_and_mlflow_say_what_auto_chose_and_why(
     assert "Self CPU" in table and "aten::" in table
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "profile")}
     assert logged == {"profile/trace_rank0.json", "profile/operators_rank0.txt"}
+
+
+def test_threads_auto_takes_one_thread_where_it_multiplies_faster():
+    """A busy CPU (another process on the cores): threads wait for each other at every matmul, so
+    one is faster; an idle one keeps torch's default. A set count or null is used as given."""
+    busy = {4: 20e9, 1: 30e9}.__getitem__
+    idle = {4: 100e9, 1: 30e9}.__getitem__
+    choice = fastpath.choose_threads("auto", "cpu", 4, busy)
+    assert choice.value == 1 and choice.auto and "busy" in choice.reason
+    assert fastpath.choose_threads("auto", "cpu", 4, idle).value == 4
+    assert fastpath.choose_threads("auto", "cpu", 1, busy).value == 1  # nothing to measure
+    assert fastpath.choose_threads(3, "cpu", 4, busy) == fastpath.Choice(3, "set", False)
+    assert fastpath.choose_threads(None, "cpu", 4, busy).value is None
+    assert fastpath.choose_threads("auto", "cuda", 4, busy).value is None
+
+
+def test_a_busy_cpu_is_named_on_the_summary_line(monkeypatch):
+    """resolve applies auto's choice to torch and the summary says why."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    cfg = to_config(compose_config(["hardware.threads=auto", "model=gpt_nano"]))
+    busy = {2: 1e9, 1: 3e9}.__getitem__
+    resolved, choices = fastpath.resolve(cfg, lambda c: None, 10, busy)
+    assert resolved.hardware.threads == 1 and set_to == [1]
+    _, clause = fastpath.summary(fastpath.derived(choices), "fp32")
+    assert (
+        "1 thread (auto: the CPU is busy: 1 thread multiplies at 3 GFLOP/s, 2 threads at 1)"
+        in clause
+    )
+
+
+@pytest.mark.parametrize("value", ["many", 0, -2, 1.5])
+def test_threads_must_be_auto_a_count_or_null(value):
+    with pytest.raises(GptlabError, match="hardware.threads"):
+        to_config(compose_config([f"hardware.threads={value}"]))

@@ -42,7 +42,8 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         best = done.get("best_val_loss")
         log.info(
             f"{run_dir} holds this run, finished at step {done['steps']} (best val loss "
-            f"{best if best is None else f'{best:.4f}'}): nothing to do. train.max_steps=N "
+            f"{'none: not evaluated' if best is None else f'{best:.4f}'}): nothing to do. "
+            f"train.max_steps=N "
             f"continues it; "
             "train.resume=never starts it over (the files are moved aside)"
         )
@@ -60,12 +61,7 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             log.info(f"--- sample ---\n{sample[:400]}\n--------------")
         record_expectation(run, config.expected, results)
         run.tracker.write_results(results)
-        best, bpb = results["best_val_loss"], results.get("best_val_bpb")
-        log.info(
-            f"results: best val loss {best if best is None else f'{best:.4f}'}"
-            f"{'' if bpb is None else f' ({bpb:.4f} bpb)'} | "
-            f"{results['tokens_per_s'] or 0:,.0f} tok/s | {results['wall_s']:.0f}s | {run.run_dir}"
-        )
+        log.info(results_line(results, run.run_dir))
         # a pruned trial ended as its search meant it to: only a stop by a signal is KILLED
         status = "KILLED" if results["stopped_by"] not in (None, layout.PRUNED) else "FINISHED"
         if results["stopped_by"] is None:
@@ -86,6 +82,20 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         ):
             # our handler is gone again: re-deliver so the job's own (submitit's) requeues it
             os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def results_line(results: Dict[str, Any], run_dir: Path) -> str:
+    """The run's last line: its best validation figures (or that it stopped before any), speed,
+    time and folder."""
+    best, bpb = results["best_val_loss"], results.get("best_val_bpb")
+    if best is None:
+        figures = f"stopped at step {results['steps']}, before its first evaluation"
+    else:
+        figures = f"best val loss {best:.4f}{'' if bpb is None else f' ({bpb:.4f} bpb)'}"
+    return (
+        f"results: {figures} | {results['tokens_per_s'] or 0:,.0f} tok/s | "
+        f"{results['wall_s']:.0f}s | {run_dir}"
+    )
 
 
 def _worker(resolved: Dict[str, Any], run_dir: str) -> None:

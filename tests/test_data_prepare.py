@@ -442,3 +442,21 @@ def test_download_checks_sha256(tmp_path, shakespeare):
             prepare_data(data_config(url=url, sha256="0" * 64, cache_dir=str(tmp_path / "b")))
     finally:
         server.shutdown()
+
+
+def test_a_verified_data_path_is_remembered_for_later_commands_offline(tmp_path, shakespeare):
+    """data.path=<a good copy> once: later runs without data.path find it in the cache, offline;
+    a file that is not the download (another SHA-256) is not taken for it."""
+    from gptlab.data.sources import shakespeare_file
+
+    offline = "http://127.0.0.1:9/tinyshakespeare.txt"
+    cfg = data_config(path=str(shakespeare), url=offline, cache_dir=str(tmp_path))
+    assert shakespeare_file(cfg) == shakespeare.resolve()
+    cached = tmp_path / "downloads" / "tinyshakespeare.txt"
+    assert cached.read_bytes() == shakespeare.read_bytes()
+    assert shakespeare_file(data_config(path=None, url=offline, cache_dir=str(tmp_path))) == cached
+    other = tmp_path / "other.txt"
+    other.write_text("not the download\n")
+    elsewhere = tmp_path / "elsewhere"
+    shakespeare_file(data_config(path=str(other), url=offline, cache_dir=str(elsewhere)))
+    assert not (elsewhere / "downloads").exists()

@@ -145,12 +145,14 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, shakespeare):
         f"hydra.run.dir={run_dir}",
     ]
     assert cli(args, tmp_path).returncode == 0
+    assert not (run_dir / ".gptlab.lock").exists()  # held only while the run lasts
     files = {
         p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.parent.name != ".hydra"
     }
     r = cli(args, tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "finished at step 10" in r.stdout and "nothing to do" in r.stdout
+    assert not (run_dir / ".gptlab.lock").exists()
     assert all(p.read_bytes() == b for p, b in files.items() if p.name != "train.log")
     json.loads(
         (run_dir / "results.json").read_text(),

@@ -8,6 +8,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import cli_env, run_cli
@@ -192,3 +193,14 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_the_next_start_resu
     # whole: the interrupted save left nothing under a checkpoint's name
     checkpoint.TrainingState.load(latest)
     assert not (run_dir / "results.json").exists()
+
+
+def test_the_results_line_of_a_run_stopped_before_any_evaluation_says_so():
+    from gptlab.train import results_line
+
+    stopped = {"best_val_loss": None, "steps": 3, "tokens_per_s": 1234.0, "wall_s": 2.0}
+    assert results_line(stopped, Path("r")) == (
+        "results: stopped at step 3, before its first evaluation | 1,234 tok/s | 2s | r"
+    )
+    done = {**stopped, "best_val_loss": 1.5, "best_val_bpb": 2.25}
+    assert results_line(done, Path("r")).startswith("results: best val loss 1.5000 (2.2500 bpb)")

@@ -15,6 +15,7 @@ import glob as globlib
 import hashlib
 import os
 import re
+import shutil
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -84,6 +85,20 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
     return dest
 
 
+def remember(given: Path, dest: Path, sha256: str) -> None:
+    """Copy a local copy of a download into the cache (atomically), when it is the verified file
+    and the cache has none; a cache that cannot be written is left as it is."""
+    if dest.is_file() or given.stat().st_size > (1 << 30) or sha256_file(given) != sha256:
+        return
+    tmp = dest.with_name(dest.name + f".part{os.getpid()}")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(given, tmp)
+        os.replace(tmp, dest)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
 def fetch_text_file(
     path: Optional[str],
     url: str,
@@ -92,9 +107,15 @@ def fetch_text_file(
     filename: str,
     name: str = "shakespeare_char",
 ) -> Path:
-    """The local file to read: data.path when given, else the cached download of url."""
+    """The local file to read: data.path when given, else the cached download of url.
+
+    A data.path whose SHA-256 is the download's (data.sha256) is that file: it is copied into the
+    cache once, so later commands find it without data.path, offline."""
     if path:
-        return local_text_file(path, name)
+        given = local_text_file(path, name)
+        if sha256 is not None:
+            remember(given, cache / "downloads" / filename, sha256)
+        return given
     f = download(url, cache / "downloads" / filename, sha256)
     if f.stat().st_size == 0:
         raise GptlabError(

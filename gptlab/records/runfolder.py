@@ -177,9 +177,11 @@ def lock(run_dir: Path) -> None:
 
 
 def unlock(run_dir: Path) -> None:
-    """Let the folder go at the end of the run (a process that dies lets it go by itself)."""
+    """Let the folder go at the end of the run (a process that dies lets it go by itself): the lock
+    file is removed while still held, so a finished folder holds only the run's records."""
     f = _HELD.pop(str(Path(run_dir).resolve()), None)
     if f is not None:
+        Path(f.name).unlink(missing_ok=True)
         f.close()
 
 

@@ -9,10 +9,12 @@ A Hydra callback, registered in conf/config.yaml under `hydra.callbacks`:
   its run as a child of the parent; a job that raises marks its run FAILED with the error as a tag;
 - a job that failed before it had a run (a bad override, missing data) gets a FAILED child here;
 - when the sweep ends: the parent is FINISHED, or FAILED if a job failed; if the launcher raised (a
-  failed job is re-raised once all jobs ended) the parent is marked FAILED at exit. A SLURM job one
-  of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the rank and
-  node that failed, on the console as it happens (SubmissionReporter) and in the runs' `slurm_error`
-  tag. While a SLURM sweep runs, the launcher waits for its jobs through
+  failed job is re-raised once all jobs ended) the parent is marked FAILED at exit, unless no job
+  began (the first job's config could not be composed: `model.n_layer=abc,def`): then the parent
+  run is deleted and the sweep folder removed, so a sweep that never ran leaves nothing. A SLURM
+  job one of whose tasks died (srun's kill-on-bad-exit then ended the others) is named with the
+  rank and node that failed, on the console as it happens (SubmissionReporter) and in the runs'
+  `slurm_error` tag. While a SLURM sweep runs, the launcher waits for its jobs through
   slurm.ControllerCheckedWatcher: a job that accounting (sacct) reads as ended is only done once
   SLURM's controller agrees (a requeued job).
 """
@@ -56,6 +58,10 @@ class SweepCallback(Callback):
         self.parent: Optional[Dict[str, Any]] = None
         self.ended = False
         self.tolerated_failures = 0  # a search's trials may fail up to its max_failure_rate
+        self.sweep_dir: Optional[Path] = None
+        self.existed: Optional[Path] = None  # the sweep folder's nearest folder that existed before
+        self.created = False  # the parent run is this start's (not a search's, taken up again)
+        self.job_began = False  # a job of this process's launcher (Hydra's basic one) began
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         console.setup_logging()  # the launching process: Hydra configures job logging per job only
@@ -71,10 +77,19 @@ class SweepCallback(Callback):
                 check(config)  # a bad search: one line, before its parent run exists
             except GptlabError as e:
                 fail(f"gptlab.{config.hydra.job.name}", e)
-        if not t.mlflow:
-            return
         # Resolving ${now:...} here caches it: Hydra's launcher reuses the same folder for the jobs.
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        if not is_search(config):  # a search's trials are in its study, asked or not
+            self.sweep_dir = sweep_dir
+            self.existed = next(p for p in [sweep_dir, *sweep_dir.parents] if p.exists())
+        # a sweep that stops (a job's composition failed, a job failed, a signal) ends here
+        atexit.register(self._stopped)
+        if t.mlflow:
+            self._open_parent(config, sweep_dir)
+
+    def _open_parent(self, config: DictConfig, sweep_dir: Path) -> None:
+        """The sweep's MLflow parent run, its id in sweep.json; one line when the store fails."""
+        t = config.tracking
         uri = t.uri or local_uri(Path(str(config.paths.mlflow_db)))
         try:
             # a server that is down: one look, not MLflow's retries of each call
@@ -89,6 +104,7 @@ class SweepCallback(Callback):
                 self.tolerated_failures = allowed_failures(config.hparams_search)
             # a search started again continues its study, and its parent run with it
             run = search and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
+            self.created = not run
             run = run or parent.create(client, uri, sweep)
             self.parent = {**sweep, "uri": uri, "parent_run_id": run.info.run_id,
                            "experiment_id": run.info.experiment_id}  # fmt: skip
@@ -96,7 +112,6 @@ class SweepCallback(Callback):
             tmp = sweep_dir / (layout.SWEEP + ".tmp")
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
             os.replace(tmp, sweep_dir / layout.SWEEP)
-            atexit.register(self._end, stopped=True)
             log.info(f"MLflow sweep run {run.info.run_id} ({sweep['run_name']}) in {uri}")
         except Exception as e:  # noqa: BLE001 - the jobs still run and record their own runs
             log.warning(
@@ -109,7 +124,43 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._end(stopped=False)
-        atexit.unregister(self._end)
+        atexit.unregister(self._stopped)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.job_began = True  # in the launching process for Hydra's basic launcher only
+
+    def _stopped(self) -> None:
+        """At exit, a sweep that did not end: one none of whose jobs began (the composition of its
+        first job failed) leaves nothing (its parent run deleted, its folder removed); any other
+        has its parent marked FAILED. A job that began and failed keeps its FAILED child run, even
+        when its own folder was removed (cli's failed start)."""
+        if self.sweep_dir is not None and not self.job_began and not began(self.sweep_dir):
+            self._discard()
+        else:
+            self._end(stopped=True)
+
+    def _discard(self) -> None:
+        """Remove what this sweep's start made: the parent run (into MLflow's trash), sweep.json and
+        Hydra's multirun.yaml, the folder and the empty folders above it that it made."""
+        assert self.sweep_dir is not None and self.existed is not None
+        if self.parent is not None and self.created:
+            p, self.ended = self.parent, True
+            try:
+                parent.discard(mlflow_client(p["uri"]), p["parent_run_id"])
+                log.info(
+                    f"no job of this sweep began: MLflow sweep run {p['parent_run_id']} deleted"
+                )
+            except Exception as e:  # noqa: BLE001
+                log.warning(f"could not delete the sweep's MLflow parent run: {error_text(e)}")
+        for name in (layout.SWEEP, layout.MULTIRUN):
+            (self.sweep_dir / name).unlink(missing_ok=True)
+        for folder in [self.sweep_dir, *self.sweep_dir.parents]:
+            if folder == self.existed or self.existed not in folder.parents:
+                return
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or gone already
+                return
 
     def _end(self, stopped: bool) -> None:
         """Close the parent run: FAILED if a job failed or the sweep stopped early, else
@@ -149,6 +200,14 @@ class SweepCallback(Callback):
 
 
 SEARCH_SWEEPER = "hydra_plugins.gptlab_search.optuna_search.GptlabOptunaSweeper"
+
+
+def began(sweep_dir: Path) -> bool:
+    """Whether a job of the sweep in `sweep_dir` began: its folder holds more than its start wrote
+    (sweep.json, Hydra's multirun.yaml): a job's folder, submitit's .submitit/."""
+    if not sweep_dir.is_dir():
+        return False
+    return any(e.name not in (layout.SWEEP, layout.MULTIRUN) for e in sweep_dir.iterdir())
 
 
 def is_search(config: DictConfig) -> bool:

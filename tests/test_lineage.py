@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
-from helpers import compose_config, nano_overrides
+import pytest
+from helpers import compose_config, nano_overrides, run_cli, typed
 from mlflow import MlflowClient
 
+from gptlab.errors import GptlabError
 from gptlab.records import lineage
 from gptlab.train import run_training
 
@@ -58,3 +60,42 @@ def test_the_same_data_has_the_same_digest_and_other_data_another(shakespeare, t
     assert [d["digest"] for d in lineage.read(folder)] == [
         seen["training"].digest, seen["validation"].digest
     ]  # fmt: skip
+
+
+def damaged_side_file(shakespeare, cache):
+    """Tiny Shakespeare prepared under `cache` as nano_overrides' runs have it, its first validation
+    shard's side file without its digest: (the prepared data, its config, the side file)."""
+    from gptlab.data import prepare_data
+
+    cfg = typed("data", *nano_overrides(shakespeare, f"data.cache_dir={cache}"))
+    data = prepare_data(cfg)
+    side = sorted((data.root / "val").glob("shard_*.json"))[0]
+    record = json.loads(side.read_text())
+    del record["sha256"]
+    side.write_text(json.dumps(record))
+    return data, cfg, side
+
+
+def test_a_side_file_without_its_digest_is_one_line(shakespeare, tmp_path):
+    """Issue 42: KeyError: 'sha256' and a traceback; now one line naming the file and the way out,
+    as a deleted side file gets."""
+    data, cfg, side = damaged_side_file(shakespeare, tmp_path / "cache")
+    with pytest.raises(GptlabError) as e:
+        lineage.describe(data.root, data.meta, cfg)
+    assert str(e.value) == (
+        f"{side}: no sha256 of its shard (the side file is damaged); delete {data.root} to "
+        f"prepare it again"
+    )
+
+
+@pytest.mark.slow
+def test_a_run_on_a_side_file_without_its_digest_stops_before_its_folder(shakespeare, tmp_path):
+    _, _, side = damaged_side_file(shakespeare, tmp_path / "cache")
+    run = tmp_path / "run"
+    args = nano_overrides(shakespeare, f"data.cache_dir={tmp_path / 'cache'}",
+                          f"hydra.run.dir={run}", "train.max_steps=2")  # fmt: skip
+    r = run_cli(["gptlab.train", *args], cwd=tmp_path)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(f"gptlab.train: error: {side}") and "prepare it again" in line
+    assert not run.exists()

@@ -147,9 +147,137 @@ def test_a_trial_being_asked_for_is_no_orphan_and_an_adopted_one_gets_the_whole_
     t = study._storage.get_trial(tid)
     assert trial_alive(t, {}, time.time())
     assert not trial_alive(t, {}, time.time() + 120)  # its sweeper died before sampling it
-    fill_params(study, t, space)
+    fill_params(study, t, space, settings())
     lr = study._storage.get_trial(tid).params["optimizer.lr"]
     assert 1e-4 <= lr <= 1e-2
+
+
+def a_search(tmp_path, params=None, launcher=None, max_steps=500, **changes):
+    """A sweeper's Search, prepared as `-m hparams_search=...` prepares it, on a config holding the
+    keys a search reads (not a whole job's); its study in <tmp_path>/optuna.db."""
+    from omegaconf import OmegaConf
+
+    from gptlab.search.sweeper import Search
+
+    hs = {**vars(settings(storage=f"sqlite:///{tmp_path}/optuna.db")), **changes}
+    config = OmegaConf.create({
+        "hparams_search": hs,
+        "hydra": {"sweep": {"dir": str(tmp_path / "search")}},
+        "paths": {"outputs": str(tmp_path)},
+        "train": {"max_steps": max_steps},
+        "optimizer": {"lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.1},
+    })  # fmt: skip
+    params = params or {"optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
+                        "optimizer.weight_decay": "interval(0.0, 0.4)"}  # fmt: skip
+    search = Search(config, launcher, params)
+    search.prepare([])
+    return search
+
+
+def test_two_sweepers_on_one_study_draw_different_points(tmp_path):
+    """Issue 42: a second sweeper's first trial repeated the first sweeper's (one seed, one
+    stream); each trial's draw is seeded by its own number."""
+    first, second = a_search(tmp_path), a_search(tmp_path)
+    assert first._next_trials(1, set()) == [0] and second._next_trials(1, set()) == [1]
+    zero, one = first.study.get_trials()
+    assert set(zero.params) == set(one.params) == {"optimizer.lr", "optimizer.weight_decay"}
+    assert zero.params["optimizer.lr"] != one.params["optimizer.lr"]
+    # a trial's draw is its number's: the same study again draws the same points
+    again = a_search(tmp_path / "again")
+    assert again._next_trials(2, set()) == [0, 1]
+    assert [t.params for t in again.study.get_trials()] == [zero.params, one.params]
+
+
+def test_a_study_spends_no_trial_on_a_point_it_has_tried(tmp_path):
+    search = a_search(tmp_path, {"optimizer.weight_decay": "choice(0.0, 0.1, 0.2)"}, n_trials=3)
+    assert search._next_trials(3, set()) == [0, 1, 2]
+    drawn = sorted(t.params["optimizer.weight_decay"] for t in search.study.get_trials())
+    assert drawn == [0.0, 0.1, 0.2]
+
+
+def test_a_sweeper_reading_a_study_while_another_writes_it_sees_the_whole_search(
+    tmp_path, monkeypatch
+):
+    """Issue 42: the study's search was three writes, and a second sweeper reading between them
+    refused the study ("another fixed ..."). Here the second prepares right after the first
+    sweeper's first write of the study's attributes, every time."""
+    from optuna.storages import RDBStorage
+
+    write = RDBStorage.set_study_system_attr
+    looked = []
+
+    def write_then_look(self, study_id, key, value):
+        write(self, study_id, key, value)
+        if not looked:
+            looked.append(key)
+            a_search(tmp_path)  # another sweeper on the same study, at this moment
+
+    monkeypatch.setattr(RDBStorage, "set_study_system_attr", write_then_look)
+    a_search(tmp_path)
+    assert looked == [studies.DEFINITION_ATTR]
+
+
+def test_a_study_made_before_its_search_was_one_attribute_still_continues(tmp_path):
+    first = a_search(tmp_path)
+    attrs = first.storage.get_study_system_attrs(first.storage.get_study_id_from_name("s"))
+    held = attrs[studies.DEFINITION_ATTR]
+    old_url = f"sqlite:///{tmp_path}/old/optuna.db"
+    old = optuna.create_study(study_name="s", storage=studies.open_storage(old_url))
+    for part, key in studies.LEGACY_ATTRS.items():
+        old._storage.set_study_system_attr(old._study_id, key, held[part])
+    a_search(tmp_path / "old")  # the same search: continued
+    with pytest.raises(GptlabError, match="holds a search with another metric"):
+        a_search(tmp_path / "old", metric="val_loss")
+
+
+def test_the_first_line_says_how_many_trials_run_at_once(tmp_path):
+    """Issue 42: `2 at a time`, then `one trial at a time`; the basic launcher runs one."""
+    import logging
+
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+    search = a_search(tmp_path, launcher=BasicLauncher(), n_trials=1, n_jobs=2)
+    assert search._next_trials(1, set()) == [0]
+    search.study.tell(0, 1.0)  # the study is done: run() only speaks
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("gptlab.search")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    try:
+        assert search.run() == []
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert ("1 trials (1 done), 1 at a time (hparams_search.n_jobs=2 needs another launcher, "
+            "hydra/launcher=slurm_* or local)") in lines[0]  # fmt: skip
+    assert not any("2 at a time" in line or "one trial at a time" in line for line in lines)
+
+
+def test_a_warmup_range_past_the_trials_max_steps_is_cut_there_or_refused(tmp_path):
+    from optuna.distributions import CategoricalDistribution, IntDistribution
+
+    warmup = "optimizer.warmup_steps"
+    search = a_search(tmp_path, {warmup: "tag(int, interval(0, 300))"}, max_steps=60)
+    assert search.space[warmup] == IntDistribution(0, 60)
+    assert search.notes == [
+        "search space: optimizer.warmup_steps cut to int [0, 60] (from int [0, 300]): trials run "
+        "train.max_steps=60"
+    ]
+    cut = a_search(tmp_path / "range", {warmup: "range(0, 300, 25)"}, max_steps=60)
+    assert cut.space[warmup] == IntDistribution(0, 50, step=25)
+    chosen = a_search(tmp_path / "choice", {warmup: "choice(0, 50, 100)"}, max_steps=60)
+    assert chosen.space[warmup] == CategoricalDistribution([0, 50])
+    inside = a_search(tmp_path / "inside", {warmup: "tag(int, interval(0, 300))"})
+    assert inside.space[warmup] == IntDistribution(0, 300) and inside.notes == []
+    with pytest.raises(GptlabError) as e:
+        a_search(tmp_path / "past", {warmup: "tag(int, interval(100, 800))"}, max_steps=50)
+    assert str(e.value) == (
+        "search space optimizer.warmup_steps: int [100, 800] starts past train.max_steps=50: no "
+        "trial would get there; search values up to 50, e.g. "
+        "optimizer.warmup_steps='tag(int, interval(0, 50))'"
+    )
 
 
 def test_a_trial_worse_than_the_median_is_pruned_and_a_better_one_is_not(tmp_path):
@@ -374,6 +502,7 @@ def test_two_sweepers_on_one_study_share_it(shakespeare, tmp_path):
     study = optuna.load_study(study_name="default_job", storage=f"sqlite:///{outputs}/optuna.db")
     real = [t for t in study.get_trials() if not t.system_attrs.get(studies.SURPLUS_ATTR)]
     assert sorted(t.number for t in real) == [0, 1, 2, 3]
+    assert len({tuple(sorted(t.params.items())) for t in real}) == 4  # no point tried twice
     assert all(t.state.name in ("COMPLETE", "PRUNED") for t in real)
     # each trial ran in one sweeper only
     for t in real:

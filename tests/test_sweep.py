@@ -7,7 +7,7 @@ import json
 import signal
 
 import pytest
-from helpers import run_cli, start_cli
+from helpers import nano_overrides, run_cli, start_cli
 from test_compare import client_for, make_sweep
 from test_train import _long_run, _wait_for_lines
 
@@ -83,6 +83,44 @@ def test_sweep_runs_each_job_into_its_own_folder(tmp_path, shakespeare):
         lrs[job] = [r["lr"] for r in rows if "lr" in r]
     assert len(lrs["0"]) >= 2 and lrs["1"] == pytest.approx([3 * x for x in lrs["0"]], rel=1e-9)
     assert max(lrs["1"]) <= 3e-3
+
+
+@pytest.mark.slow
+def test_a_sweep_whose_first_job_cannot_be_composed_leaves_nothing(tmp_path, shakespeare):
+    """Issue 42: a sweep whose jobs' overrides do not compose left its folder and a FAILED MLflow
+    parent run behind; no job began, so nothing stays (the store itself aside)."""
+    from mlflow import MlflowClient
+
+    r = run_cli(
+        [
+            "gptlab.train",
+            "-m",
+            "model=gpt_nano",
+            f"data.path={shakespeare}",
+            "model.n_layer=abc,def",
+        ],
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "gptlab.train: error: Error merging override model.n_layer=abc: Value 'abc' of type 'str' "
+        "could not be converted to Integer (full_key: model.n_layer)"
+    ]
+    assert "no job of this sweep began: MLflow sweep run" in r.stdout
+    outputs = tmp_path / "outputs"
+    assert sorted(p.name for p in outputs.iterdir()) == ["mlflow.db", "mlflow.db.lock"]
+    client = MlflowClient(f"sqlite:///{outputs}/mlflow.db")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    assert client.search_runs(experiments) == []  # the parent is in MLflow's trash
+    # jobs that began and failed (their folders removed as failed starts) keep the sweep's records
+    sweep = tmp_path / "sweep"
+    args = nano_overrides(shakespeare, "tracking.mlflow=true", "model.n_head=5,7",
+                          f"hydra.sweep.dir={sweep}")  # fmt: skip
+    r = run_cli(["gptlab.train", "-m", *args], cwd=tmp_path)
+    assert r.returncode == 2 and "model.n_head=5" in r.stderr
+    info = json.loads((sweep / "sweep.json").read_text())
+    parent = client.get_run(info["parent_run_id"])
+    assert parent.info.status == "FAILED" and parent.data.tags["error"] == "2 of 2 jobs failed"
 
 
 @pytest.mark.slow

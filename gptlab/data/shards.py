@@ -161,6 +161,11 @@ def open_shards(folder: Path, expect: Dict[str, Any]) -> List[np.ndarray]:
                     f"different tokenizer or gptlab version); delete {folder.parent} to prepare "
                     f"it again"
                 )
+        if not isinstance(meta.get("sha256"), str) or not meta["sha256"]:
+            raise GptlabError(
+                f"{side}: no sha256 of its shard (the side file is damaged); delete "
+                f"{folder.parent} to prepare it again"
+            )
         path = side.with_suffix(".bin")
         dtype = np.dtype(meta["dtype"])
         if not path.is_file() or path.stat().st_size != meta["tokens"] * dtype.itemsize:

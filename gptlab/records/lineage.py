@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from gptlab.errors import GptlabError
 from gptlab.records import layout
 
 SPLITS = (("train", "training"), ("val", "validation"))  # (folder, MLflow's context)
@@ -26,10 +27,26 @@ def split_digest(folder: Path, meta: Dict[str, Any]) -> str:
     """The digest of one split: its shards' SHA-256s in order, the tokenizer's and the dtype."""
     h = hashlib.sha256()
     for side in sorted(folder.glob("shard_*.json")):
-        h.update(json.loads(side.read_text())["sha256"].encode())
+        h.update(shard_sha256(side).encode())
     h.update(str(meta.get("tokenizer_sha256")).encode())
     h.update(str(meta.get("dtype")).encode())
     return h.hexdigest()[:DIGEST_CHARS]
+
+
+def shard_sha256(side: Path) -> str:
+    """The SHA-256 a shard's side file records of its tokens; a side file without one (damaged,
+    edited) is one line naming it and the way out, as a missing one is (data/shards.py)."""
+    try:
+        digest = json.loads(side.read_text()).get("sha256")
+    except (OSError, ValueError, AttributeError):
+        digest = None
+    if not isinstance(digest, str) or not digest:
+        root = side.parent.parent
+        raise GptlabError(
+            f"{side}: no sha256 of its shard (the side file is damaged); delete {root} to "
+            f"prepare it again"
+        )
+    return digest
 
 
 def source_of(data: Any, meta: Dict[str, Any]) -> Dict[str, Any]:

@@ -131,3 +131,9 @@ def end(
         why = f"{len(failed)} of {len(runs)} jobs failed" if too_many else "the sweep stopped early"
         client.set_tag(parent_run_id, "error", "; ".join([why, *slurm_errors])[:5000])
     client.set_terminated(parent_run_id, status="FAILED" if too_many or stopped else "FINISHED")
+
+
+def discard(client: Any, parent_run_id: str) -> None:
+    """Delete the parent of a sweep none of whose jobs began (its first job's composition failed):
+    a sweep that never ran is no record (MLflow keeps the run in its trash, restorable)."""
+    client.delete_run(parent_run_id)

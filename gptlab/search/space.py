@@ -104,3 +104,48 @@ def override(key: str, value: Any) -> str:
         escaped = str(value).replace("\\", "\\\\").replace("'", "\\'")
         text = f"'{escaped}'"
     return f"{key}={text}"
+
+
+def lowest(dist: Any) -> Any:
+    """The smallest value a distribution can give (its low end; a choice's smallest number)."""
+    from optuna.distributions import CategoricalDistribution
+
+    if isinstance(dist, CategoricalDistribution):
+        numbers = [c for c in dist.choices if _number(c)]
+        return min(numbers) if numbers else None
+    return dist.low
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def cap(space: Dict[str, Any], key: str, limit: int, why: str) -> Any:
+    """Keep `key`'s distribution in `space` (a count of steps) at or under `limit`: a range reaching
+    past it is cut there and the note saying so returned (None when nothing was cut); one wholly
+    past it is refused in one line. `why` names the limit (`train.max_steps=60`)."""
+    from optuna.distributions import CategoricalDistribution
+
+    dist = space.get(key)
+    if dist is None:
+        return None
+    low = lowest(dist)
+    if low is not None and low > limit:
+        raise GptlabError(
+            f"search space {key}: {describe(dist)} starts past {why}: no trial would get there; "
+            f"search values up to {limit}, e.g. "
+            f"{key}='tag(int, interval(0, {limit}))'"
+        )
+    if isinstance(dist, CategoricalDistribution):
+        kept = [c for c in dist.choices if not (_number(c) and c > limit)]
+        if len(kept) == len(dist.choices):
+            return None
+        space[key] = CategoricalDistribution(kept)
+    elif dist.high > limit:
+        step = dist.step or 0
+        high = low + ((limit - low) // step) * step if step else limit
+        space[key] = type(dist)(low, type(low)(high), log=dist.log, step=dist.step)
+    else:
+        return None
+    cut = describe(space[key])
+    return f"search space: {key} cut to {cut} (from {describe(dist)}): trials run {why}"

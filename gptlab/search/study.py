@@ -3,16 +3,25 @@
 The study lives in a database (SQLite by default, the team's PostgreSQL for a shared search), not in
 the sweeper's memory: a sweeper started again with the same command continues it, and two sweepers
 on one study share it. Trials' jobs open the same storage to report their evaluations.
+
+The search a study holds (its space, fixed overrides and metric) is one system attribute, written
+once, so a sweeper reading it never sees half of it. Each trial's point is drawn by a sampler seeded
+with the trial's number, and never one the study has already tried (`sample_point`): two sweepers
+on one study draw different points.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from gptlab.errors import GptlabError
+
+log = logging.getLogger("gptlab.search")
 
 # hparams_search.metric -> (its direction, the figure each evaluation reports to the pruner)
 METRICS: Dict[str, Tuple[str, str]] = {
@@ -28,14 +37,14 @@ PRUNERS = ("median", "none")
 DEFAULT_DB = "optuna.db"  # under paths.outputs, beside the MLflow store
 
 # keys of the study's and trials' system attributes
-SPACE_ATTR = "gptlab:space"
-FIXED_ATTR = "gptlab:fixed"
-METRIC_ATTR = "gptlab:metric"
+DEFINITION_ATTR = "gptlab:search"  # the search the study holds: {space, fixed, metric}, one write
+LEGACY_ATTRS = {"space": "gptlab:space", "fixed": "gptlab:fixed", "metric": "gptlab:metric"}
 OWNER_ATTR = "gptlab:sweeper"
 SLURM_ATTR = "gptlab:slurm_job"
 ATTEMPT_ATTR = "gptlab:attempt"  # the trial's current launch; a job of an earlier one ends at once
 ERROR_ATTR = "gptlab:error"
 SURPLUS_ATTR = "gptlab:surplus"  # asked past n_trials while another sweeper asked too: never run
+DRAWS = 20  # draws of a trial's point before one the study has tried is taken (a spent space)
 
 
 def check_settings(hs: Any, hellaswag_every: int) -> str:
@@ -147,6 +156,72 @@ def make_sampler(name: str, seed: int, n_trials: int) -> Any:
     # the trials (2 to 10) at random, then the model. Multivariate: lr and warmup interact.
     startup = max(2, min(10, n_trials // 4))
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=startup)
+
+
+def definition(attrs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The search a study holds, from its system attributes: the one attribute, or for a study made
+    before it, the three it replaced once all are there; None while there is none."""
+    if DEFINITION_ATTR in attrs:
+        return attrs[DEFINITION_ATTR]
+    if all(key in attrs for key in LEGACY_ATTRS.values()):
+        return {part: attrs[key] for part, key in LEGACY_ATTRS.items()}
+    return None
+
+
+def trial_seed(seed: Optional[int], number: int, draw: int = 0) -> Optional[int]:
+    """The sampler's seed for a trial's draw: the configured seed mixed with the trial's number,
+    unique in the study, so sweepers sharing a study never sample from the same stream."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{number}:{draw}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _draw(sampler: Any, study: Any, trial: Any, space: Dict[str, Any]) -> Dict[str, Any]:
+    """One point of `space` from `sampler`: its joint (relative) sample, the rest one by one."""
+    sampler.before_trial(study, trial)
+    joint = sampler.infer_relative_search_space(study, trial)
+    joint = {k: d for k, d in joint.items() if k in space}
+    point = sampler.sample_relative(study, trial, joint) if joint else {}
+    for name, dist in space.items():
+        if name in point:
+            continue
+        if dist.single():
+            point[name] = dist.choices[0] if hasattr(dist, "choices") else dist.low
+        else:
+            point[name] = sampler.sample_independent(study, trial, name, dist)
+    return point
+
+
+def _point_key(params: Dict[str, Any]) -> Tuple:
+    return tuple(sorted((k, repr(v)) for k, v in params.items()))
+
+
+def sample_point(study: Any, trial: Any, space: Dict[str, Any], hs: Any) -> Dict[str, Any]:
+    """A point of `space` for `trial` (a FrozenTrial just asked; the params it already has are kept)
+    from the configured sampler seeded by the trial's number (trial_seed), drawn again while
+    another trial of the study holds it (up to DRAWS times: a small discrete space can be spent)."""
+    tried = {
+        _point_key(t.params)
+        for t in study.get_trials(deepcopy=False)
+        if t.number != trial.number and t.params and not t.system_attrs.get(SURPLUS_ATTR)
+    }
+    for draw in range(DRAWS):
+        sampler = make_sampler(hs.sampler, trial_seed(hs.seed, trial.number, draw), hs.n_trials)
+        point = {**_draw(sampler, study, trial, space), **trial.params}
+        if _point_key(point) not in tried:
+            return point
+    log.info(f"trial {trial.number}: every point drawn was tried already; it repeats one")
+    return point
+
+
+def set_point(study: Any, storage: Any, trial_id: int, space: Dict[str, Any], hs: Any) -> None:
+    """Give trial `trial_id` the parameters of `space` it lacks (sample_point)."""
+    trial = storage.get_trial(trial_id)
+    point = sample_point(study, trial, space, hs)
+    for name, dist in space.items():
+        if name not in trial.params:
+            storage.set_trial_param(trial_id, name, dist.to_internal_repr(point[name]), dist)
 
 
 def make_pruner(hs: Any) -> Any:

@@ -5,6 +5,9 @@ study how it ended.
   (hardware.nodes x nproc_per_node tasks, like any gptlab job), a new one starting as soon as one
   ends; Hydra's basic launcher runs them one after another in this process.
 - A trial's folder is <search folder>/<trial number>; its objective is read from its results.json.
+- Each trial's point is drawn with the seed mixed with its number and is never one the study has
+  tried (study.sample_point), so sweepers sharing a study draw different points. A warmup range
+  reaching past the trials' train.max_steps is cut there.
 - A trial that fails (diverges, crashes, is killed) is told FAIL with one line saying why; the
   search stops once more than max_failure_rate x n_trials have failed. A trial its job reports as
   pruned is told PRUNED.
@@ -40,6 +43,7 @@ log = logging.getLogger("gptlab.search")
 
 HEARTBEAT_S = 10.0  # how often a sweeper marks itself alive in the study
 STALE_S = 60.0  # a sweeper silent this long (on another host) is taken for dead
+DEFINITION_WAIT_S = 10.0  # how long a study's search is waited for before this one is written
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 
@@ -75,16 +79,11 @@ def trial_alive(t: Any, beats: Dict[str, Any], now: float) -> bool:
     return now - started < STALE_S
 
 
-def fill_params(study: Any, t: Any, space: Dict[str, Any]) -> None:
+def fill_params(study: Any, t: Any, space: Dict[str, Any], hs: Any) -> None:
     """Sample the parameters an adopted trial lacks (its sweeper died between asking for it and
     sampling it), so every trial that runs has the whole space."""
-    import optuna
-
-    missing = {k: d for k, d in space.items() if k not in t.params}
-    if missing:
-        trial = optuna.Trial(study, t._trial_id)
-        for name, dist in missing.items():
-            trial._suggest(name, dist)
+    if any(k not in t.params for k in space):
+        studies.set_point(study, study._storage, t._trial_id, space, hs)
 
 
 def check_keys(cfg: DictConfig, space: Dict[str, Any]) -> None:
@@ -128,6 +127,7 @@ class Search:
                 "sweep on the command line names what to search"
             )
         check_keys(self.config, self.space)
+        self.notes = [n for n in [self._cap_warmup()] if n]
         # the trial's own settings are the sweeper's to give
         own = ("hparams_search.trial=", "hparams_search.attempt=")
         self.fixed = [o for o in fixed if not o.lstrip("+~").startswith(own)]
@@ -136,28 +136,39 @@ class Search:
         self.study = self._study()
         self.allowed_failures = studies.allowed_failures(hs)
 
+    def _cap_warmup(self) -> Optional[str]:
+        """A warmup range reaching past the trials' max_steps is cut there (the note returned); one
+        wholly past it is refused."""
+        steps_dist = self.space.get("train.max_steps")
+        steps = spaces.lowest(steps_dist) if steps_dist is not None else None
+        if steps is None:
+            steps = OmegaConf.select(self.config, "train.max_steps", default=None)
+        if not isinstance(steps, int):
+            return None
+        why = f"train.max_steps={steps}" + (" at the least" if steps_dist is not None else "")
+        return spaces.cap(self.space, "optimizer.warmup_steps", steps, why)
+
     def _study(self) -> Any:
+        """The study, created with this search's definition, or an existing one holding the same
+        search (anything else is refused in one line)."""
         import optuna
 
         hs = self.hs
-        recorded = {
-            studies.SPACE_ATTR: {k: spaces.describe(d) for k, d in self.space.items()},
-            studies.FIXED_ATTR: sorted(self.fixed),
-            studies.METRIC_ATTR: hs.metric,
+        ours = {
+            "space": {k: spaces.describe(d) for k, d in self.space.items()},
+            "fixed": sorted(self.fixed),
+            "metric": hs.metric,
         }
-        study = optuna.create_study(
-            study_name=str(hs.study_name),
-            storage=self.storage,
-            sampler=studies.make_sampler(hs.sampler, hs.seed, hs.n_trials),
-            pruner=studies.make_pruner(hs),
-            direction=self.direction,
-            load_if_exists=True,
-        )
-        sid = self.storage.get_study_id_from_name(str(hs.study_name))
-        attrs = self.storage.get_study_system_attrs(sid)
-        if studies.SPACE_ATTR not in attrs:
-            for key, value in recorded.items():
-                self.storage.set_study_system_attr(sid, key, value)
+        made = dict(study_name=str(hs.study_name), storage=self.storage,
+                    sampler=studies.make_sampler(hs.sampler, hs.seed, hs.n_trials),
+                    pruner=studies.make_pruner(hs))  # fmt: skip
+        try:
+            study, loaded = optuna.create_study(direction=self.direction, **made), False
+        except optuna.exceptions.DuplicatedStudyError:
+            study, loaded = optuna.load_study(**made), True
+        sid = self.study_id = self.storage.get_study_id_from_name(str(hs.study_name))
+        if not loaded:  # this sweeper made it: its search, in one write
+            self.storage.set_study_system_attr(sid, studies.DEFINITION_ATTR, ours)
             return study
         if study.direction.name.lower() != self.direction:
             raise GptlabError(
@@ -165,40 +176,46 @@ class Search:
                 f"{study.direction.name.lower()}, not {self.direction}: choose another "
                 f"hparams_search.study_name"
             )
-        for key, value in recorded.items():
-            if attrs.get(key) != value:
-                what = key.split(":", 1)[1]
+        held = self._held_search(sid, ours)
+        for part, value in ours.items():
+            if held.get(part) != value:
+                what = {"fixed": "set of fixed overrides"}.get(part, part)
                 raise GptlabError(
                     f"study {hs.study_name!r} in {studies.redact(self.url)} holds a search with "
-                    f"another {what} ({attrs.get(key)} here: {value}); the same command continues "
-                    f"a study, another needs its own hparams_search.study_name"
+                    f"another {what} (the study's: {held.get(part)}; here: {value}); the same "
+                    f"command continues a study, another needs its own hparams_search.study_name"
                 )
         return study
+
+    def _held_search(self, study_id: int, ours: Dict[str, Any]) -> Dict[str, Any]:
+        """The search an existing study holds. Its maker writes it just after making the study: a
+        study without one is waited for a while, then given `ours` (made by hand, or its maker
+        died between the two)."""
+        deadline = time.monotonic() + DEFINITION_WAIT_S
+        while True:
+            held = studies.definition(self.storage.get_study_system_attrs(study_id))
+            if held is not None:
+                return held
+            if time.monotonic() > deadline:
+                self.storage.set_study_system_attr(study_id, studies.DEFINITION_ATTR, ours)
+                return ours
+            time.sleep(0.2)
 
     # --- the search
     def run(self) -> List[Any]:
         import optuna
 
         hs = self.hs
-        sid = self.storage.get_study_id_from_name(str(hs.study_name))
-        self.study_id = sid
         beat = threading.Thread(target=self._beat, daemon=True)
         self._heartbeat()
         beat.start()
         self.parent = self._read_parent()
         self._record_space()
-        done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
-        log.info(
-            f"search {hs.study_name!r}: {hs.n_trials} trials ({len(done)} done), {hs.n_jobs} at "
-            f"a time, {self.direction} {hs.metric}; study in {studies.redact(self.url)}; trials "
-            f"in {self.sweep_dir}/<trial>"
-        )
-        returns: List[Any] = []
         launcher = type(self.launcher)
         self.basic = f"{launcher.__module__}.{launcher.__name__}" == BASIC_LAUNCHER
         n_jobs = 1 if self.basic else int(hs.n_jobs)
-        if self.basic and hs.n_jobs > 1:
-            log.info("the basic launcher runs one trial at a time (hydra/launcher=slurm_*: more)")
+        self._say_plan(n_jobs)
+        returns: List[Any] = []
         pool = cf.ThreadPoolExecutor(max_workers=n_jobs) if not self.basic else None
         running: Dict[Any, int] = {}
         try:
@@ -228,6 +245,22 @@ class Search:
             self.stop_beating.set()
         self._summary(optuna)
         return returns
+
+    def _say_plan(self, n_jobs: int) -> None:
+        """The search's first line: what runs, as it will run."""
+        hs = self.hs
+        done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
+        at_once = f"{n_jobs} at a time"
+        if self.basic and hs.n_jobs > 1:
+            at_once += (f" (hparams_search.n_jobs={hs.n_jobs} needs another launcher, "
+                        f"hydra/launcher=slurm_* or local)")  # fmt: skip
+        log.info(
+            f"search {hs.study_name!r}: {hs.n_trials} trials ({len(done)} done), {at_once}, "
+            f"{self.direction} {hs.metric}; study in {studies.redact(self.url)}; trials in "
+            f"{self.sweep_dir}/<trial>"
+        )
+        for note in self.notes:
+            log.info(note)
 
     def trials(self) -> List[Any]:
         """The study's trials, without those asked one too many in a race between sweepers."""
@@ -263,13 +296,14 @@ class Search:
             numbers.append(t.number)
         total = len(trials)
         while len(numbers) < slots and total < self.hs.n_trials:
-            trial = self.study.ask(self.space)
+            trial = self.study.ask()  # a number of its own; its point is drawn below
             if trial.number >= self.hs.n_trials:
                 # another sweeper on this study asked at the same moment: one too many, never run
                 self.storage.set_trial_system_attr(trial._trial_id, studies.SURPLUS_ATTR, True)
                 self.study.tell(trial.number, state=TrialState.FAIL)
                 break
             self.storage.set_trial_system_attr(trial._trial_id, studies.OWNER_ATTR, self.owner)
+            studies.set_point(self.study, self.storage, trial._trial_id, self.space, self.hs)
             numbers.append(trial.number)
             total += 1
         return numbers
@@ -293,7 +327,7 @@ class Search:
         if job:
             cancel_and_wait(str(job))
         self._drop_unsaved_attempt(t.number)
-        fill_params(self.study, t, self.space)
+        fill_params(self.study, t, self.space, self.hs)
 
     def _drop_unsaved_attempt(self, number: int) -> None:
         """A taken-over trial with no checkpoint starts afresh (its folder's records moved aside):

@@ -4,8 +4,11 @@ tasks.
 PATH is a run folder (its newest checkpoint, or the best with which=best; whole or sharded) or a
 checkpoint file. The model and tokenizer are gptlab's own, rebuilt from the checkpoint
 (``gptlab.inference.load_model``) and wrapped as an lm_eval model (gptlab/evaluation/harness.py).
-Tasks come from lm_eval's registry, or from a folder of task YAMLs (eval.include=DIR; the shipped
-example is conf/eval_tasks/). The results go to the console as a table, to eval.json in the run
+Tasks come from lm_eval's registry, from gptlab's own conf/eval_tasks/ (always; its example task
+works by name), or from another folder of task YAMLs (eval.include=DIR). A local task's data files
+are checked before any model work (gptlab/evaluation/taskdata.py); a task whose data live on the
+Hugging Face Hub, when the Hub does not answer, loads from the local cache or fails at once
+(gptlab/evaluation/loading.py). The results go to the console as a table, to eval.json in the run
 folder, and to the run's own MLflow run as eval/<task>/<metric> at the checkpoint's step.
 PATH may also be a logged or registered model (models:/NAME/1, models:/NAME@champion,
 runs:/<id>/model): it is downloaded from tracking_uri's store (else $MLFLOW_TRACKING_URI, else
@@ -29,15 +32,17 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from gptlab import checkpoint, distributed
-from gptlab.cli import command, require, text_keys
+from gptlab.cli import CONF, command, require, text_keys
 from gptlab.config import HardwareConfig, ParallelismConfig, to_config
 from gptlab.errors import GptlabError
+from gptlab.evaluation import loading, taskdata
+from gptlab.evaluation.taskdata import Spec
 from gptlab.records import layout
 
 log = logging.getLogger("gptlab.eval")
@@ -47,7 +52,7 @@ log = logging.getLogger("gptlab.eval")
 class EvalSettings:
     """The `eval` section of conf/eval.yaml (the values are there)."""
 
-    include: Optional[str]  # a folder of task YAMLs (lm_eval's include_path); null: registry only
+    include: Optional[str]  # another folder of task YAMLs (conf/eval_tasks is always included)
     limit: Optional[float]  # documents per task (a fraction when < 1); null: all
     batch_size: int  # requests per forward
     num_fewshot: Optional[int]  # null: each task's own
@@ -74,6 +79,7 @@ ConfigStore.instance().store(name="gptlab_eval_schema", node=EvalConfig)
 TEXT_KEYS = text_keys(EvalConfig)  # run=, which= are text as typed (cli.hydra_words)
 # lm_eval's process group needs only replicas: every rank holds the whole model
 REPLICAS = ParallelismConfig("ddp", "ddp", False, True, 0, False, 1800)
+TASKS = CONF / "eval_tasks"  # gptlab's own task YAMLs, always included
 
 
 def check_settings(cfg: EvalConfig) -> None:
@@ -88,56 +94,78 @@ def check_settings(cfg: EvalConfig) -> None:
         raise GptlabError(f"eval.include={cfg.eval.include}: not a folder of task YAMLs")
 
 
+def task_folders(include: Optional[str]) -> Tuple[str, ...]:
+    """The folders of task YAMLs: gptlab's conf/eval_tasks, and eval.include's."""
+    folders = [str(TASKS.resolve())]
+    if include and str(Path(include).resolve()) not in folders:
+        folders.append(str(Path(include).resolve()))
+    return tuple(folders)
+
+
 @functools.lru_cache(maxsize=8)
-def _task_manager(include: Optional[str], registry: bool) -> Any:
+def _task_manager(folders: Tuple[str, ...], registry: bool) -> Any:
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=include, include_defaults=registry)
+    return TaskManager(include_path=list(folders), include_defaults=registry)
 
 
 def task_manager(include: Optional[str], tasks: Sequence[str] = ()) -> Any:
-    """lm_eval's index of tasks: the included folder's alone when it holds every task named (the
+    """lm_eval's index of tasks: the local folders' alone when they hold every task named (the
     registry's thousands of YAMLs take seconds to index), else with the registry; one index serves
     every call in a process."""
-    folder = str(Path(include).resolve()) if include else None
-    if folder is not None and tasks:
-        local = _task_manager(folder, False)
+    folders = task_folders(include)
+    if tasks:
+        local = _task_manager(folders, False)
         if set(tasks) <= set(local.all_tasks):
             return local
-    return _task_manager(folder, True)
+    return _task_manager(folders, True)
 
 
 def check_tasks(manager: Any, tasks: List[str], include: Optional[str]) -> None:
-    """Every task is known to lm_eval's registry or the included folder: else one line with the
-    nearest names."""
+    """Every task is known to lm_eval's registry or a local folder: else one line with the nearest
+    names and where tasks come from."""
     known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
             near = difflib.get_close_matches(name, sorted(known), n=3)
             hint = f" (did you mean {', '.join(near)}?)" if near else ""
-            where = f"lm_eval's registry or {include}" if include else "lm_eval's registry"
-            raise GptlabError(f"task {name!r} is not in {where}{hint}")
+            folders = f"{TASKS}" + (f" or {include}" if include else "")
+            raise GptlabError(
+                f"task {name!r} is not in lm_eval's registry or {folders}{hint}; tasks are "
+                f"lm_eval's (lm-eval ls tasks), gptlab's conf/eval_tasks, and the task YAMLs of "
+                f"a folder given as eval.include=DIR"
+            )
 
 
-def load_tasks(manager: Any, tasks: List[str]) -> Dict[str, Any]:
-    """lm_eval's task objects, their data loaded; a task whose data cannot be had is one line."""
+def task_specs(manager: Any, tasks: List[str]) -> Tuple[List[Spec], List[str]]:
+    """What lm_eval loads for each task (its local data checked first: one line for a broken file),
+    and the tasks whose data come from elsewhere (the Hugging Face Hub)."""
+    specs, remote = [], []
+    for name in tasks:
+        spec = taskdata.local_spec(manager, name)
+        specs.append(name if spec is None else spec)
+        if spec is None:
+            remote.append(name)
+    return specs, remote
+
+
+def load_tasks(manager: Any, specs: Sequence[Spec]) -> Dict[str, Any]:
+    """lm_eval's task objects, their data loaded; a task whose data cannot be had is one line
+    naming the cause."""
     from lm_eval.tasks import get_task_dict
 
     loaded: Dict[str, Any] = {}
-    for name in tasks:
+    for spec in specs:
+        name = spec if isinstance(spec, str) else spec["task"]
         try:
             with warnings.catch_warnings():  # lm_eval 0.4.13 deprecates it for TaskManager.load
                 warnings.simplefilter("ignore", DeprecationWarning)
-                loaded.update(get_task_dict([name], manager))
+                loaded.update(get_task_dict([spec], manager))
         except GptlabError:
             raise
         except Exception as e:  # noqa: BLE001 - datasets / hub / connection errors of every kind
-            raise GptlabError(
-                f"task {name!r}: its data could not be loaded ({type(e).__name__}: "
-                f"{str(e).splitlines()[0][:160] if str(e) else ''}); offline, copy the data and "
-                f"point a task YAML at it (dataset_path: json, dataset_kwargs.data_files) in a "
-                f"folder given as eval.include=DIR (docs/evaluation.md)"
-            ) from None
+            dataset = taskdata.dataset_of(manager, name)
+            raise GptlabError(loading.failure(name, e, dataset)) from None
     return loaded
 
 
@@ -201,9 +229,12 @@ def load_scored(cfg: EvalConfig, device: Any, source: Optional[Source]) -> tuple
 
 
 def evaluate_checkpoint(
-    cfg: EvalConfig, rank: int, world: int, device: Any, source: Optional[Source] = None
-) -> Optional[Dict]:
-    """Score the checkpoint on every rank; rank 0 returns eval.json's body, the others None."""
+    cfg: EvalConfig, rank: int, world: int, device: Any, source: Optional[Source] = None,
+    specs: Optional[List[Spec]] = None,
+) -> Optional[Dict]:  # fmt: skip
+    """Score the checkpoint on every rank (the tasks loaded first, then the model); rank 0 returns
+    eval.json's body, the others None. specs: the tasks as task_specs gave them (None: from
+    cfg.tasks)."""
     import lm_eval
     from lm_eval import evaluator
 
@@ -211,19 +242,20 @@ def evaluate_checkpoint(
 
     manager = task_manager(cfg.eval.include, cfg.tasks)
     check_tasks(manager, cfg.tasks, cfg.eval.include)
-    model, tokenizer, step, scored, run_id = load_scored(cfg, device, source)
-    autocast, precision = autocast_for(cfg.eval.precision, device)
-    lm = GptlabLM(model, tokenizer, device, cfg.eval.batch_size, autocast, rank, world,
-                  cfg.eval.rolling_context)  # fmt: skip
-    task_dict = load_tasks(manager, cfg.tasks)
     limit = cfg.eval.limit
-    results = evaluator.simple_evaluate(
-        model=lm, tasks=list(task_dict.values()), num_fewshot=cfg.eval.num_fewshot,
-        limit=int(limit) if limit is not None and limit >= 1 else limit,
-        bootstrap_iters=cfg.eval.bootstrap_iters, log_samples=False, task_manager=manager,
-        random_seed=cfg.eval.seed, numpy_random_seed=cfg.eval.seed,
-        torch_random_seed=cfg.eval.seed, fewshot_random_seed=cfg.eval.seed,
-    )  # fmt: skip
+    with loading.progress_bars(rank == 0 and loading.terminal()), loading.no_environment_report():
+        task_dict = load_tasks(manager, specs or task_specs(manager, cfg.tasks)[0])
+        model, tokenizer, step, scored, run_id = load_scored(cfg, device, source)
+        autocast, precision = autocast_for(cfg.eval.precision, device)
+        lm = GptlabLM(model, tokenizer, device, cfg.eval.batch_size, autocast, rank, world,
+                      cfg.eval.rolling_context)  # fmt: skip
+        results = evaluator.simple_evaluate(
+            model=lm, tasks=list(task_dict.values()), num_fewshot=cfg.eval.num_fewshot,
+            limit=int(limit) if limit is not None and limit >= 1 else limit,
+            bootstrap_iters=cfg.eval.bootstrap_iters, log_samples=False, task_manager=manager,
+            random_seed=cfg.eval.seed, numpy_random_seed=cfg.eval.seed,
+            torch_random_seed=cfg.eval.seed, fewshot_random_seed=cfg.eval.seed,
+        )  # fmt: skip
     if rank != 0:
         return None
     from importlib.metadata import version
@@ -291,12 +323,14 @@ def log_to_mlflow(
         log.warning(f"eval: MLflow {store.store_failure(uri, e)}; eval.json holds the results")
 
 
-def _evaluate(resolved: Dict[str, Any], source: Optional[Source]) -> Optional[Path]:
+def _evaluate(
+    resolved: Dict[str, Any], source: Optional[Source], specs: Optional[List[Spec]] = None
+) -> Optional[Path]:
     """This process's share: join the group, score, and on rank 0 write the records."""
     cfg = to_config(OmegaConf.create(resolved), EvalConfig)
     d = distributed.setup(cfg.hardware, REPLICAS)
     try:
-        body = evaluate_checkpoint(cfg, d.rank, d.world_size, d.device, source)
+        body = evaluate_checkpoint(cfg, d.rank, d.world_size, d.device, source, specs)
         if body is None:
             return None
         table = body.pop("table", None)
@@ -309,14 +343,17 @@ def _evaluate(resolved: Dict[str, Any], source: Optional[Source]) -> Optional[Pa
         distributed.teardown()
 
 
-def _worker(resolved: Dict[str, Any], source: Optional[Source]) -> None:
+def _worker(
+    resolved: Dict[str, Any], source: Optional[Source], specs: Optional[List[Spec]] = None
+) -> None:
     """One locally spawned rank (distributed.spawn sets RANK / WORLD_SIZE)."""
     from gptlab import console
     from gptlab.cli import fail
 
     console.setup_logging()
+    console.local_bars()  # tqdm's default lock would be a semaphore the launcher calls leaked
     try:
-        _evaluate(resolved, source)
+        _evaluate(resolved, source, specs)
     except GptlabError as e:
         rank = os.environ.get("RANK", "0")
         fail("gptlab.eval", str(e) if rank == "0" else f"[rank {rank}] {e}")
@@ -340,14 +377,20 @@ def run_eval(config: Any) -> Optional[Path]:
         source = fetch_model(cfg)  # an unknown model: one line before any process starts
     else:
         checkpoint.find(cfg.run, cfg.which)  # no checkpoint: one line, the same
-    check_tasks(task_manager(cfg.eval.include, cfg.tasks), cfg.tasks, cfg.eval.include)
+    manager = task_manager(cfg.eval.include, cfg.tasks)
+    check_tasks(manager, cfg.tasks, cfg.eval.include)
+    specs, remote = task_specs(manager, cfg.tasks)  # a broken local file: one line, no model yet
     resolved = OmegaConf.to_container(config, resolve=True)
-    if distributed.role(cfg.hardware) == "parent":
-        distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved, source))
-        if source:
-            return Path(source["folder"]) / layout.EVAL
-        return layout.run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
-    return _evaluate(resolved, source)
+    with loading.hub_access(bool(remote)):
+        if distributed.role(cfg.hardware) != "parent":
+            return _evaluate(resolved, source, specs)
+        if remote:  # the launcher downloads once (or says why not); its ranks read the cache
+            with loading.progress_bars(loading.terminal()):
+                load_tasks(manager, remote)
+        distributed.spawn(_worker, cfg.hardware.nproc_per_node, (resolved, source, specs))
+    if source:
+        return Path(source["folder"]) / layout.EVAL
+    return layout.run_folder_of(checkpoint.find(cfg.run, cfg.which)) / layout.EVAL
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

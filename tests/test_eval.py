@@ -6,6 +6,8 @@ by-hand computation, across processes, and on bad input; all offline, on tasks t
 
 import json
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from helpers import compose_config, nano_overrides, run_cli
 
 from gptlab.errors import GptlabError
 from gptlab.evaluation.next_line import next_line_examples, task_yaml, write_jsonl
+from gptlab.evaluation.taskdata import local_spec
 from gptlab.train import run_training
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -260,9 +263,18 @@ def test_bad_input_is_one_line_and_writes_nothing(trained_char, tmp_path, shakes
     run = f"run={trained_char}"
     cases = [
         ([run, "tasks=[next_lin]", f"eval.include={tasks}"], "'next_lin' is not in .*next_line"),
+        # the shipped tasks' folder is searched too, and the line says where tasks come from
+        (
+            [run, "tasks=[shakespeare_nextline]", f"eval.include={tasks}"],
+            r"'shakespeare_nextline' is not in lm_eval's registry or .*conf/eval_tasks or "
+            r".*did you mean shakespeare_next_line\?\); tasks are lm_eval's .*eval.include=DIR",
+        ),
         ([f"run={tmp_path}", "tasks=[next_line]", f"eval.include={tasks}"], "no checkpoint found"),
         ([run, "tasks=[next_line]", f"eval.include={tasks}", "eval.limit=0"], "eval.limit=0"),
-        ([run, "tasks=[arc_easy]"], "task 'arc_easy': its data could not be loaded.*eval.include"),
+        (
+            [run, "tasks=[arc_easy]", f"eval.include={tasks}"],
+            "task 'arc_easy': its data .* not in the local cache, and HF_HUB_OFFLINE=1 .*include",
+        ),
         ([run, "tasks=[]"], "name at least one task"),
     ]
     for argv, message in cases:
@@ -296,9 +308,177 @@ def test_the_command_line_prints_the_table_and_help(trained_char, tmp_path, shak
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "|next_line|" in r.stdout.replace(" ", "") and "acc_norm" in r.stdout
+    # redirected output: no progress bars (nor lm_eval's git lookup), one line instead
+    assert r.stderr == ""
+    assert "eval: scoring 16 loglikelihood requests" in r.stdout
     assert eval_json(trained_char)["_body"]["results"][0]["n"] == 4
     help_text = run_cli(["gptlab.eval", "--help"], cwd=tmp_path).stdout
     assert "python -m gptlab.eval run=PATH tasks=" in help_text and "eval.include" in help_text
+
+
+ROWS = [{"context": f"line {i}\n", "choices": ["ab", "ba"], "label": 0} for i in range(4)]
+
+
+def jsonl(rows) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+# a broken data file of a local task: its text, and the one line that names what is wrong
+BROKEN = {
+    "cut": (
+        jsonl(ROWS[:2]) + '{"context": "x", "choi\n',
+        r"cut\.jsonl line 3 is not valid JSON \(Unterminated string.*fix or remove",
+    ),
+    "no_field": (
+        jsonl({"ctx" if k == "context" else k: v for k, v in r.items()} for r in ROWS),
+        r"doc_to_text reads the field 'context', which no row of .*no_field\.jsonl has "
+        r"\(the rows have choices, ctx, label\)",
+    ),
+    "one_row": (
+        jsonl([*ROWS[:2], {"choices": ["a"], "label": 0}]),
+        r"one_row\.jsonl line 3 has no field 'context' \(doc_to_text reads it\)",
+    ),
+    "empty": ("", r"empty\.jsonl holds no rows: the task has no documents"),
+}
+
+
+def broken_task(folder: Path, name: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.jsonl").write_text(BROKEN[name][0])
+    (folder / f"{name}.yaml").write_text(task_yaml(name, folder / f"{name}.jsonl"))
+    return folder
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_local_tasks_broken_data_is_named_by_file_and_line_or_field(tmp_path, name):
+    from gptlab.eval import task_manager
+
+    folder = broken_task(tmp_path, name)
+    with pytest.raises(GptlabError, match=f"task '{name}'.*{BROKEN[name][1]}"):
+        local_spec(task_manager(str(folder), [name]), name)
+
+
+def test_a_relative_data_file_is_read_from_the_working_folder_else_from_the_yamls(
+    tmp_path, monkeypatch
+):
+    """The shipped task's path is relative to its folder: handed to lm_eval made absolute. A data
+    file found from the working folder is left to datasets as written."""
+    from gptlab.eval import TASKS, task_manager
+
+    monkeypatch.chdir(tmp_path)
+    spec = local_spec(task_manager(None, ["shakespeare_next_line"]), "shakespeare_next_line")
+    assert spec["dataset_kwargs"]["data_files"] == {
+        "test": [str(TASKS.resolve() / "shakespeare_next_line.jsonl")]
+    }
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    write_jsonl(ROWS, tmp_path / "rows.jsonl")
+    (folder / "here.yaml").write_text(task_yaml("here", Path("rows.jsonl")).replace(
+        str(tmp_path / "rows.jsonl"), "rows.jsonl"))  # fmt: skip
+    (folder / "gone.yaml").write_text(task_yaml("gone", tmp_path / "gone.jsonl"))
+    manager = task_manager(str(folder), ["here", "gone"])  # indexed once: both written first
+    assert local_spec(manager, "here") == "here"
+    with pytest.raises(GptlabError, match=r"task 'gone' .*data file .*gone\.jsonl not found"):
+        local_spec(manager, "gone")
+
+
+def no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded before the tasks' data were checked")
+
+
+@pytest.mark.slow
+def test_broken_task_files_stop_before_any_model_work_without_datasets_noise(
+    trained_char, tmp_path, monkeypatch, capfd
+):
+    from gptlab import eval as eval_command
+
+    monkeypatch.setattr(eval_command, "load_scored", no_model)
+    (trained_char / "eval.json").unlink(missing_ok=True)  # another test's
+    for name in ("cut", "no_field", "empty"):
+        folder = broken_task(tmp_path / name, name)
+        argv = [f"run={trained_char}", f"tasks=[{name}]", f"eval.include={folder}"]
+        with pytest.raises(GptlabError, match=BROKEN[name][1]):
+            eval_command.main(argv)
+    out, err = capfd.readouterr()
+    assert "Generating" not in out + err and "Failed to load" not in out + err
+    assert not (trained_char / "eval.json").exists()
+
+
+@pytest.mark.slow
+def test_a_broken_task_file_is_one_line_on_the_command_line(trained_char, tmp_path):
+    folder = broken_task(tmp_path / "tasks", "cut")
+    r = run_cli(["gptlab.eval", f"run={trained_char}", "tasks=[cut]", f"eval.include={folder}"],
+                cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("gptlab.eval: error: task 'cut'")
+    assert "line 3 is not valid JSON" in r.stderr and "offline" not in r.stderr
+
+
+@pytest.mark.slow
+def test_the_shipped_task_runs_by_name_from_any_folder(trained_char, tmp_path, monkeypatch):
+    """conf/eval_tasks is always included, its data path read from its own folder."""
+    from gptlab.eval import main as evaluate
+
+    monkeypatch.chdir(tmp_path)
+    evaluate([f"run={trained_char}", "tasks=[shakespeare_next_line]", "eval.limit=4",
+              "eval.mlflow=false"])  # fmt: skip
+    body = eval_json(trained_char)["_body"]
+    (trained_char / "eval.json").unlink()
+    assert {(r["task"], r["n"]) for r in body["results"]} == {("shakespeare_next_line", 4)}
+
+
+HUB_TASK = """task: on_the_hub
+dataset_path: gptlab-tests/no-such-dataset
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+"""
+
+
+@pytest.mark.slow
+def test_a_hub_task_when_the_hub_does_not_answer_fails_in_seconds(
+    trained_char, tmp_path, monkeypatch
+):
+    """One quick question to the Hub; no answer: the offline modes (the local cache only), so the
+    line comes at once, naming the local way, and not after the hub client's retries."""
+    import datasets
+
+    from gptlab import eval as eval_command
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+    (tmp_path / "on_the_hub.yaml").write_text(HUB_TASK)
+    argv = [f"run={trained_char}", "tasks=[on_the_hub]", f"eval.include={tmp_path}"]
+    start = time.monotonic()
+    with pytest.raises(GptlabError, match=(
+        r"task 'on_the_hub': its data \(gptlab-tests/no-such-dataset\) are not in the local "
+        r"cache, and the Hugging Face Hub does not answer \(127.0.0.1:9: .*\); copy the data into "
+        r"a file and point a task YAML at it .*eval.include=DIR"
+    )):  # fmt: skip
+        eval_command.main(argv)
+    assert time.monotonic() - start < 10
+    assert "HF_HUB_OFFLINE" not in os.environ and not datasets.config.HF_HUB_OFFLINE  # restored
+
+
+@pytest.mark.slow
+def test_two_processes_leave_stderr_clean(trained_char, tmp_path, shakespeare):
+    """No "leaked semaphore" warning (tqdm's lock in a spawned rank), no progress bars."""
+    tasks = next_line_task(tmp_path / "tasks", shakespeare, 6)
+    r = run_cli(
+        ["gptlab.eval", f"run={trained_char}", "tasks=[next_line]", f"eval.include={tasks}",
+         "hardware=cpu_x2", "eval.limit=4", "eval.mlflow=false"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    (trained_char / "eval.json").unlink(missing_ok=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr == ""
+    assert (
+        "eval: scoring 8 loglikelihood requests" in r.stdout
+        and "|next_line|" in r.stdout.replace(" ", "")
+    )
 
 
 @pytest.mark.parametrize("capability,expected", [((7, 0), "fp32"), ((8, 0), "bf16")])

@@ -11,6 +11,7 @@ longest rank's, and rank 0 gathers the per-document metrics (all_gather, gather_
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -20,8 +21,11 @@ from lm_eval.api.model import TemplateLM
 
 from gptlab.data import Tokenizer
 from gptlab.errors import GptlabError
+from gptlab.evaluation.loading import terminal
 from gptlab.evaluation.scoring import score_pairs
 from gptlab.model import GPT
+
+log = logging.getLogger(__name__)
 
 
 def prefix_token(tokenizer: Tokenizer) -> int:
@@ -96,9 +100,14 @@ class GptlabLM(TemplateLM):
     # ---- requests --------------------------------------------------------------------------
 
     def _bar(self, total: int, what: str):
+        """A progress bar on rank 0's terminal; where none is drawn (stderr redirected), one line
+        saying what is scored."""
         from tqdm import tqdm
 
-        return tqdm(total=total, desc=what, disable=not self.show_progress, leave=False)
+        bar = self.show_progress and terminal()
+        if self.show_progress and not bar:
+            log.info(f"eval: scoring {total} {what} requests")
+        return tqdm(total=total, desc=what, disable=not bar, leave=False)
 
     def _scores(self, pairs: List[Tuple[List[int], List[int]]], what: str):
         with self._bar(len(pairs), what) as bar:

@@ -25,7 +25,7 @@ from gptlab.config import to_config
 from gptlab.data import Tokenizer
 from gptlab.data.hf_tokenizer import special_token_ids
 from gptlab.errors import GptlabError
-from gptlab.inference import load_model, write_model_files
+from gptlab.inference import load_model, save_weights, write_model_files
 from gptlab.model import GPT
 from gptlab.records import layout
 
@@ -118,34 +118,42 @@ def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
 
 def run_export(config: Any) -> Path:
     """Write the export folder and return it. config: composed from conf/export.yaml."""
-    from safetensors.torch import save_file
-
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, ExportConfig)
+    if cfg.export.register or cfg.export.alias:  # before anything is read or written
+        from gptlab import serving
+
+        serving.check_names(cfg.export.register, cfg.export.alias)
     model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
+    # the run in MLflow, its store answering: before the export folder is written
+    target = mlflow_target(cfg, run_path) if cfg.export.mlflow or cfg.export.register else None
     out = Path(cfg.out) if cfg.out else layout.run_folder_of(run_path) / "export"
     tokenizer_files = write_model_files(model, tokenizer, saved, out)
     print(f"wrote {out / 'model.safetensors'}, {out / 'config.json'} and the tokenizer's files")
     if cfg.hf and gpt2_shaped(model):
         hf = out / "hf_gpt2"
         hf.mkdir(exist_ok=True)
-        save_file(hf_gpt2_state(model), str(hf / "model.safetensors"), metadata={"format": "pt"})
+        save_weights(hf_gpt2_state(model), hf / "model.safetensors", {"format": "pt"})
         (hf / "config.json").write_text(json.dumps(hf_gpt2_config(model, tokenizer), indent=1))
         for path in tokenizer_files:
             shutil.copy(path, hf / path.name)
         print(f"wrote a Hugging Face GPT-2 folder: {hf} (GPT2LMHeadModel, AutoTokenizer)")
     elif cfg.hf:
         print("not GPT-2-shaped (positions, MLP or biases differ): no Hugging Face folder")
-    if cfg.export.mlflow or cfg.export.register:
-        log_to_mlflow(cfg, run_path, out, saved.step)
+    if target is not None:
+        log_to_mlflow(cfg, target, out, saved.step)
     return out
 
 
-def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str, Dict[str, Any]]:
-    """(the store, the MLflow run id, results.json) a run folder was recorded as, or one line
-    saying why not."""
+Target = Tuple[str, str]  # the store, the MLflow run id
+
+
+def mlflow_target(cfg: ExportConfig, run_path: Path) -> Target:
+    """(the store, the MLflow run id) a run folder was recorded as, the store answering; or one
+    line saying why not."""
     from gptlab.records import identity
+    from gptlab.records.store import open_store
 
     folder = layout.run_folder_of(run_path)
     config = layout.read_config(folder)
@@ -157,27 +165,29 @@ def mlflow_run_of(run_path: Path, given_uri: Optional[str]) -> Tuple[str, str, D
             f"it with python -m gptlab.sync {folder}, then export again"
         )
     sweep = layout.read_sweep(folder) or identity.sweep_from_multirun(folder.parent)
-    return given_uri or identity.store_of(config, sweep), run_id, results
+    uri = cfg.tracking_uri or identity.store_of(config, sweep)
+    open_store(uri, "start it, or name the run's store with tracking_uri=...", create=False)
+    return uri, run_id
 
 
-def log_to_mlflow(cfg: ExportConfig, run_path: Path, out: Path, step: int) -> None:
-    """export.mlflow / export.register: the export as the run's MLflow model, then a version."""
+def log_to_mlflow(cfg: ExportConfig, target: Target, out: Path, step: int) -> None:
+    """export.mlflow / export.register: the export as the run's MLflow model (the one the run
+    logged already, where its files are in the store), then a version of it."""
     from gptlab import serving
     from gptlab.records import lineage
     from gptlab.records.store import error_text
 
-    uri, run_id, results = mlflow_run_of(run_path, cfg.tracking_uri)
+    uri, run_id = target
     name, alias = cfg.export.register, cfg.export.alias
-    if name:  # a bad name is refused before anything is logged
-        serving.check_names(name, alias)
     try:
-        model_uri = serving.logged_at(uri, run_id, step)
+        model_uri, lost = serving.logged_at(uri, run_id, step)
+        for gone in lost:
+            print(f"the run's MLflow model {gone} (step {step}) has lost its files: not that one")
         if model_uri:
             print(f"the run's MLflow model {model_uri} holds this checkpoint (step {step}) already")
         else:
-            metrics = serving.model_metrics(results)
-            datasets = lineage.read(layout.run_folder_of(run_path))
-            model_uri = serving.log_model(uri, run_id, out, step, metrics, datasets).model_uri
+            datasets = lineage.read(layout.run_folder_of(Path(cfg.run)))
+            model_uri = serving.log_model(uri, run_id, out, step, datasets).model_uri
             print(f"logged as the MLflow model {model_uri} of run {run_id} in {uri}")
         if name:
             v = serving.register(uri, model_uri, name, alias)

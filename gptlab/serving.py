@@ -4,22 +4,32 @@ The logged model is an MLflow pyfunc model (`GptlabModel`) whose one artifact is
 export folder (model.safetensors, config.json, the tokenizer's files: gptlab.export's), so it needs
 gptlab and torch where it is loaded, and nothing else. `predict` takes prompts (a list of strings,
 or a DataFrame with a `prompt` column) and returns each prompt followed by its generated text, as
-`gptlab.sample` prints it for the same seed; the params are `max_new_tokens`, `temperature` (0:
-greedy), `top_k` (0: the whole vocabulary) and `seed`. `mlflow models serve -m models:/NAME/1
---env-manager local` serves it: `POST /invocations`. A finished run logs its last checkpoint so
-(`log_checkpoint`, tracking.log_model), as do gptlab.export's export.mlflow and gptlab.sync.
+`gptlab.sample` prints it for the same seed; the params are `max_new_tokens` (1 to
+MAX_NEW_TOKENS), `temperature` (>= 0; 0: greedy), `top_k` (>= 0; 0: the whole vocabulary) and
+`seed`, each checked (`check_params`: MLflow's INVALID_PARAMETER_VALUE, the scoring server's 400).
+A request generates until its deadline (`deadline_s`: 504 after it) and a served process that is
+told to stop (SIGTERM) ends the generation in progress (503). `mlflow models serve -m
+models:/NAME/1 --env-manager local` serves it: `POST /invocations`. A finished run logs its last
+checkpoint so (`log_checkpoint`, tracking.log_model), as do gptlab.export's export.mlflow and
+gptlab.sync; the model's figures are the run's own points at its step (`link_figures`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import numbers
 import os
 import re
+import signal
+import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from gptlab.errors import GptlabError
+from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS
 
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
 MODEL_NAME = "model"  # the logged model's name in its run
@@ -27,6 +37,8 @@ MODEL_URIS = ("models:/", "runs:/", "mlflow-artifacts:/")  # what run= of sample
 PROGRESS_BAR = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
 STEP_TAG = "gptlab.step"  # a logged model's tag: the step of the checkpoint it holds
 PARAMS = {"max_new_tokens": 100, "temperature": 0.8, "top_k": 200, "seed": 0}
+MAX_NEW_TOKENS = 4096  # the most max_new_tokens a request may ask for (docs/registry.md)
+DEADLINE_MARGIN_S = 5.0  # a request's generation ends this long before the server's own timeout
 
 
 def load_export(folder: Path) -> Tuple[Any, Any, Dict[str, Any]]:
@@ -45,13 +57,110 @@ def load_export(folder: Path) -> Tuple[Any, Any, Dict[str, Any]]:
     return model.eval(), load_tokenizer(meta["tokenizer"]), meta
 
 
-def generate(model: Any, tokenizer: Any, prompt: str, params: Dict[str, Any]) -> str:
-    """The prompt and its continuation for predict's params (PARAMS for those not given)."""
+def _whole(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# param -> (the test a given value passes, what it must be)
+RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
+    "max_new_tokens": (lambda v: _whole(v) and 1 <= v <= MAX_NEW_TOKENS,
+                       f"a whole number from 1 to {MAX_NEW_TOKENS}"),
+    "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
+    "top_k": (lambda v: _whole(v) and v >= 0, "a whole number >= 0 (0: the whole vocabulary)"),
+    "seed": (lambda v: _whole(v) and -(2**63) <= v < 2**64, "a whole number"),
+}  # fmt: skip
+
+
+def check_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """predict's params, PARAMS for those not given (or None). A value of the wrong type or out of
+    range raises MlflowException(INVALID_PARAMETER_VALUE), which the scoring server answers with a
+    400 naming the param."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
+
+    given = {k: v for k, v in (params or {}).items() if v is not None}
+    for name, value in given.items():
+        test, must = RULES.get(name, (None, ""))
+        if test is not None and test(value):
+            continue
+        why = f"must be {must}" if test else f"not a param of this model ({', '.join(PARAMS)})"
+        shown = repr(value) if isinstance(value, str) else value
+        raise MlflowException(f"param {name}={shown}: {why}", error_code=INVALID_PARAMETER_VALUE)
+    return {**PARAMS, **given}
+
+
+def deadline_s() -> float:
+    """How long one request may generate: DEADLINE_MARGIN_S less than the scoring server's own
+    timeout (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT: `mlflow models serve -t`, 60 s by default), and
+    at least half of it; so gptlab answers before the server's bare 504 and no generation goes on
+    after its request was answered."""
+    from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
+
+    timeout = float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get())
+    return max(timeout - DEADLINE_MARGIN_S, timeout / 2)
+
+
+def server_stopping() -> bool:
+    """Whether the server running this process was told to stop (SIGTERM, SIGINT). Under `mlflow
+    models serve` that is uvicorn, whose handler of both is its Server's method: it sets the
+    server's `should_exit`, then the server waits for the requests in flight (and the interpreter
+    for the threads that run them). Read here, a generation ends at its next token instead of
+    holding the shutdown until it is done."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        server = getattr(signal.getsignal(sig), "__self__", None)
+        if getattr(server, "should_exit", False) is True:
+            return True
+    return False
+
+
+class Budget:
+    """One request's bound: its generation stops at the deadline, or when the server is told to
+    stop (server_stopping); `check` then raises the request's error."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.ends = time.monotonic() + seconds
+        self.reason: Optional[str] = None
+
+    def stop(self, out: Any = None) -> bool:
+        """inference.generate_text's stop: called after each new token."""
+        if server_stopping():
+            self.reason = "stopping"
+        elif time.monotonic() > self.ends:
+            self.reason = "deadline"
+        return self.reason is not None
+
+    def check(self) -> None:
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import DEADLINE_EXCEEDED, TEMPORARILY_UNAVAILABLE
+
+        if self.reason == "stopping":
+            raise MlflowException(
+                "the server is stopping: generation ended; send the request again",
+                error_code=TEMPORARILY_UNAVAILABLE,
+            )
+        if self.reason == "deadline":
+            raise MlflowException(
+                f"generation passed the request's deadline ({self.seconds:g} s); ask for fewer "
+                "max_new_tokens or prompts, or serve with a longer timeout (mlflow models serve "
+                "-t)",
+                error_code=DEADLINE_EXCEEDED,
+            )
+
+
+def generate(model: Any, tokenizer: Any, prompt: str, params: Optional[Dict[str, Any]],
+             stop: Optional[Callable[[Any], bool]] = None) -> str:  # fmt: skip
+    """The prompt and its continuation for predict's params (check_params'), ending early where
+    stop says so."""
     from gptlab.inference import generate_text
 
-    p = {**PARAMS, **{k: v for k, v in (params or {}).items() if v is not None}}
+    p = check_params(params)
     return generate_text(model, tokenizer, prompt, p["max_new_tokens"], p["temperature"],
-                         int(p["top_k"]), p["seed"])[0]  # fmt: skip
+                         int(p["top_k"]), p["seed"], stop=stop)[0]  # fmt: skip
 
 
 def _prompts(model_input: Any) -> List[str]:
@@ -70,7 +179,8 @@ except ImportError:  # MLflow is an install extra of the tracking tools
 
 
 class GptlabModel(PythonModel):  # type: ignore[misc]
-    """The pyfunc model: loads the export folder once, generates text per prompt."""
+    """The pyfunc model: loads the export folder once, generates text per prompt, within the
+    request's Budget."""
 
     # the logged signature is the schema: MLflow is not to read one from predict's type hints
     # (it warns about them either way otherwise)
@@ -81,8 +191,14 @@ class GptlabModel(PythonModel):  # type: ignore[misc]
 
     # model_input has no annotation: MLflow would read a signature from it (the logged one rules)
     def predict(self, context, model_input, params=None):
-        prompts = _prompts(model_input)
-        return [generate(self.model, self.tokenizer, p, params or {}) for p in prompts]
+        settings = check_params(params)  # all of them, before any text is generated
+        budget = Budget(deadline_s())
+        texts = []
+        for prompt in _prompts(model_input):
+            if not budget.stop():
+                texts.append(generate(self.model, self.tokenizer, prompt, settings, budget.stop))
+            budget.check()
+        return texts
 
 
 def signature() -> Any:
@@ -102,18 +218,24 @@ def signature() -> Any:
 
 
 def log_model(uri: str, run_id: str, export_dir: Path, step: int,
-              metrics: Dict[str, float],
               datasets: Optional[List[Dict[str, Any]]] = None) -> Any:  # fmt: skip
-    """Log the export folder as the run's MLflow model (linked to the run, its step and metrics,
-    the validation figures to the run's validation data: lineage.describe's `datasets`); the run's
-    status is left as it was. Its ModelInfo."""
+    """Log the export folder as the run's MLflow model of `step`: linked to the run (its source
+    run, and the run's model output at `step`) and to the run's own figures at that step
+    (link_figures). The run itself is not touched otherwise: not made active, its status and
+    points as they were. Its ModelInfo."""
     import mlflow
     import torch
+    from mlflow.entities import LoggedModelOutput
 
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(uri)
-    status = client.get_run(run_id).info.status
-    mlflow.start_run(run_id=run_id)
+    run = client.get_run(run_id)
+    # made here, not by log_model in the active run: that links the run's figures at the step
+    # itself, without their dataset, and a figure cannot be linked twice (link_figures)
+    model = client.create_logged_model(
+        run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id,
+        tags={STEP_TAG: str(step)}, params=dict(run.data.params),
+    )  # fmt: skip
     bar = os.environ.get(PROGRESS_BAR)
     os.environ[PROGRESS_BAR] = "false"  # it copies local files: no bar in the run's output
     try:
@@ -122,28 +244,47 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
             warnings.filterwarnings("ignore", message=".*input example was not provided")
             info = mlflow.pyfunc.log_model(
                 name=MODEL_NAME, python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-                artifacts={ARTIFACT: str(export_dir)}, signature=signature(), step=step,
-                tags={STEP_TAG: str(step)},
+                artifacts={ARTIFACT: str(export_dir)}, signature=signature(),
+                model_id=model.model_id,
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors",
                                   "tiktoken", "gptlab"],
             )  # fmt: skip
-        val = validation_dataset(datasets)
-        on_val = {k: v for k, v in metrics.items() if k.startswith(("val_", "best_val_"))}
-        if on_val:
-            mlflow.log_metrics(on_val, step=step, model_id=info.model_id, dataset=val)
-        if len(on_val) < len(metrics):
-            rest = {k: v for k, v in metrics.items() if k not in on_val}
-            mlflow.log_metrics(rest, step=step, model_id=info.model_id)
     finally:
-        mlflow.end_run(status=status)
         if bar is None:
             os.environ.pop(PROGRESS_BAR, None)
         else:
             os.environ[PROGRESS_BAR] = bar
+    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    link_figures(client, run, model.model_id, step, validation_dataset(datasets))
     return info
 
 
-METRICS_KEPT = ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb", "hellaswag_acc_norm")
+# the run's figures measured on its validation data (the model's page names the data)
+ON_VALIDATION = {METRIC_NAMES["val_loss"], METRIC_NAMES["val_bpb"]} | {
+    SUMMARY_METRICS[k] for k in ("best_val_loss", "best_val_bpb", "val_loss", "val_bpb")
+}
+
+
+def link_figures(client: Any, run: Any, model_id: str, step: int, validation: Any) -> None:
+    """The model's figures are the run's own points at its step (val/loss, summary/best_val_loss,
+    ...: the names the run records), each linked to the model, the validation ones with the run's
+    validation data (an MLflow Dataset, or None). Sent again as they are (name, value, step,
+    time), each stays one point of the run: the store keeps a point once, so the run holds exactly
+    what it recorded (sync's count is the store's)."""
+    from mlflow.entities import Metric
+
+    run_id = run.info.run_id
+    linked = []
+    for name in sorted(run.data.metrics):
+        for m in client.get_metric_history(run_id, name):
+            data = validation if name in ON_VALIDATION else None
+            if m.step == step:
+                linked.append(Metric(
+                    name, m.value, m.timestamp, m.step, model_id=model_id, run_id=run_id,
+                    dataset_name=data and data.name, dataset_digest=data and data.digest,
+                ))  # fmt: skip
+    for i in range(0, len(linked), 1000):
+        client.log_batch(run_id, metrics=linked[i : i + 1000])
 
 
 def validation_dataset(datasets: Optional[List[Dict[str, Any]]]) -> Any:
@@ -154,14 +295,10 @@ def validation_dataset(datasets: Optional[List[Dict[str, Any]]]) -> Any:
     return lineage.mlflow_dataset(val[0]) if val else None
 
 
-def model_metrics(results: Dict[str, Any]) -> Dict[str, float]:
-    """The results.json figures a logged model carries (METRICS_KEPT, where present)."""
-    return {k: float(results[k]) for k in METRICS_KEPT if isinstance(results.get(k), (int, float))}
-
-
 def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]) -> Any:
     """A run folder's latest checkpoint as its run's MLflow model (tracking.log_model at the end
-    of a run): the export's files, in a temporary folder that MLflow copies. Its ModelInfo."""
+    of a run): the export's files, in a temporary folder that MLflow copies. Its ModelInfo.
+    results: the run's results.json; the model's figures are the run's points (link_figures)."""
     import tempfile
 
     from gptlab.inference import load_model, write_model_files
@@ -171,13 +308,14 @@ def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="gptlab-model-") as tmp:
         out = Path(tmp) / ARTIFACT  # MLflow keeps the folder's name
         write_model_files(model, tokenizer, saved, out)
-        metrics = model_metrics(results)
-        return log_model(uri, run_id, out, saved.step, metrics, lineage.read(run_dir))
+        return log_model(uri, run_id, out, saved.step, lineage.read(run_dir))
 
 
-def logged_at(uri: str, run_id: str, step: int) -> Optional[str]:
-    """The URI of the run's logged model of the checkpoint at `step` (tracking.log_model's, or an
-    earlier export's), or None: exporting it again registers that one instead of a copy."""
+def logged_at(uri: str, run_id: str, step: int) -> Tuple[Optional[str], List[str]]:
+    """(the URI of the run's logged model of the checkpoint at `step`, tracking.log_model's or an
+    earlier export's, or None; the URIs of those of that step whose files are gone from the
+    artifact store). Exporting the checkpoint again registers the first instead of a copy; one
+    whose files are gone is not it (it would register, and not load)."""
     import mlflow
 
     client = mlflow.MlflowClient(uri)
@@ -186,16 +324,40 @@ def logged_at(uri: str, run_id: str, step: int) -> Optional[str]:
         experiment_ids=[experiment],
         filter_string=f"source_run_id = '{run_id}' AND tags.`{STEP_TAG}` = '{int(step)}'",
     )
-    ready = [m for m in found if str(m.status) == "READY"]
-    return ready[0].model_uri if ready else None
+    lost = []
+    for model in (m for m in found if str(m.status) == "READY"):
+        if has_files(client, model.model_id):
+            return model.model_uri, lost
+        lost.append(model.model_uri)
+    return None, lost
+
+
+def has_files(client: Any, model_id: str) -> bool:
+    """Whether a logged model's files are in the artifact store: its MLmodel, and an export folder
+    with config.json and model.safetensors (a model whose artifacts were deleted is READY still)."""
+    top = {f.path for f in client.list_logged_model_artifacts(model_id)}
+    if "MLmodel" not in top:
+        return False
+    for folder in client.list_logged_model_artifacts(model_id, "artifacts"):
+        files = client.list_logged_model_artifacts(model_id, folder.path)
+        if {"config.json", "model.safetensors"} <= {Path(f.path).name for f in files}:
+            return True
+    return False
 
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,254}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 
 
-def check_names(name: str, alias: Optional[str]) -> None:
-    """A registered model's name and alias MLflow takes, or one line."""
+def check_names(name: Optional[str], alias: Optional[str]) -> None:
+    """A registered model's name and alias MLflow takes, or one line (an alias needs a name)."""
+    if name is None:
+        if alias is not None:
+            raise GptlabError(
+                f"export.alias={alias}: an alias points at a registered version; give "
+                "export.register=NAME too"
+            )
+        return
     if not _NAME.match(name):
         raise GptlabError(
             f"export.register={name!r}: a registered model's name is letters, digits, '_', '-', "
@@ -205,13 +367,28 @@ def check_names(name: str, alias: Optional[str]) -> None:
         raise GptlabError(f"export.alias={alias!r}: an alias is a name like champion, not v3")
 
 
+@contextlib.contextmanager
+def mlflow_quiet() -> Iterator[None]:
+    """MLflow's own lines to stderr off (`Successfully registered model ...`, `Created version
+    ...`: it prints them whatever the log level); gptlab says what it did itself."""
+    from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
+
+    was = MLFLOW_LOGGING_STREAM.enabled
+    MLFLOW_LOGGING_STREAM.enabled = False
+    try:
+        yield
+    finally:
+        MLFLOW_LOGGING_STREAM.enabled = was
+
+
 def register(uri: str, model_uri: str, name: str, alias: Optional[str]) -> Any:
     """A new version of the registered model `name` (made when missing), with `alias` on it."""
     import mlflow
 
     check_names(name, alias)
     mlflow.set_tracking_uri(uri)
-    version = mlflow.register_model(model_uri, name)
+    with mlflow_quiet():
+        version = mlflow.register_model(model_uri, name)
     if alias:
         mlflow.MlflowClient(uri).set_registered_model_alias(name, alias, version.version)
     return version
@@ -222,30 +399,63 @@ def is_model_uri(run: Any) -> bool:
 
 
 def source_run(uri: str, model_uri: str) -> Optional[str]:
-    """The MLflow run a logged or registered model came from (None when MLflow does not say)."""
+    """The MLflow run a logged or registered model came from: its logged model's source run (the
+    MLmodel file names none: log_model logs it outside the run), or None when MLflow does not
+    say."""
     import mlflow
 
     mlflow.set_tracking_uri(uri)
     try:
-        return mlflow.models.get_model_info(model_uri).run_id
+        info = mlflow.models.get_model_info(model_uri)
+        if info.run_id or not info.model_id:
+            return info.run_id
+        return mlflow.MlflowClient(uri).get_logged_model(info.model_id).source_run_id
     except Exception:  # noqa: BLE001 - download() has already named a bad URI in one line
         return None
 
 
+# MLflow's error codes for a model URI that names nothing in the store
+NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
+
+
 def download(uri: str, model_uri: str, dest: Path) -> Path:
     """The export folder of a logged or registered model (models:/NAME/3, models:/NAME@alias,
-    runs:/<id>/model), downloaded into dest."""
+    runs:/<id>/model), downloaded into dest. One line each for a store that does not answer (in
+    seconds), a model it does not have, a model whose files are gone, and one not gptlab's."""
     import mlflow
 
+    from gptlab.records.store import open_store, store_failure
+
+    # a server that does not answer, or a SQLite file that is not there: not "no such model"
+    open_store(uri, "name the model's store with tracking_uri=... (a server: start it)", False)
     mlflow.set_tracking_uri(uri)
     try:
         got = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
     except Exception as e:  # noqa: BLE001 - MLflow's own errors: one line naming the URI
+        if getattr(e, "error_code", None) not in NOT_FOUND:
+            raise GptlabError(f"{model_uri}: MLflow {store_failure(uri, e)}") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise GptlabError(f"{model_uri}: no such model in {uri} ({first[:200]})") from None
-    # MLflow keeps the logged folder's own name (export/, or what export's out= named)
-    artifacts = Path(got) / "artifacts"
-    folders = sorted(p.parent for p in artifacts.glob("*/config.json"))
-    if not folders:
-        raise GptlabError(f"{model_uri}: not a gptlab model (no artifacts/*/config.json in it)")
-    return folders[0]
+    return export_in(model_uri, Path(got))
+
+
+def export_in(model_uri: str, got: Path) -> Path:
+    """gptlab's export folder in a downloaded model (MLflow keeps the logged folder's own name:
+    export/, or what export's out= named), or one line: its files are gone, or it is no gptlab
+    model."""
+    import yaml
+
+    folders = sorted(p.parent for p in got.glob("artifacts/*/config.json"))
+    if folders and (folders[0] / "model.safetensors").is_file():
+        return folders[0]
+    mlmodel = got / "MLmodel"
+    flavor = yaml.safe_load(mlmodel.read_text()) if mlmodel.is_file() else {}
+    ours = ARTIFACT in ((flavor or {}).get("flavors", {}).get("python_function", {})
+                        .get("artifacts") or {})  # fmt: skip
+    if folders or ours or not any(got.rglob("*")):
+        raise GptlabError(
+            f"{model_uri}: the model's files are missing from the store's artifacts (deleted?); "
+            "log its checkpoint again: python -m gptlab.export run=<its run folder> "
+            "export.register=<name>"
+        )
+    raise GptlabError(f"{model_uri}: not a gptlab model (no artifacts/*/config.json in it)")

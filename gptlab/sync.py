@@ -24,10 +24,11 @@ from derived.json), artifacts missing or of another size (config_resolved.yaml,
 results.json, samples.txt, loss.png, bench.json), tags missing, the data as dataset inputs, the
 status: FINISHED when results.json holds the results, KILLED when it says the run was stopped
 (`stopped_by`), and a finished run's model (tracking.log_model) when the store has none of its
-last step. A folder
-without results.json (a run still going, or one that died) leaves the status as it is (RUNNING for a
-new record): sync again once it has ended. Folders of runs with tracking.mlflow=false are skipped.
-Timestamps are approximate: spread by step between the folder's first and last writes.
+last step with its files (its figures are the run's own points: the count below is the store's).
+A folder without results.json (a run still going, or one that died) leaves the status as it is
+(RUNNING for a new record): sync again once it has ended. Folders of runs with
+tracking.mlflow=false are skipped. Timestamps are approximate: spread by step between the folder's
+first and last writes.
 
 Prints one line per folder, `<folder>: up to date` or `<folder>: recorded as run <id> (N metric
 points, M params, K artifacts)`. A folder that cannot be recorded (its store does not answer, or
@@ -62,12 +63,11 @@ from gptlab.records.store import (
     PARENT_TAG,
     SUMMARY_METRICS,
     artifact_root,
-    check_reachable,
     flatten,
     get_or_create_experiment,
     log_params,
-    mlflow_client,
     mlflow_metrics,
+    open_store,
     store_failure,
 )
 
@@ -281,17 +281,8 @@ class Store:
 
     @classmethod
     def open(cls, uri: str) -> "Store":
-        try:
-            check_reachable(uri)
-            # a SQLite store is created here (under its lock) when it is new
-            client = mlflow_client(uri)
-            client.search_experiments(max_results=1)
-        except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
-            raise GptlabError(
-                f"MLflow {store_failure(uri, e)}; start it (or name another store with "
-                f"tracking.uri=...), {AGAIN}"
-            ) from None
-        return cls(uri, client)
+        advice = f"start it (or name another store with tracking.uri=...), {AGAIN}"
+        return cls(uri, open_store(uri, advice))
 
     def get_run(self, run_id: Optional[str]) -> Any:
         """The run, or None when this store has no such run."""
@@ -461,7 +452,7 @@ def send_model(store: Store, run_id: str, folder: RunFolder) -> Optional[str]:
         return None
     if checkpoint.latest(folder.path / layout.CHECKPOINTS) is None:
         return None
-    if serving.logged_at(store.uri, run_id, int(results.get("steps") or 0)):
+    if serving.logged_at(store.uri, run_id, int(results.get("steps") or 0))[0]:
         return None
     return serving.log_checkpoint(folder.path, store.uri, run_id, results).model_uri
 

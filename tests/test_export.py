@@ -3,6 +3,7 @@ Face files, and a GPT-2 folder transformers loads (model and tokenizer) when the
 GPT-2-shaped."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -119,3 +120,22 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
     specials = (509, 510, 511)  # <|bos|> <|eos|> <|pad|>
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == specials
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == specials
+
+
+def test_the_export_folders_files_all_get_the_mode_of_new_files(trained, tmp_path):  # noqa: F811
+    """model.safetensors (safetensors writes a private temporary file) is as readable as its
+    siblings: what the umask gives any new file, 0644 under 022."""
+    from gptlab.export import main as export
+
+    old = os.umask(0o022)
+    try:
+        out = export([f"run={trained}", f"out={tmp_path / 'export'}"])
+    finally:
+        os.umask(old)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {p.relative_to(out).as_posix() for p in files} >= {
+        "model.safetensors", "config.json", "hf_gpt2/model.safetensors"
+    }  # fmt: skip
+    assert {p.relative_to(out).as_posix(): oct(p.stat().st_mode & 0o777) for p in files} == {
+        p.relative_to(out).as_posix(): "0o644" for p in files
+    }

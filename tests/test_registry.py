@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from types import SimpleNamespace
 
 import pytest
-from helpers import cli_env, compose_config, nano_overrides
+from helpers import cli_env, compose_config, nano_overrides, run_cli
 from mlflow import MlflowClient
 from test_slurm import tracking_server  # noqa: F401 - the team server (PostgreSQL in CI)
 
-from gptlab import build, export, sample
+from gptlab import build, export, sample, serving
 from gptlab.errors import GptlabError
 from gptlab.train import run_training
 
@@ -69,8 +73,8 @@ def test_a_finished_run_logs_its_model_and_export_registers_that_one(registered)
     [model] = logged_models(client, run_id)  # one: the export found it, logged nothing more
     assert model.tags["gptlab.step"] == str(results["steps"]) and model.name == "model"
     metrics = {m.key: m for m in model.metrics}
-    assert metrics["best_val_loss"].value == pytest.approx(results["best_val_loss"])
-    assert metrics["best_val_loss"].step == results["steps"]
+    assert metrics["summary/best_val_loss"].value == pytest.approx(results["best_val_loss"])
+    assert metrics["summary/best_val_loss"].step == results["steps"]
     version = client.get_model_version_by_alias("nano-chars", "champion")
     assert version.source == model.model_uri
 
@@ -83,7 +87,7 @@ def test_a_registered_model_is_the_runs_and_loads_back_by_name_alias_and_run(reg
     # the logged model is linked to its run, its step and the run's final metrics
     logged = client.get_logged_model(version.source.removeprefix("models:/"))
     assert logged.source_run_id == run_id
-    assert {m.key for m in logged.metrics} >= {"best_val_loss", "best_val_bpb"}
+    assert {m.key for m in logged.metrics} >= {"summary/best_val_loss", "summary/best_val_bpb"}
     from_folder = sampled(capsys, f"run={run_dir}", *GREEDY)
     for uri_form in (
         "models:/nano-chars@champion",
@@ -144,22 +148,49 @@ def test_mlflow_models_serve_answers_with_the_text_gptlab_sample_gives(registere
             except OSError:
                 time.sleep(1)
         assert server.poll() is None, server.communicate()[0][-3000:]
-        body = {"dataframe_split": {"columns": ["prompt"], "data": [["ROMEO:"]]},
-                "params": {"max_new_tokens": 24, "temperature": 0.0, "seed": 3}}  # fmt: skip
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
-        assert answer["predictions"] == [expected.removesuffix("\n")]
+        status, answer = invoke(port, ["ROMEO:"], {"max_new_tokens": 24, "temperature": 0.0,
+                                                    "seed": 3})  # fmt: skip
+        assert status == 200 and answer["predictions"] == [expected.removesuffix("\n")]
+        # a parameter out of range: a 400 naming it, not a greedy answer
+        status, answer = invoke(port, ["ROMEO:"], {"temperature": -1.0})
+        assert status == 400 and "param temperature=-1.0" in answer["message"], answer
+        # SIGTERM while a long request is in flight: it is answered (503) and the server ends
+        # within seconds, not when the generation would have
+        long = {}
+        many = {"max_new_tokens": serving.MAX_NEW_TOKENS}
+        caller = threading.Thread(
+            target=lambda: long.update(zip(("status", "answer"), invoke(port, ["a"] * 200, many)))
+        )
+        caller.start()
+        time.sleep(3)  # the request is generating
+        stopped = time.monotonic()
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
     # nothing is left: the server's workers end after it, within seconds
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (group_alive(server.pid) or listening(port)):
-        time.sleep(0.5)
+        time.sleep(0.2)
+    took = time.monotonic() - stopped
     assert not group_alive(server.pid) and not listening(port)
+    caller.join(60)
+    assert long["status"] == 503 and "the server is stopping" in long["answer"]["message"], long
+    assert took < 15, took
+
+
+def invoke(port, prompts, params, timeout=90):
+    """POST /invocations: (HTTP status, the JSON answer)."""
+    body = {"dataframe_split": {"columns": ["prompt"], "data": [[p] for p in prompts]},
+            "params": params}  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/invocations", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def group_alive(pgid: int) -> bool:
@@ -197,9 +228,10 @@ def test_bad_registry_input_is_one_line_and_registers_nothing(registered, tmp_pa
     assert len(after) == before  # nothing was logged for the refused names
     with pytest.raises(GptlabError, match="no such model"):
         sample.main(["run=models:/no-such-model/1", f"tracking_uri={uri}", *GREEDY])
-    with pytest.raises(GptlabError, match="MLflow at http://127.0.0.1:9"):
+    with pytest.raises(GptlabError, match="MLflow server http://127.0.0.1:9 unreachable"):
         export.main([f"run={run_dir}", "export.mlflow=true", "hf=false", f"out={tmp_path}/z",
                      "tracking_uri=http://127.0.0.1:9"])  # fmt: skip
+    assert not (tmp_path / "z").exists()  # refused before the export was written
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(GptlabError):
@@ -240,3 +272,165 @@ def test_registration_on_the_team_server_resolves_by_alias(
     assert sampled(capsys, f"run=models:/{name}@champion", f"tracking_uri={uri}", *GREEDY) == (
         from_folder
     )
+
+
+# ---- issue 42: what export, sample and the served model say and do -------------------------------
+
+
+def test_bad_registry_names_are_refused_before_anything_is_written(registered, tmp_path):
+    """A refused name, a reserved alias, an alias without a name: one line each, and no export
+    folder (the run's own export/ is not rewritten either)."""
+    run_dir, _, _ = registered
+    export_dir = run_dir / "export"
+    written = {p: p.stat().st_mtime_ns for p in export_dir.iterdir()}
+    cases = [
+        (["export.register=bad/name"], "a registered model's name"),
+        (["export.register=ok", "export.alias=v2"], "an alias is a name"),
+        (["export.alias=champion"], "give export.register=NAME too"),
+    ]
+    for i, (args, message) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        with pytest.raises(GptlabError, match=message):
+            export.main([f"run={run_dir}", *args, f"out={out}"])
+        assert not out.exists()
+        with pytest.raises(GptlabError, match=message):  # out= not given: the run's export/
+            export.main([f"run={run_dir}", *args])
+    assert {p: p.stat().st_mtime_ns for p in export_dir.iterdir()} == written
+
+
+def test_a_model_whose_files_are_gone_says_so_and_export_logs_it_again(
+    registered, tmp_path, capsys
+):
+    """A registered model whose artifacts were deleted: loading it is one line saying its files are
+    missing (no MLflow lines before it); export does not take it for the checkpoint's model, but
+    logs the checkpoint again and registers a version that loads."""
+    run_dir, uri, run_id = registered
+    client = MlflowClient(uri)
+    # a copy of the run folder recorded as another run, so the module's own model stays intact
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    other = client.create_run(client.get_run(run_id).info.experiment_id).info.run_id
+    results = json.loads((copy / "results.json").read_text())
+    (copy / "results.json").write_text(json.dumps({**results, "mlflow_run_id": other}))
+    model = serving.log_checkpoint(copy, uri, other, results)
+    serving.register(uri, model.model_uri, "nano-gone", "lost")
+    location = client.get_logged_model(model.model_id).artifact_location
+    shutil.rmtree(location.removeprefix("file://"))
+    capsys.readouterr()
+    with pytest.raises(GptlabError, match="models:/nano-gone@lost: the model's files are missing"):
+        sample.main(["run=models:/nano-gone@lost", f"tracking_uri={uri}", *GREEDY])
+    assert capsys.readouterr().err == ""
+    assert serving.logged_at(uri, other, results["steps"]) == (None, [model.model_uri])
+    export.main([f"run={copy}", "export.register=nano-gone", "export.alias=lost", "hf=false"])
+    said = capsys.readouterr().out
+    lost = f"the run's MLflow model {model.model_uri} (step {results['steps']}) has lost its files"
+    assert lost in said
+    assert "logged as the MLflow model" in said and "registered as models:/nano-gone/2" in said
+    expected = sampled(capsys, f"run={run_dir}", *GREEDY)
+    assert sampled(capsys, "run=models:/nano-gone@lost", f"tracking_uri={uri}", *GREEDY) == expected
+
+
+@pytest.mark.slow
+def test_a_store_that_does_not_answer_is_one_line_in_seconds(tmp_path):
+    """Not MLflow's minutes of retries, then "no such model": the store is named unreachable, with
+    MLflow's own retry settings (the test suite's 0 retries removed)."""
+    env = {k: v for k, v in cli_env().items() if not k.startswith("MLFLOW_HTTP_REQUEST")}
+    began = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "gptlab.sample", "run=models:/chars@champion",
+         "tracking_uri=http://127.0.0.1:9"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(
+        "gptlab.sample: error: MLflow server http://127.0.0.1:9 unreachable (Connection refused)"
+    )
+    assert took < 60, took  # startup and ~4 s of asking, on a busy 2-core machine
+
+
+def test_a_sqlite_store_that_is_not_there_is_not_made(tmp_path):
+    db = tmp_path / "none" / "mlflow.db"
+    with pytest.raises(GptlabError, match="no such store"):
+        sample.main(["run=runs:/0123/model", f"tracking_uri=sqlite:///{db}"])
+    assert not db.exists()
+
+
+def served(registered):
+    """The pyfunc model as the scoring server loads it: GptlabModel on the run's export folder."""
+    run_dir, _, _ = registered
+    model = serving.GptlabModel()
+    model.load_context(SimpleNamespace(artifacts={"export": str(run_dir / "export")}))
+    return model
+
+
+@pytest.mark.parametrize(
+    "params,named",
+    [
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"top_k": -3}, "top_k=-3"),
+        ({"max_new_tokens": 0}, "max_new_tokens=0"),
+        ({"max_new_tokens": 10**9}, "max_new_tokens=1000000000"),  # above the cap
+        ({"max_new_tokens": "lots"}, "max_new_tokens='lots'"),
+        ({"max_new_tokens": True}, "max_new_tokens=True"),
+        ({"seed": 1.5}, "seed=1.5"),
+    ],
+)
+def test_served_params_out_of_range_are_a_400_naming_the_param(registered, params, named):
+    from mlflow.exceptions import MlflowException
+
+    with pytest.raises(MlflowException, match=f"param {re.escape(named)}") as e:
+        served(registered).predict(None, ["ROMEO:"], params)
+    assert e.value.get_http_status_code() == 400
+
+
+def test_a_request_ends_at_its_deadline_and_when_the_server_is_stopping(registered, monkeypatch):
+    """The work a request costs is bounded: at the deadline (the scoring server's timeout less a
+    margin) it is a 504; when the server is told to stop (its SIGTERM handler sets should_exit, as
+    uvicorn's does) the generation in progress ends within a token: a 503."""
+    from mlflow.exceptions import MlflowException
+
+    model = served(registered)
+    many = {"max_new_tokens": serving.MAX_NEW_TOKENS}
+    monkeypatch.setenv("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", "2")  # a deadline of 1 s
+    began = time.monotonic()
+    with pytest.raises(MlflowException, match="deadline") as e:
+        model.predict(None, ["ROMEO:"] * 200, many)
+    assert e.value.get_http_status_code() == 504 and time.monotonic() - began < 10
+
+    class Server:  # what uvicorn's Server does with SIGTERM
+        should_exit = False
+
+        def handle_exit(self, signum, frame):
+            self.should_exit = True
+
+    monkeypatch.setenv("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", "600")
+    server = Server()
+    before = signal.signal(signal.SIGTERM, server.handle_exit)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        began = time.monotonic()
+        with pytest.raises(MlflowException, match="the server is stopping") as e:
+            model.predict(None, ["ROMEO:"] * 200, many)
+        assert e.value.get_http_status_code() == 503 and time.monotonic() - began < 10
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.slow
+def test_export_and_sample_by_model_uri_print_gptlab_lines_only(registered, tmp_path):
+    """Redirected, as in a job's log: no MLflow registration lines, download bars or INFO lines
+    beside gptlab's own; and model.safetensors has its siblings' mode."""
+    run_dir, uri, _ = registered
+    r = run_cli(["gptlab.export", f"run={run_dir}", "export.register=nano-quiet", "hf=false",
+                 f"out={tmp_path / 'out'}"], cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines()[-1] == "registered as models:/nano-quiet/1"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()}
+    assert len(set(modes.values())) == 1, modes
+    r = run_cli(["gptlab.sample", "run=models:/nano-quiet/1", f"tracking_uri={uri}", *GREEDY],
+                cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("ROMEO:"), r.stderr

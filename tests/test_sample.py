@@ -33,7 +33,7 @@ def test_sample_command_continues_the_prompt(trained, tmp_path):
 @pytest.mark.parametrize(
     "args,fragment",
     [
-        (["run=/nonexistent"], "no checkpoint found"),
+        (["run=/nonexistent"], "run=/nonexistent: no such folder or file"),
         (["run={run}", "temprature=0.5"], "temprature"),
         (["run={run}", "max_new_tokens=lots"], "max_new_tokens"),
         (["run={run}", "prompt=€"], "not in"),

@@ -205,6 +205,26 @@ def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     ) == recorded_points(uri, again.info.run_id)
 
 
+def test_the_count_sync_says_is_what_the_store_holds_and_the_model_adds_no_metric(folder, tmp_path):
+    """The run's metric points in the store are the N of sync's line, under the run's own names
+    only: the model it logged carries the run's figures at its step (summary/best_val_loss,
+    val/loss, ...; the validation ones naming the data), not copies under names of its own."""
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    (line,) = sync([folder], uri)
+    (run,) = all_runs(uri)
+    held = {
+        name: len(client(uri).get_metric_history(run.info.run_id, name))
+        for name in run.data.metrics
+    }
+    assert f"({sum(held.values())} metric points, " in line, (line, held)
+    assert set(held) <= {*METRIC_NAMES.values(), *SUMMARY_METRICS.values()}, sorted(held)
+    (model,) = logged_models(uri, run)
+    figures = {m.key: m for m in model.metrics}
+    assert {"summary/best_val_loss", "val/loss"} <= set(figures) <= set(held)
+    validation = next(d for d in lineage.read(folder) if d["context"] == "validation")
+    assert figures["summary/best_val_loss"].dataset_digest == validation["digest"]
+
+
 def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
     from mlflow.entities import Metric
 

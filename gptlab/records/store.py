@@ -3,7 +3,8 @@ runs.
 
 A SQLite store is created under a lock and its calls retried while the database is locked, so many
 runs may start on one fresh store; a server that does not answer costs seconds, not minutes, and is
-named in one short phrase.
+named in one short phrase (`open_store`); MLflow's console noise is kept out of gptlab's output
+(`quiet_bounded_mlflow`).
 """
 
 from __future__ import annotations
@@ -172,23 +173,25 @@ class RetryingClient:
         return functools.partial(retry_locked, attr) if callable(attr) else attr
 
 
-def mlflow_client(uri: str) -> Any:
-    """An MlflowClient on the store at uri that gives up on a down server in seconds, not minutes.
-
-    Every place that opens a store uses this one: a SQLite store is created (and migrated) under
-    store_lock, and its calls are retried while the database is locked, so concurrent runs on one
-    fresh store are all recorded.
-    """
+def quiet_bounded_mlflow() -> None:
+    """MLflow's settings for a command: HTTP calls that give up in seconds, and none of its console
+    noise (INFO lines, download bars, run URLs, urllib3's retry lines). Each is a default: the
+    environment variable set by the user wins."""
     # MLflow's HTTP client retries for minutes by default (7 retries, 120 s timeout); a down server
     # should cost one call at most 3 x 15 s plus 2 s of backoff. The tracker's Sender tries again
     # itself, on its own thread, so this bounds how long one of its tries waits.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
-    # MLflow's own INFO lines (creating and migrating a new store) are not the run's: warnings only,
-    # read when mlflow is first imported (MLFLOW_LOGGING_LEVEL=INFO brings them back)
+    # MLflow's own INFO lines (creating and migrating a new store, "No artifacts found to
+    # download") are not the command's: warnings only (MLFLOW_LOGGING_LEVEL=INFO brings them back).
+    # Read when mlflow is first imported; set on its logger too where it was imported already
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
-    # nor are the "View run ... at: URL" lines it writes to stdout when a server's run ends: gptlab
+    with contextlib.suppress(ValueError):  # a level logging does not know: MLflow's own default
+        logging.getLogger("mlflow").setLevel(os.environ["MLFLOW_LOGGING_LEVEL"].upper())
+    # nor its download bars (a model loaded by URI), which fill a redirected output
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # nor the "View run ... at: URL" lines it writes to stdout when a server's run ends: gptlab
     # says where a run is itself, and sync's stdout is one line per folder
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     # nor urllib3's line for each of MLflow's HTTP retries: gptlab says once that a server does not
@@ -196,12 +199,40 @@ def mlflow_client(uri: str) -> Any:
     # gives it a handler at INFO in the process that launches a sweep (where the sweep callback
     # opens the store), and gptlab's job logging one at WARNING
     logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+
+
+def mlflow_client(uri: str) -> Any:
+    """An MlflowClient on the store at uri that gives up on a down server in seconds, not minutes.
+
+    Every place that opens a store uses this one: a SQLite store is created (and migrated) under
+    store_lock, and its calls are retried while the database is locked, so concurrent runs on one
+    fresh store are all recorded.
+    """
+    quiet_bounded_mlflow()
     from mlflow.tracking import MlflowClient
 
     if sqlite_path(uri) is None:
         return MlflowClient(tracking_uri=uri)
     with store_lock(uri):  # MlflowClient() connects: it creates, migrates and checks the store
         return RetryingClient(retry_locked(MlflowClient, tracking_uri=uri))
+
+
+def open_store(uri: str, advice: str, create: bool = True) -> Any:
+    """mlflow_client(uri) once the store answers (a server is asked first, in seconds:
+    check_reachable); else GptlabError, `MLflow <the store and why>; <advice>`. create=False: a
+    SQLite store that does not exist is that error too, not a new empty store (a command that only
+    reads)."""
+    db = sqlite_path(uri)
+    if not create and db is not None and not db.is_file():
+        raise GptlabError(f"MLflow {store_name(uri)}: no such store (no file {db}); {advice}")
+    try:
+        check_reachable(uri)
+        # a SQLite store is created here (under its lock) when it is new
+        client = mlflow_client(uri)
+        client.search_experiments(max_results=1)
+    except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
+        raise GptlabError(f"MLflow {store_failure(uri, e)}; {advice}") from None
+    return client
 
 
 # /health asked this many times, 10 s each, 2 s apart, before a server counts as down

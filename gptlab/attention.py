@@ -13,6 +13,7 @@ weights @ v through ``c_proj``, which equals the block's attention output (tests
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -113,15 +114,23 @@ def token_label(text: str) -> str:
     )
 
 
-def grid_geometry(rows: int, cols: int, labels: Sequence[str]) -> Tuple[Any, ...]:
+TITLE_POINTS = 10  # the figure's title's font size
+TITLE_LINES = 4  # the most lines a title is wrapped to; a longer one ends in an ellipsis
+
+
+def grid_geometry(
+    rows: int, cols: int, labels: Sequence[str], title_lines: int = 1
+) -> Tuple[Any, ...]:
     """(figure size in inches, the grid's left, right, bottom, top as fractions of it, wspace,
     hspace, the tick labels' font size): square panels that grow with the prompt, the whole within
-    60 inches (6000 px) a side, margins wide enough for the longest token label."""
+    60 inches (6000 px) a side, margins wide enough for the longest token label and above the grid
+    room for a title of title_lines lines."""
     n = len(labels)
     panel = min(max(2.4, 0.2 * n + 1.0), 60.0 / max(rows, cols))
     font = max(3.0, min(9.0, 0.7 * 72 * panel / n))  # points: at most 0.7 of a row's height
     label = 0.6 * font / 72 * max(map(len, labels)) + 0.45  # inches: the labels and "query"/"key"
-    gap_w, gap_h, top, colorbar = 0.2, 0.4, 0.6, 1.1
+    gap_w, gap_h, colorbar = 0.2, 0.4, 1.1
+    top = 0.45 + 1.25 * TITLE_POINTS / 72 * title_lines
     width = label + cols * panel + (cols - 1) * gap_w + colorbar
     height = label + rows * panel + (rows - 1) * gap_h + top
     box = (label / width, 1 - colorbar / width, label / height, 1 - top / height)
@@ -143,7 +152,9 @@ def attention_figure(
 
     rows, cols, n = len(layers), len(heads), len(tokens)
     labels = [token_label(t) for t in tokens]
-    size, left, right, bottom, top, wspace, hspace, font = grid_geometry(rows, cols, labels)
+    lines = title_lines(title, grid_geometry(rows, cols, labels)[0][0])
+    geometry = grid_geometry(rows, cols, labels, len(lines))
+    size, left, right, bottom, top, wspace, hspace, font = geometry
     # placed by hand, tokens on the outer panels only: constrained layout and a tick label per
     # token on every panel were most of the drawing time of a 12 x 12 grid
     fig = Figure(figsize=size, dpi=100)
@@ -172,8 +183,15 @@ def attention_figure(
     tall = min(top - bottom, 5.0 / size[1])
     bar = fig.add_axes((right + 0.3 / size[0], (top + bottom - tall) / 2, 0.15 / size[0], tall))
     fig.colorbar(image, cax=bar, label="attention weight")
-    fig.suptitle(title, fontsize=10, y=1 - 0.15 / size[1], va="top")
+    fig.suptitle("\n".join(lines), fontsize=TITLE_POINTS, y=1 - 0.15 / size[1], va="top")
     return fig
+
+
+def title_lines(title: str, width: float) -> List[str]:
+    """The title wrapped to a figure width inches wide (at most TITLE_LINES lines), so that no
+    line runs past its edges: a long run path or model URI breaks where it must."""
+    chars = max(20, int((width - 0.3) * 72 / (0.62 * TITLE_POINTS)))  # DejaVu Sans: ~0.6 em a char
+    return textwrap.wrap(title, chars, max_lines=TITLE_LINES, placeholder=" \u2026") or [""]
 
 
 def write_attention(

@@ -3,10 +3,11 @@ side.
 
 TARGET is a sweep folder (outputs/sweeps/<date>_<time>; any folder of run folders works), an MLflow
 run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name
-(its runs, sweep parents left out). Prints a table of the runs (the overrides that differ between
-them, status, best val loss, tokens/s, MFU, wall time) sorted by best val loss, and writes a PNG of
-their validation loss against tokens (<sweep folder>/compare_val_loss.png, or
-outputs/compare/<target>.png).
+(its runs; a sweep's or search's parent run is no row but a heading over its jobs). Prints a table
+of the runs (best val loss and bpb, status, the overrides that differ between them, downstream
+scores, tokens/s, MFU, wall time) sorted by best val loss, in lines of at most 100 characters (a
+column the same in every row said once above it), and writes a PNG of their validation loss against
+tokens (<sweep folder>/compare_val_loss.png, or outputs/compare/<target>.png).
 
 A sweep folder is read from its run folders (metrics.jsonl, results.json, .hydra/overrides.yaml),
 which are written whether or not MLflow was reachable; when it records an MLflow parent run
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import string
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -34,6 +38,7 @@ from gptlab.errors import GptlabError
 from gptlab.records import layout
 from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
 from gptlab.records.store import (
+    PARENT_TAG,
     Unreachable,
     check_reachable,
     children,
@@ -92,6 +97,22 @@ class RunRecord:
     error: Optional[str] = None
     run_id: Optional[str] = None
     run_dir: Optional[str] = None
+    parent: Optional[str] = None  # the run id of the sweep's or search's parent run it is a job of
+
+
+@dataclass
+class ParentRecord:
+    """A sweep's or search's parent run in an experiment: a heading over its jobs, not a row."""
+
+    run_id: str
+    name: str
+    kind: str  # sweep | search
+    status: str
+    letter: str = ""  # its jobs are named <letter>/<job>
+
+    def heading(self, jobs: int) -> str:
+        noun = "trial" if self.kind == "search" else "job"
+        return f"{self.letter}: {self.kind} {self.name!r}, {self.status}, {jobs} {noun}s"
 
 
 def parse_overrides(items: List[str]) -> Dict[str, str]:
@@ -261,8 +282,9 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
     )
 
 
-def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
-    """(records, a title) for a run id or an experiment name in the store at uri."""
+def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str, List[ParentRecord]]:
+    """(records, a title, the sweeps' and searches' parent runs) for a run id or an experiment name
+    in the store at uri."""
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         raise GptlabError(
@@ -274,7 +296,6 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
     except Unreachable as e:
         raise GptlabError(f"{target}: not a folder, and MLflow {e}") from None
     client = mlflow_client(uri)
-    runs, title, job_names = None, target, False
     if re.fullmatch(r"[0-9a-f]{32}", target):
         try:
             run = client.get_run(target)
@@ -282,22 +303,51 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str]:
             run = None
         if run is not None:
             kids = children(client, run.info.experiment_id, target)
-            runs, title, job_names = (kids or [run]), run.info.run_name, bool(kids)
-    if runs is None:
-        exp = client.get_experiment_by_name(target)
-        if exp is None:
-            names = ", ".join(e.name for e in client.search_experiments()) or "none"
-            raise GptlabError(
-                f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})"
+            records = [_record_from_run(client, r, bool(kids)) for r in kids or [run]]
+            return records, run.info.run_name, []
+    exp = client.get_experiment_by_name(target)
+    if exp is None:
+        names = ", ".join(e.name for e in client.search_experiments()) or "none"
+        raise GptlabError(
+            f"{target}: not a folder, a run id or an experiment in {uri} (experiments: {names})"
+        )
+    runs = client.search_runs([exp.experiment_id], max_results=10000)
+    records, parents = experiment_runs(client, runs)
+    if not records:
+        raise GptlabError(f"experiment {target} in {uri} has no runs yet")
+    return records, target, parents
+
+
+# the run_type tags of a parent run: records.parent's (a sweep) and the sweeper's (a search)
+PARENT_KINDS = ("sweep", "search")
+
+
+def experiment_runs(client: Any, runs: List[Any]) -> Tuple[List[RunRecord], List[ParentRecord]]:
+    """An experiment's runs as jobs and parents: a sweep's or search's parent run (its run_type, or
+    a run other runs name as their mlflow.parentRunId) is no job; each job of one is named
+    <letter>/<job number>, the letter its parent's."""
+    nesting = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}
+    parents: Dict[str, ParentRecord] = {}
+    records = []
+    for r in sorted(runs, key=lambda r: r.info.start_time or 0):  # A: the oldest
+        kind = r.data.tags.get("run_type")
+        if kind in PARENT_KINDS or r.info.run_id in nesting:
+            parents[r.info.run_id] = ParentRecord(
+                r.info.run_id, r.info.run_name or r.info.run_id, kind or "sweep", r.info.status
             )
-        runs = [
-            r
-            for r in client.search_runs([exp.experiment_id], max_results=10000)
-            if r.data.tags.get("run_type") != "sweep"
-        ]
-        if not runs:
-            raise GptlabError(f"experiment {target} in {uri} has no runs yet")
-    return [_record_from_run(client, r, job_names) for r in runs], title
+            continue
+        rec = _record_from_run(client, r, job_names=r.data.tags.get(PARENT_TAG) is not None)
+        rec.parent = r.data.tags.get(PARENT_TAG)
+        records.append(rec)
+    for run_id in nesting - set(parents):  # deleted, or in another experiment
+        parents[run_id] = ParentRecord(run_id, f"run {run_id[:8]} (not in this experiment)",
+                                       "sweep", "-")  # fmt: skip
+    for i, p in enumerate(parents.values()):
+        p.letter = string.ascii_uppercase[i % 26] + (str(i // 26) if i >= 26 else "")
+    for rec in records:
+        if rec.parent in parents:
+            rec.name = f"{parents[rec.parent].letter}/{rec.name}"
+    return records, list(parents.values())
 
 
 # ---- the table and the plot ------------------------------------------------------------------
@@ -338,78 +388,227 @@ def sort_key(r: RunRecord, metric: str = "loss"):
     return (best is None, best if best is not None else 0.0)
 
 
-def label(r: RunRecord, keys: List[str]) -> str:
-    return " ".join(f"{k}={r.overrides.get(k, '-')}" for k in keys) or r.name
-
-
 def _figure(value: Optional[float], spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
-def table(records: List[RunRecord], metric: str = "loss") -> str:
-    """Plain-text table, best first by `metric` (loss or bpb), with each run's latest downstream
-    scores where any run has them."""
-    keys = differing_keys(records)
-    scores: List[str] = []
-    for r in records:
-        scores += [k for k in r.scores if k not in scores]
-    figures = ["best val loss", "best val bpb", *scores, "tokens/s", "MFU", "wall"]
-    head = ["run", *keys, "status", *figures]
-    rows = []
-    for r in sorted(records, key=lambda r: sort_key(r, metric)):
-        rows.append(
-            [
-                r.name[:60],
-                *[shown(r.overrides.get(k)) for k in keys],
-                r.status,
-                _figure(r.best_val_loss, ".4f"),
-                _figure(r.best_val_bpb, ".4f"),
-                *[_figure(r.scores.get(k), ".4f") for k in scores],
-                _figure(r.tokens_per_s, ",.0f"),
-                f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-",
-                f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-",
-            ]
-        )
-    right = set(figures)
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+WIDTH = 100  # a table line's most characters
+NAME_WIDTH, VALUE_WIDTH, SCORE_WIDTH = 30, 16, 20
+KEY_WIDTH = 12  # a longer override key is headed by its last part
+# a column: its head, its cells (one a row) and whether they are figures (right-aligned)
+Column = Tuple[str, List[str], bool]
+Group = Tuple[Optional[str], List[RunRecord]]  # a heading (a parent run; None: none) and its rows
 
-    def fmt(cells):
+
+def clip(text: str, width: int) -> str:
+    """text in at most width characters: a path keeps its end, anything else its start."""
+    if len(text) <= width:
+        return text
+    if "/" in text and " " not in text:
+        return "…" + text[-(width - 1) :]
+    return text[: width - 1] + "…"
+
+
+def key_heads(keys: List[str]) -> List[str]:
+    """Column heads of override keys: a long key by its last part (optimizer.weight_decay ->
+    weight_decay) where that names one key, cut to VALUE_WIDTH."""
+    tails = [k.rsplit(".", 1)[-1] for k in keys]
+    return [
+        clip(k if len(k) <= KEY_WIDTH or tails.count(t) > 1 else t, VALUE_WIDTH)
+        for k, t in zip(keys, tails)
+    ]
+
+
+def groups(records: List[RunRecord], metric: str, parents: List[ParentRecord]) -> List[Group]:
+    """The rows in order: best first by metric; with parents, each parent's jobs under it (the
+    groups best first too) and the runs of no sweep under their own heading."""
+
+    def best_first(rs: List[RunRecord]) -> List[RunRecord]:
+        return sorted(rs, key=lambda r: sort_key(r, metric))
+
+    if not parents:
+        return [(None, best_first(records))]
+    by_parent = {p.run_id: [r for r in records if r.parent == p.run_id] for p in parents}
+    out: List[Group] = [(p.heading(len(by_parent[p.run_id])), best_first(by_parent[p.run_id]))
+                        for p in parents]  # fmt: skip
+    own = [r for r in records if r.parent not in by_parent]
+    if own:
+        out.append(("runs of no sweep or search", best_first(own)))
+    return sorted(out, key=lambda g: sort_key(g[1][0], metric) if g[1] else (True, 0.0))
+
+
+def shared_prefix(names: List[str]) -> str:
+    """The words that begin every name, when a name is too long for its column and each has more
+    ("" otherwise): said once rather than in every row."""
+    if len(names) < 2 or max(map(len, names)) <= NAME_WIDTH:
+        return ""
+    common = os.path.commonprefix(names)
+    common = common[: common.rfind(" ") + 1]
+    return common if all(len(n) > len(common) for n in names) else ""
+
+
+def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> List[Column]:
+    """Every column of the table for rows (in order): the run's name (less its first cut
+    characters), the best figures (the one the rows are sorted by first), status, the overrides
+    that differ, downstream scores, speed."""
+    keys = differing_keys(rows)
+    scores: List[str] = []
+    for r in rows:
+        scores += [k for k in r.scores if k not in scores]
+    best = [
+        ("best val loss", [_figure(r.best_val_loss, ".4f") for r in rows], True),
+        ("best val bpb", [_figure(r.best_val_bpb, ".4f") for r in rows], True),
+    ]
+    overrides = [
+        (head, [clip(shown(r.overrides.get(k)), VALUE_WIDTH) for r in rows], False)
+        for head, k in zip(key_heads(keys), keys)
+    ]
+    figures = [
+        *[(clip(k, SCORE_WIDTH), [_figure(r.scores.get(k), ".4f") for r in rows]) for k in scores],
+        ("tokens/s", [_figure(r.tokens_per_s, ",.0f") for r in rows]),
+        ("MFU", [f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-" for r in rows]),
+        ("wall", [f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-" for r in rows]),
+    ]
+    return [
+        ("run", [indent + clip(r.name[cut:], NAME_WIDTH) for r in rows], False),
+        *(best[::-1] if metric == "bpb" else best),
+        ("status", [r.status for r in rows], False),
+        *overrides,
+        *[(head, cells, True) for head, cells in figures],
+    ]
+
+
+def blocks(cols: List[Column], width: int = WIDTH) -> List[List[Column]]:
+    """The columns in blocks of at most width characters, each led by the run column: a table
+    too wide for one continues below."""
+
+    def span(col: Column) -> int:
+        return max(len(x) for x in [col[0], *col[1]])
+
+    run, rest = cols[0], cols[1:]
+    out: List[List[Column]] = [[run]]
+    used = span(run)
+    for col in rest:
+        if len(out[-1]) > 1 and used + 2 + span(col) > width:
+            out.append([run])
+            used = span(run)
+        out[-1].append(col)
+        used += 2 + span(col)
+    return out
+
+
+def render(cols: List[Column], grouped: List[Group]) -> List[str]:
+    """One block's lines: heads, rules, and each group's heading and rows."""
+    widths = [max(len(x) for x in [head, *cells]) for head, cells, _ in cols]
+
+    def line(cells: List[str]) -> str:
         return "  ".join(
-            str(c).rjust(w) if h in right else str(c).ljust(w)
-            for c, w, h in zip(cells, widths, head)
+            c.rjust(w) if right else c.ljust(w) for c, w, (_, _, right) in zip(cells, widths, cols)
         ).rstrip()
 
-    lines = [fmt(head), fmt(["-" * w for w in widths]), *map(fmt, rows)]
-    ordered = sorted(records, key=lambda r: sort_key(r, metric))
-    errors = [f"  {r.name}: {r.error}" for r in ordered if r.error]
+    lines = [line([head for head, _, _ in cols]), line(["-" * w for w in widths])]
+    row = 0
+    for heading, members in grouped:
+        if heading is not None:
+            lines.append(clip(heading, WIDTH))
+        for _ in members:
+            lines.append(line([cells[row] for _, cells, _ in cols]))
+            row += 1
+    return lines
+
+
+def table(
+    records: List[RunRecord], metric: str = "loss", parents: Optional[List[ParentRecord]] = None
+) -> str:
+    """Plain-text table in lines of at most WIDTH characters, best first by `metric` (loss or bpb):
+    the best figures, status, the overrides that differ, each run's latest downstream scores where
+    any run has them, speed; a column the same in every row is said once above it (and the words
+    every long name begins with), the columns past WIDTH continue below; with parents (an
+    experiment's sweeps and searches), each one's jobs under a heading of it, never a row."""
+    grouped = groups(records, metric, parents or [])
+    rows = [r for _, members in grouped for r in members]
+    prefix = shared_prefix([r.name for r in rows])
+    cols = columns(rows, "  " if parents else "", metric, len(prefix))
+    lines: List[str] = []
+    if len(rows) > 1 and (prefix or any(len(set(col[1])) == 1 for col in cols[1:])):
+        same = [col for col in cols[1:] if len(set(col[1])) == 1]
+        cols = [col for col in cols if col not in same]
+        said = [f"name={prefix}\u2026"] if prefix else []
+        said += [f"{head}={cells[0]}" for head, cells, _ in same]
+        lines += textwrap.wrap(f"every run: {', '.join(said)}", WIDTH, subsequent_indent="  ")
+    for i, block in enumerate(blocks(cols)):
+        lines += ([""] if i else []) + render(block, grouped)
+    errors = [
+        line
+        for r in rows
+        if r.error
+        for line in textwrap.wrap(f"{r.name}: {r.error}", WIDTH, initial_indent="  ",
+                                  subsequent_indent="    ", max_lines=4, placeholder=" \u2026")
+    ]  # fmt: skip
     return "\n".join(lines + (["errors:", *errors] if errors else []))
+
+
+def _short_value(value: str) -> str:
+    """A value for the plot's legend: a number to 3 significant digits."""
+    try:
+        return f"{float(value):.3g}"
+    except ValueError:
+        return clip(value, VALUE_WIDTH)
+
+
+def legend_label(
+    r: RunRecord, keys: List[str], best: Optional[float], width: int, cut: int = 0
+) -> str:
+    """A run's legend entry in at most width characters: its name (less its first cut characters),
+    best figure and its values of the keys that differ (3 significant digits)."""
+    head = clip(r.name[cut:], max(12, width // 3))
+    head += f" (best {best:.4g})" if best is not None else ""
+    values = " ".join(
+        f"{k.rsplit('.', 1)[-1]}={_short_value(r.overrides[k])}" for k in keys if k in r.overrides
+    )
+    return clip(f"{head}: {values}" if values else head, width)
+
+
+# legend entries per column count: (most entries, characters a label): wider legends, shorter labels
+LEGEND_LAYOUTS = ((10, 90), (30, 55), (10**9, 40))
+
+
+def val_figure(records: List[RunRecord], title: str, metric: str = "loss") -> Any:
+    """The matplotlib Figure of the runs' validation loss (or bits per byte) against tokens, its
+    legend below the axes in as many columns as the entries need and the figure as tall."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = differing_keys(records)
+    curves = []
+    for r in sorted(records, key=lambda r: sort_key(r, metric)):
+        curve = r.bpb_curve if metric == "bpb" else r.val_curve
+        if curve:
+            curves.append((r, curve))
+    ncol, (_, width) = next((i + 1, lay) for i, lay in enumerate(LEGEND_LAYOUTS)
+                            if len(curves) <= lay[0])  # fmt: skip
+    legend_rows = math.ceil(len(curves) / ncol)
+    cut = len(shared_prefix([r.name for r, _ in curves]))
+    fig = Figure(figsize=(9, 4.8 + 0.2 * legend_rows), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r, curve in curves:
+        x, y = zip(*curve)
+        ax.plot(x, y, marker="o", ms=3, lw=1.5,
+                label=legend_label(r, keys, best_of(r, metric), width, cut))  # fmt: skip
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("val bits per byte" if metric == "bpb" else "val loss")
+    ax.grid(alpha=0.3)
+    if curves:
+        fig.legend(loc="outside lower center", ncol=ncol, fontsize=8)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)) or title, fontsize=10)
+    return fig
 
 
 def plot_val_curves(records: List[RunRecord], path: Path, title: str, metric: str = "loss") -> None:
     """PNG overlaying the runs' validation loss (or bits per byte) against tokens (needs
     matplotlib)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    keys = differing_keys(records)
-    fig = Figure(figsize=(8, 4.8), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for r in sorted(records, key=lambda r: sort_key(r, metric)):
-        curve, best = (
-            (r.bpb_curve, r.best_val_bpb) if metric == "bpb" else (r.val_curve, r.best_val_loss)
-        )
-        if curve:
-            x, y = zip(*curve)
-            shown = f" (best {best:.4f})" if best is not None else ""
-            ax.plot(x, y, marker="o", ms=3, lw=1.5, label=f"{label(r, keys)}{shown}")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("val bits per byte" if metric == "bpb" else "val loss")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    fig = val_figure(records, title, metric)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 
@@ -427,10 +626,10 @@ def run_compare(cfg: Any) -> None:
         raise GptlabError(f"compare.metric={metric}: must be one of {', '.join(METRICS)}")
     folder = Path(target).expanduser()
     if folder.is_dir():
-        records, title = from_folder(folder), str(folder)
+        records, title, parents = from_folder(folder), str(folder), []
         out = Path(out_setting) if out_setting else folder / VAL_PNG
     else:
-        records, title = from_mlflow(
+        records, title, parents = from_mlflow(
             config.tracking.uri or local_uri(Path(config.paths.mlflow_db)), target
         )
         safe = re.sub(r"[^\w.-]+", "_", target)
@@ -439,7 +638,7 @@ def run_compare(cfg: Any) -> None:
             if out_setting
             else Path(config.paths.outputs) / "compare" / f"{safe}.png"
         )
-    print(table(records, metric), flush=True)
+    print(table(records, metric, parents), flush=True)
     try:
         plot_val_curves(records, out, title, metric)
         print(f"val {metric} curves: {out}", flush=True)

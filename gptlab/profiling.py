@@ -11,14 +11,23 @@ shapes and memory, and writes into ``<run folder>/profile/``:
 Rank 0's files go to MLflow under ``profile/``. With ``train.profile.oom_snapshot=true`` (CUDA) the
 allocator's history is recorded from the first step, and a step that runs out of memory writes
 ``memory_oom_rank<r>.pickle`` before the run fails.
+
+While it records, ``StderrFilter`` keeps the profiler's own chatter out of the run's stderr (the
+lines of ``NOISE``); every other line, a genuine error included, goes through as written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
+import os
+import re
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -28,6 +37,22 @@ log = logging.getLogger(__name__)
 
 FOLDER = "profile"
 MEMORY_ENTRIES = 200_000  # allocator events kept (the newest): a few steps of a large model
+
+# What torch's C++ side prints on stderr while a profile records, none of it a problem:
+# - kineto's USDT probe markers as the trace starts and stops ("USDT:<time> <pid>:<tid>
+#   SyncActivityProfilerHandler.cpp:52] profiler_start"), logged at a severity above kineto's
+#   errors, so no KINETO_LOG_LEVEL hides them and keeps the errors;
+# - c10's note, with profile_memory (the operators' memory columns), that a block allocated before
+#   the profile began was freed inside it (c10's LOG(WARNING): only TORCH_CPP_LOG_LEVEL, read once
+#   at import, silences it, and every other C++ warning with it).
+NOISE = (
+    re.compile(rb"^USDT:.*\] profiler_(start|stop)$"),
+    re.compile(rb"^\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before "
+               rb"the profiling started"),
+)  # fmt: skip
+# how a held-back line may begin: a write that starts like one waits for the rest of its line
+NOISE_STARTS = (b"USDT:", b"[W")
+PIPE_BYTES = 1 << 20  # the pipe's buffer: a burst of stderr is never waiting on the filter
 
 
 @dataclass
@@ -72,6 +97,7 @@ class StepProfiler:
         self._prof: Optional[torch.profiler.profile] = None
         self._range: Optional[Any] = None
         self._history = False
+        self._quiet = StderrFilter()  # the profiler's chatter kept out of stderr while it records
         if self.oom_history:
             self._record_history(True)
 
@@ -118,6 +144,7 @@ class StepProfiler:
         self._prof = torch.profiler.profile(
             activities=activities, record_shapes=True, profile_memory=True
         )
+        self._quiet.start()
         self._prof.start()
         log.info(f"profiling steps {self.first}..{self.last} into {self.folder}")
 
@@ -126,7 +153,10 @@ class StepProfiler:
         if self._range is not None:
             self._range.__exit__(None, None, None)
             self._range = None
-        prof.stop()
+        try:
+            prof.stop()
+        finally:
+            self._quiet.stop()
         self.folder.mkdir(parents=True, exist_ok=True)
         trace = self.folder / f"trace_rank{self.rank}.json"
         prof.export_chrome_trace(str(trace))
@@ -154,3 +184,80 @@ class StepProfiler:
     def _log(self, path: Path) -> None:
         if self.is_main and self.tracker is not None:
             self.tracker.log_artifact(path, FOLDER)
+
+
+class StderrFilter:
+    """While on, file descriptor 2 (C++'s std::cerr and Python's sys.stderr alike) is a pipe read by
+    a thread that writes each line on to the real stderr unless it matches one of noise."""
+
+    def __init__(self, noise: Sequence["re.Pattern[bytes]"] = NOISE):
+        self.noise = noise
+        self._saved: Optional[int] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._saved is not None:
+            return
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+            read, write = os.pipe()
+        except (OSError, ValueError, AttributeError):  # no stderr to filter
+            return
+        try:
+            import fcntl
+
+            fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (ImportError, AttributeError, OSError):  # not Linux, or over the system's limit
+            pass
+        out = os.dup(saved)  # the thread's own: it writes until the last writer is gone
+        os.dup2(write, 2)
+        os.close(write)
+        self._saved = saved
+        if faulthandler.is_enabled():  # a crash's traceback straight to the real stderr
+            faulthandler.enable(file=saved, all_threads=True)
+        self._thread = threading.Thread(
+            target=self._pump, args=(read, out), name="stderr-filter", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """fd 2 back to the real stderr, after what was written so far has gone through."""
+        if self._saved is None:
+            return
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()
+        os.dup2(self._saved, 2)  # closes the pipe's last writer here: the thread reads to its end
+        if faulthandler.is_enabled():
+            faulthandler.enable(file=2, all_threads=True)
+        os.close(self._saved)
+        self._saved = None
+        if self._thread is not None:
+            # a child started meanwhile may hold the pipe still: the thread forwards it till it ends
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _pump(self, read: int, out: int) -> None:
+        held = b""
+        try:
+            while True:
+                chunk = os.read(read, 65536)
+                if not chunk:
+                    break
+                lines = (held + chunk).splitlines(keepends=True)
+                last = lines[-1]
+                complete = last.endswith((b"\n", b"\r"))
+                held = b"" if complete or not self._may_be_noise(last) else lines.pop()
+                self._write(out, lines)
+            self._write(out, [held] if held else [])
+        finally:
+            os.close(read)
+            os.close(out)
+
+    def _may_be_noise(self, start: bytes) -> bool:
+        return any(start.startswith(p) or p.startswith(start) for p in NOISE_STARTS)
+
+    def _write(self, out: int, lines: List[bytes]) -> None:
+        kept = b"".join(ln for ln in lines if not any(p.search(ln.rstrip()) for p in self.noise))
+        while kept:
+            kept = kept[os.write(out, kept) :]

@@ -154,6 +154,26 @@ def test_the_figure_is_labelled_with_the_tokens():
     assert keys == [[], [], labels, labels] and queries == [labels, [], labels, []]
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 3), (2, 3, 12)])
+def test_a_long_title_is_wrapped_inside_the_figure_above_the_panels(shape):
+    """sample's title names the run (a long path, or a models:/ URI): drawn over a small grid, it
+    was cut at the figure's edges. Wrapped to the figure's width, every line is inside the PNG and
+    above the panels' own titles."""
+    rows, cols, n = shape
+    run = "/home/someone/projects/language-models/outputs/sweeps/2026-12-01_10-00-00.123456/17"
+    title = f"attention weights of {run} (step 5000) over the prompt's {n} tokens"
+    fig = attention_figure(torch.full((rows, cols, n, n), 1 / n), ["ab"] * n, range(rows),
+                           range(cols), title)  # fmt: skip
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    text = fig._suptitle
+    box, inside = text.get_window_extent(renderer), fig.bbox
+    assert box.x0 >= inside.x0 and box.x1 <= inside.x1 and box.y1 <= inside.y1, (box, inside)
+    assert text.get_text().replace("\n", " ") == title or "\n" in text.get_text()
+    panel_tops = [ax.title.get_window_extent(renderer).y1 for ax in fig.axes if ax.get_title()]
+    assert box.y0 > max(panel_tops)
+
+
 def png_size(path):
     """(width, height) of a PNG, after checking its signature and header chunk."""
     data = path.read_bytes()

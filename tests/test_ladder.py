@@ -127,7 +127,9 @@ def test_the_ladder_measures_each_rung_in_its_own_benchmark_and_prints_one_table
     assert rows["plain fp32"]["speedup_plain"] == 1.0
     assert "C++ compiler" in rows["+ torch.compile"]["skipped"]
     measured = [r for r in line["ladder"] if "tokens_per_s" in r]
-    assert len(measured) >= 3 and all(r["tokens_per_s"] > 0 for r in measured)
+    # bf16's rung is measured only on a CPU with bf16 units (CI's CPU model varies)
+    assert len(measured) >= 2 + fastpath.cpu_bf16_units()
+    assert all(r["tokens_per_s"] > 0 for r in measured)
     assert set(line["drift"]) == {"plain", "best"} and line["drift"]["plain"] is not None
     # each measured rung ran as its own benchmark in its own folder
     benches = sorted(p.parent.name for p in folder.glob("*/bench.json"))

@@ -38,8 +38,18 @@ def measured_cpu_peak(
     load as much as the CPU, and a peak is the rate the CPU reaches when it is ours.
     """
     dtype = getattr(torch, dtype_name)
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(2):
+    a = torch.randn(n, n, dtype=dtype, device="cpu")
+    b = torch.randn(n, n, dtype=dtype, device="cpu")
+    return best_matmul_rate(a, b, seconds, trials, warmup=2)
+
+
+def best_matmul_rate(
+    a: torch.Tensor, b: torch.Tensor, seconds: float, trials: int, warmup: int
+) -> float:
+    """The best FLOP/s of `a @ b` (square, n x n) over `trials` short timed loops sharing
+    `seconds`, after `warmup` untimed products."""
+    n = a.shape[0]
+    for _ in range(warmup):
         a @ b
     best = 0.0
     for _ in range(max(1, trials)):
@@ -58,15 +68,7 @@ def matmul_rate_at(threads: int, n: int = 384, seconds: float = 0.06, trials: in
     torch.set_num_threads(threads)
     try:
         a = torch.randn(n, n, device="cpu")
-        a @ a
-        best = 0.0
-        for _ in range(trials):
-            count, t0 = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - t0) < seconds / trials or count == 0:
-                a @ a
-                count += 1
-            best = max(best, 2 * n**3 * count / elapsed)
-        return best
+        return best_matmul_rate(a, a, seconds, trials, warmup=1)
     finally:
         torch.set_num_threads(before)
 

@@ -24,26 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab import console, distributed, metrics
-from gptlab.build import build
+from gptlab import console
 from gptlab.cli import command
 from gptlab.config import Config, to_config
-from gptlab.costs import (
-    DEFAULT_MFU,
-    make_plan,
-    peak_tflops_for,
-    plan_json,
-    resolve_auto,
-    resolve_micro_batch,
-    step_estimate,
-)
 from gptlab.errors import GptlabError
-from gptlab.loop import train
 from gptlab.records import layout
 
 
@@ -98,6 +86,8 @@ def summarise(
     cfg,
 ) -> Dict[str, Any]:
     """The benchmark's figures from the loop's per-step timings (the warm-up steps dropped)."""
+    from gptlab import metrics  # torch: off the start-up path of --help and config errors
+
     timed = [(s, sec, tok) for s, sec, tok in timings if s > warmup]
     seconds = sum(sec for _, sec, _ in timed)
     tokens = sum(tok for _, _, tok in timed)
@@ -126,6 +116,8 @@ def summarise(
 
 def _setting(run, cfg) -> Dict[str, Any]:
     """What was benchmarked: the model, the data, the hardware and each speed lever's setting."""
+    import torch  # off the start-up path of --help and config errors
+
     hw, m = cfg.hardware, cfg.model
     fpt, hfpt, peak = run.flops_per_token, run.derived["hardware_flops_per_token"], run.peak_flops
     return {
@@ -162,8 +154,29 @@ def _setting(run, cfg) -> Dict[str, Any]:
 
 def _peak_source(device: str, hw) -> str:
     """Where the peak FLOP/s came from: the preset's figures, else (the CPU) measured."""
+    from gptlab.costs import peak_tflops_for  # torch: off the start-up path of --help
+
     figures = hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32
     return "measured" if device == "cpu" and not peak_tflops_for(*figures) else "config"
+
+
+def _prediction(config: BenchConfig, stands_for: int) -> Tuple[BenchConfig, Dict[str, Any]]:
+    """The config as the planner resolves it (compile=auto, micro_batch_size=auto) and the
+    planner's figures for it (memory, tokens/s, MFU), to print beside the measured ones."""
+    # torch: off the start-up path of --help and config errors
+    from gptlab.costs import (
+        DEFAULT_MFU,
+        make_plan,
+        plan_json,
+        resolve_auto,
+        resolve_micro_batch,
+        step_estimate,
+    )
+
+    planned = resolve_micro_batch(resolve_auto(config, stands_for)[0])
+    plan = make_plan(planned)
+    est = step_estimate(plan, planned, DEFAULT_MFU[config.hardware.device])
+    return planned, plan_json(planned, plan, est)
 
 
 def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
@@ -171,6 +184,13 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     stands_for = int(cfg.train.max_steps)  # compile=auto decides for the run a bench measures
     cfg = bench_config(cfg)
     config = to_config(cfg, BenchConfig)
+    # torch: off the start-up path of --help and config errors (imported once the config is valid)
+    import torch
+
+    from gptlab import distributed, metrics
+    from gptlab.build import build
+    from gptlab.loop import train
+
     flags = dataclasses.asdict(config.bench)  # warmup, steps, mlflow
     if distributed.role(config.hardware) == "parent":
         n = config.hardware.nproc_per_node
@@ -178,10 +198,7 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             f"hardware={config.hardware.name} asks for {n} processes: start the benchmark with "
             f"torchrun --nproc_per_node={n} -m gptlab.bench ..."
         )
-    planned = resolve_micro_batch(resolve_auto(config, stands_for)[0])
-    plan = make_plan(planned)
-    est = step_estimate(plan, planned, DEFAULT_MFU[config.hardware.device])
-    predicted = plan_json(planned, plan, est)
+    planned, predicted = _prediction(config, stands_for)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     # named and tagged as a benchmark (records.identity)
     run = build(config, run_dir, resolved, auto_steps=stands_for)
@@ -227,10 +244,12 @@ def _job(cfg: DictConfig) -> Dict[str, Any]:
     """One benchmark (one job of a sweep): its run folder is Hydra's output folder."""
     hc = HydraConfig.get()
     if cfg.bench.ladder:
-        from gptlab import ladder
 
         def typed(c: DictConfig) -> BenchConfig:
             return to_config(bench_config(c), BenchConfig)
+
+        typed(cfg)  # a config error is one line before the ladder imports torch
+        from gptlab import ladder  # torch: off the start-up path of --help and config errors
 
         return ladder.run(cfg, typed, list(hc.overrides.task), Path(hc.runtime.output_dir))
     return run_bench(cfg, Path(hc.runtime.output_dir))

@@ -4,9 +4,11 @@ Hydra.
 The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
 here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
 exactly one YAML file and a key that no file sets is a one-line error naming it;
-tests/test_config_schema.py keeps it so. The leaf modules own their sections' classes (``GPTConfig``
-in model.py, ``DataConfig`` in data/config.py, ``OptimizerConfig`` in optim.py, ``TrackingConfig``
-in tracking.py); the run-wide sections (train, hardware, parallelism) live here.
+tests/test_config_schema.py keeps it so. The sections of modules that import torch live in the
+torch-free sections.py (``GPTConfig`` of model.py, ``OptimizerConfig`` of optim.py,
+``ProfileConfig`` of profiling.py), ``DataConfig`` in data/config.py; the run-wide sections (train,
+hardware, parallelism, tracking, paths) live here. Nothing this module imports pulls in torch or
+MLflow, so a command's --help and config errors answer at once (tests/test_startup.py).
 
 ``to_config`` is the one DictConfig -> dataclass conversion. Past it, code reads typed objects.
 It re-validates the composed config against the schema (a ``+key=value`` override slips past
@@ -24,11 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
-from gptlab.model import GPTConfig
-from gptlab.optim import OptimizerConfig
-from gptlab.profiling import ProfileConfig
-from gptlab.profiling import check as check_profile
 from gptlab.records.store import check_uri
+from gptlab.sections import GPTConfig, OptimizerConfig, ProfileConfig, check_profile
 
 # parallelism.strategy (distributed.wrap_model reads it)
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")

@@ -37,7 +37,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from gptlab import checkpoint, distributed
 from gptlab.cli import CONF, command, require, text_keys
 from gptlab.config import HardwareConfig, ParallelismConfig, to_config
 from gptlab.errors import GptlabError
@@ -221,6 +220,7 @@ def load_scored(cfg: EvalConfig, device: Any, source: Optional[Source]) -> tuple
 
         model, tokenizer, meta = serving.load_export(Path(source["folder"]))
         return model.to(device), tokenizer, int(meta.get("step") or 0), cfg.run, source["run_id"]
+    from gptlab import checkpoint
     from gptlab.inference import load_model
 
     path = checkpoint.find(cfg.run, cfg.which)
@@ -327,6 +327,8 @@ def _evaluate(
     resolved: Dict[str, Any], source: Optional[Source], specs: Optional[List[Spec]] = None
 ) -> Optional[Path]:
     """This process's share: join the group, score, and on rank 0 write the records."""
+    from gptlab import distributed  # torch: off the start-up path of --help and config errors
+
     cfg = to_config(OmegaConf.create(resolved), EvalConfig)
     d = distributed.setup(cfg.hardware, REPLICAS)
     try:
@@ -370,7 +372,8 @@ def run_eval(config: Any) -> Optional[Path]:
         raise GptlabError(
             "gptlab.eval needs lm-evaluation-harness: pip install -e '.[eval]'"
         ) from None
-    from gptlab import serving
+    # torch: off the start-up path of --help and config errors (imported once the config is valid)
+    from gptlab import checkpoint, distributed, serving
 
     source = None
     if serving.is_model_uri(cfg.run):

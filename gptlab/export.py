@@ -15,19 +15,20 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-import torch
 from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
-from gptlab.data import Tokenizer
-from gptlab.data.hf_tokenizer import special_token_ids
 from gptlab.errors import GptlabError
-from gptlab.inference import load_model, save_weights, write_model_files
-from gptlab.model import GPT
 from gptlab.records import layout
+
+if TYPE_CHECKING:  # hints only: torch stays off the start-up path of --help and config errors
+    import torch
+
+    from gptlab.data import Tokenizer
+    from gptlab.model import GPT
 
 
 @dataclass
@@ -92,6 +93,9 @@ def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
 
 
 def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
+    # numpy (the tokenizers): off the start-up path of --help and config errors
+    from gptlab.data.hf_tokenizer import special_token_ids
+
     c = model.config
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -121,9 +125,12 @@ def run_export(config: Any) -> Path:
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, ExportConfig)
     if cfg.export.register or cfg.export.alias:  # before anything is read or written
-        from gptlab import serving
+        from gptlab.records.store import check_names
 
-        serving.check_names(cfg.export.register, cfg.export.alias)
+        check_names(cfg.export.register, cfg.export.alias)
+    # torch: off the start-up path of --help and config errors (imported once the config is valid)
+    from gptlab.inference import load_model, save_weights, write_model_files
+
     model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
     # the run in MLflow, its store answering: before the export folder is written

@@ -11,7 +11,6 @@ The module knows nothing about devices, ranks, precision or logging: those live 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -19,48 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+# the section lives in torch-free sections.py (the schema imports it); importable from here too
+from gptlab.sections import GPTConfig, padded_vocab  # noqa: F401
+
 KVCache = List[Tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class GPTConfig:
-    """Shape and flavour of the model; ``vocab_size`` is filled in from the tokenizer when null."""
-
-    name: str
-    vocab_size: Optional[int]
-    vocab_multiple: int  # pad the embedding/LM head to a multiple of this (64 for tensor cores)
-    block_size: int
-    n_layer: int
-    n_head: int
-    n_embd: int
-    ffn_dim: Optional[int]  # null: 4 * n_embd (GELU) or the usual 8/3 * n_embd rounded (SwiGLU)
-    dropout: float
-    bias: bool
-    pos_emb: str  # learned | sinusoidal | rotary
-    mlp: str  # gelu | swiglu
-    tie_weights: bool
-    rope_base: float
-
-    @property
-    def padded_vocab_size(self) -> int:
-        assert self.vocab_size is not None, "vocab_size must be set before building the model"
-        return padded_vocab(self.vocab_size, self.vocab_multiple)
-
-    @property
-    def hidden_dim(self) -> int:
-        if self.ffn_dim is not None:
-            return self.ffn_dim
-        if self.mlp == "swiglu":
-            # 2/3 of 4d keeps the parameter count of a GELU MLP; rounded up to a multiple of 64
-            return (int(8 * self.n_embd / 3) + 63) // 64 * 64
-        return 4 * self.n_embd
-
-
-def padded_vocab(vocab: int, multiple: int) -> int:
-    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls
-    fast)."""
-    k = max(1, multiple)
-    return (vocab + k - 1) // k * k
 
 
 def sinusoidal_table(n_pos: int, dim: int) -> torch.Tensor:

@@ -16,25 +16,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
-from gptlab import fastpath
 from gptlab.config import Config
-from gptlab.costs import (
-    DEFAULT_MFU,
-    USABLE_FRACTION,
-    GiB,
-    Plan,
-    make_plan,
-    plan_json,
-    resolve_auto,
-    resolve_micro_batch,
-    step_estimate,
-    what_would_fit,
-)
 from gptlab.errors import GptlabError
+
+if TYPE_CHECKING:  # hints only: costs imports torch, kept off the start-up path of --help
+    from gptlab.costs import Plan
 
 
 def optimizer_label(cfg: Config) -> str:
@@ -48,6 +38,8 @@ def _steps(n: int) -> str:
 
 
 def _gb(x: float) -> str:
+    from gptlab.costs import GiB  # torch: off the start-up path of --help and config errors
+
     return f"{x / GiB:8.2f} GiB"
 
 
@@ -61,6 +53,9 @@ def _duration(s: float) -> str:
 
 def _memory_rows(cfg: Config, plan: Plan) -> List[str]:
     """The report's memory table: each part with and without checkpointing, then the device's."""
+    # torch: off the start-up path of --help and config errors
+    from gptlab.costs import USABLE_FRACTION, GiB
+
     s, rows = plan.shape, []
     split = f", 1/{s.shards} each" if s.sharded else ""
     for key, label in (
@@ -170,7 +165,20 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
     """
     from gptlab.config import to_config
 
-    cfg, choices = resolve_auto(to_config(cfg_dict, PlanConfig))
+    config = to_config(cfg_dict, PlanConfig)
+    # torch: off the start-up path of --help and config errors (imported once the config is valid)
+    from gptlab import fastpath
+    from gptlab.costs import (
+        DEFAULT_MFU,
+        make_plan,
+        plan_json,
+        resolve_auto,
+        resolve_micro_batch,
+        step_estimate,
+        what_would_fit,
+    )
+
+    cfg, choices = resolve_auto(config)
     cfg = resolve_micro_batch(cfg)
     settings = cfg.plan
     plan = make_plan(cfg)

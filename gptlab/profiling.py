@@ -25,13 +25,14 @@ import os
 import re
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 import torch
 
-from gptlab.errors import GptlabError
+# the section and its check live in torch-free sections.py (the schema imports them)
+from gptlab.sections import ProfileConfig
+from gptlab.sections import check_profile as check  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -53,33 +54,6 @@ NOISE = (
 # how a held-back line may begin: a write that starts like one waits for the rest of its line
 NOISE_STARTS = (b"USDT:", b"[W")
 PIPE_BYTES = 1 << 20  # the pipe's buffer: a burst of stderr is never waiting on the filter
-
-
-@dataclass
-class ProfileConfig:
-    steps: Optional[List[int]]  # [first, last] step recorded (1-based, inclusive); null: off
-    rows: int  # operators in the table
-    oom_snapshot: bool  # CUDA: record the allocator's history so an out-of-memory step leaves one
-
-
-def check(cfg: ProfileConfig, max_steps: int) -> None:
-    """train.profile's settings: one line naming what is wrong."""
-    if cfg.steps is None:
-        return
-    steps = list(cfg.steps)
-    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
-        raise GptlabError(
-            f"train.profile.steps={steps}: give the first and last step to record, e.g. [5,7]"
-        )
-    first, last = steps
-    if not 1 <= first <= last:
-        raise GptlabError(f"train.profile.steps=[{first},{last}]: need 1 <= first <= last")
-    if first > max_steps:
-        raise GptlabError(
-            f"train.profile.steps=[{first},{last}]: the run ends at step {max_steps} first"
-        )
-    if cfg.rows < 1:
-        raise GptlabError(f"train.profile.rows={cfg.rows}: must be at least 1")
 
 
 class StepProfiler:

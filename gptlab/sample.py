@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
-from gptlab.attention import write_attention
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
-from gptlab.inference import generate_text, load_model
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # hints only: torch stays off the start-up path of --help and config errors
     from gptlab.data import Tokenizer
     from gptlab.model import GPT
 
@@ -67,6 +65,8 @@ def draw_attention(
     cfg: SampleConfig, model: GPT, tok: Tokenizer, prompt: List[int], step: int
 ) -> None:
     """Write attention.out: the prompt's attention maps, each token labelled with its own text."""
+    from gptlab.attention import write_attention  # torch: off the start-up path of --help
+
     settings = cfg.attention
     out = Path(settings.out)
     tokens = [tok.decode([i]) for i in prompt]
@@ -83,6 +83,9 @@ def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
     from gptlab import serving
 
     if not serving.is_model_uri(cfg.run):
+        # torch: off the start-up path of --help and config errors
+        from gptlab.inference import load_model
+
         model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
         return model, tok, saved.step
     from gptlab.records.store import default_uri
@@ -104,6 +107,8 @@ def run_sample(config: Any) -> None:
         draw_attention(cfg, model, tok, prompt, step)
         if cfg.max_new_tokens == 0:
             return
+    from gptlab.inference import generate_text  # torch: off the start-up path of --help
+
     texts = generate_text(
         model, tok, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
         cfg.num_samples,

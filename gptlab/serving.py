@@ -21,7 +21,6 @@ import json
 import math
 import numbers
 import os
-import re
 import signal
 import time
 import warnings
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from gptlab.errors import GptlabError
-from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS
+from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS, check_names
 
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
 MODEL_NAME = "model"  # the logged model's name in its run
@@ -343,28 +342,6 @@ def has_files(client: Any, model_id: str) -> bool:
         if {"config.json", "model.safetensors"} <= {Path(f.path).name for f in files}:
             return True
     return False
-
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,254}$")
-_ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
-
-
-def check_names(name: Optional[str], alias: Optional[str]) -> None:
-    """A registered model's name and alias MLflow takes, or one line (an alias needs a name)."""
-    if name is None:
-        if alias is not None:
-            raise GptlabError(
-                f"export.alias={alias}: an alias points at a registered version; give "
-                "export.register=NAME too"
-            )
-        return
-    if not _NAME.match(name):
-        raise GptlabError(
-            f"export.register={name!r}: a registered model's name is letters, digits, '_', '-', "
-            f"'.' and spaces"
-        )
-    if alias is not None and (not _ALIAS.match(alias) or re.match(r"^[vV][0-9]+$", alias)):
-        raise GptlabError(f"export.alias={alias!r}: an alias is a name like champion, not v3")
 
 
 @contextlib.contextmanager

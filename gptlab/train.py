@@ -9,19 +9,17 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab import console, distributed
-from gptlab.build import build, log_model, record_expectation, write_sample
+from gptlab import console
 from gptlab.cli import command, fail, os_error_message
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
-from gptlab.loop import train
-from gptlab.records import layout, runfolder
+from gptlab.records import layout
 
 # not __name__: run as __main__, it would fall outside gptlab
 log = logging.getLogger("gptlab.train")
@@ -35,18 +33,14 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """
     console.setup_logging()  # under Hydra: its job logging (conf/hydra/job_logging/gptlab.yaml)
     config = to_config(cfg)
+    # torch: off the start-up path of --help and config errors (imported once the config is valid)
+    from gptlab import distributed
+    from gptlab.build import build, log_model, record_expectation, write_sample
+    from gptlab.loop import train
+
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    done = runfolder.finished(Path(run_dir), resolved)
-    # the same command again after the run finished: nothing to do, nothing changed
+    done = finished_before(Path(run_dir), resolved)
     if done is not None:
-        best = done.get("best_val_loss")
-        log.info(
-            f"{run_dir} holds this run, finished at step {done['steps']} (best val loss "
-            f"{'none: not evaluated' if best is None else f'{best:.4f}'}): nothing to do. "
-            f"train.max_steps=N "
-            f"continues it; "
-            "train.resume=never starts it over (the files are moved aside)"
-        )
         return done
     if distributed.role(config.hardware) == "parent":
         distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir)))
@@ -82,6 +76,25 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         ):
             # our handler is gone again: re-deliver so the job's own (submitit's) requeues it
             os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def finished_before(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """This run's results when the same command ran it to the end before: nothing to do, nothing
+    changed (a log line says so). None otherwise."""
+    # torch (runfolder reads checkpoints): off the start-up path of --help and config errors
+    from gptlab.records import runfolder
+
+    done = runfolder.finished(run_dir, resolved)
+    if done is not None:
+        best = done.get("best_val_loss")
+        log.info(
+            f"{run_dir} holds this run, finished at step {done['steps']} (best val loss "
+            f"{'none: not evaluated' if best is None else f'{best:.4f}'}): nothing to do. "
+            f"train.max_steps=N "
+            f"continues it; "
+            "train.resume=never starts it over (the files are moved aside)"
+        )
+    return done
 
 
 def results_line(results: Dict[str, Any], run_dir: Path) -> str:

@@ -10,11 +10,12 @@ from helpers import compose_config
 from gptlab.config import to_config
 
 PKG = Path(__file__).resolve().parents[1] / "gptlab"
-# modules (or packages) that import no other gptlab module but their own package's, errors and
-# safe_dcp
-LEAVES = ["model", "optim", "metrics", "checkpoint", "data", "safe_dcp", "records.layout",
-          "records.store", "records.identity", "records.tracker"]  # fmt: skip
-ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp"}  # safe_dcp: torch only
+# modules (or packages) that import no other gptlab module but their own package's, errors,
+# safe_dcp and sections
+LEAVES = ["model", "optim", "metrics", "checkpoint", "data", "safe_dcp", "sections",
+          "records.layout", "records.store", "records.identity", "records.tracker"]  # fmt: skip
+# safe_dcp: torch only; sections: the torch-free config sections of model.py and optim.py
+ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp", "gptlab.sections"}
 
 
 def gptlab_imports(path: Path):

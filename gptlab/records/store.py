@@ -107,6 +107,30 @@ def check_uri(uri: Optional[str]) -> None:
     )
 
 
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\- ]{0,254}$")
+_ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def check_names(name: Optional[str], alias: Optional[str]) -> None:
+    """A registered model's name and alias MLflow takes, or one line (an alias needs a name).
+
+    Here, without MLflow, so that gptlab.export says so at once (serving.register checks too)."""
+    if name is None:
+        if alias is not None:
+            raise GptlabError(
+                f"export.alias={alias}: an alias points at a registered version; give "
+                "export.register=NAME too"
+            )
+        return
+    if not _NAME.match(name):
+        raise GptlabError(
+            f"export.register={name!r}: a registered model's name is letters, digits, '_', '-', "
+            f"'.' and spaces"
+        )
+    if alias is not None and (not _ALIAS.match(alias) or re.match(r"^[vV][0-9]+$", alias)):
+        raise GptlabError(f"export.alias={alias!r}: an alias is a name like champion, not v3")
+
+
 def sqlite_path(uri: str) -> Optional[Path]:
     """The database file of a SQLite store's URI; None for any other store."""
     return Path(uri[len(SQLITE_PREFIX) :]) if uri.startswith(SQLITE_PREFIX) else None

@@ -15,6 +15,9 @@ TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 MUTANTS ?=
+# pytest-xdist workers for make test: more than the cores, since many tests wait on subprocesses,
+# servers and SLURM (docs/testing.md: the measured times)
+WORKERS ?= 4
 
 .PHONY: setup train test unit lint mutation clean
 
@@ -45,14 +48,14 @@ train: setup
 # Tiny Shakespeare is looked for first: without it the suite stops here with one line
 test: setup lint
 	@$(BIN)/python tests/conftest.py >/dev/null
-	bash .ci/with_services.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+	bash .ci/with_services.sh $(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 unit: setup
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not integration" -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # mutmut copies gptlab/, tests/ and conf/ into mutants/ and runs pytest there ([tool.mutmut] in
 # pyproject.toml), where tests/helpers.py cannot see ../shared: Tiny Shakespeare is found here first.

@@ -38,14 +38,47 @@ def shakespeare() -> Path:
     return find_shakespeare()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the integration mark below must count
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Without Tiny Shakespeare the suite stops before its first test, with the one line saying what
-    to set (not one error per test that needs it)."""
+    to set (not one error per test that needs it). Under xdist, tests are grouped by what they
+    share (xdist_group); a test that reads a shared run or server is an integration test."""
     if any("shakespeare" in item.fixturenames for item in items):
         try:
             find_shakespeare()
         except pytest.fail.Exception as e:
             pytest.exit(str(e), returncode=2)
+    for item in items:
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        if group is not None and group != "slurm" and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.integration)
+
+
+# One SLURM cluster for the session, which test_multinode turns into two nodes and back: the tests
+# that submit jobs to it run one after another on one worker.
+SLURM_FILES = {"test_slurm.py", "test_multinode.py", "test_search_slurm.py"}
+# a test module's shared fixtures that cost nothing to make again
+CHEAP_SHARED = {"slurm_cluster", "bpe_ranks"}
+
+
+def xdist_group(item) -> "str | None":
+    """The group a test runs in under `pytest -n N --dist loadgroup` (make test, make unit): SLURM's
+    tests together; the tests that read one module- or session-wide run (a trained model, a sweep,
+    a server) on the worker that made it, so it is made once; every other test on any worker."""
+    if item.path.name in SLURM_FILES:
+        return "slurm"
+    for name in item.fixturenames:
+        for fixture in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            in_a_test_file = fixture.baseid.endswith(".py")  # not pytest's own, not conftest's
+            if (
+                fixture.scope in ("module", "session")
+                and in_a_test_file
+                and name not in CHEAP_SHARED
+            ):
+                return f"{item.path.name}:{name}"
+    return None
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ def ids() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
+@pytest.mark.integration
 def test_maps_are_causal_and_each_row_sums_to_one(pos_emb):
     maps = attention_maps(sharp_model(pos_emb), ids())
     assert maps.shape == (2, 2, T, T) and maps.dtype == torch.float32
@@ -64,6 +65,7 @@ def first_layer_input(model: GPT, x: torch.Tensor, pos_emb: str) -> torch.Tensor
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
 @pytest.mark.parametrize("layer,head", [(0, 1), (1, 0)])
+@pytest.mark.integration
 def test_one_head_equals_softmax_of_q_k_by_hand(pos_emb, layer, head):
     model, x = sharp_model(pos_emb), ids()
     cfg = model.config
@@ -90,6 +92,7 @@ def test_one_head_equals_softmax_of_q_k_by_hand(pos_emb, layer, head):
 
 
 @pytest.mark.parametrize("pos_emb", POSITIONS)
+@pytest.mark.integration
 def test_the_explicit_path_is_the_model(pos_emb):
     """weights @ v through c_proj, then the block's MLP, gives each block's output and, after the
     last, the model's own logits."""
@@ -116,6 +119,7 @@ def test_the_explicit_path_is_the_model(pos_emb):
     assert torch.allclose(logits, expected_logits, atol=2e-5), error  # measured at most 6.2e-6
 
 
+@pytest.mark.integration
 def test_a_map_that_leaves_out_the_rotation_differs():
     """The rotary check can fail: the same model's maps without its rotation are not its maps."""
     model, x = sharp_model("rotary"), ids()
@@ -126,6 +130,7 @@ def test_a_map_that_leaves_out_the_rotation_differs():
     assert (with_rope - without).abs().max() > 0.1
 
 
+@pytest.mark.integration
 def test_a_model_in_training_mode_is_read_without_dropout_and_left_training():
     model = sharp_model("learned", dropout=0.5)
     expected = attention_maps(model, ids())
@@ -181,6 +186,7 @@ def png_size(path):
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.integration
 def test_the_sample_command_writes_a_png(trained, tmp_path, capsys):  # noqa: F811
     from gptlab.sample import main as sample
 
@@ -215,6 +221,7 @@ def test_the_sample_command_writes_a_png(trained, tmp_path, capsys):  # noqa: F8
         (["prompt=" + "x" * 40], "the prompt is 40 tokens, more than the model's block_size 32"),
     ],
 )
+@pytest.mark.integration
 def test_a_bad_layer_head_or_prompt_is_one_line(trained, tmp_path, args, message):  # noqa: F811
     from gptlab.sample import main as sample
 
@@ -225,6 +232,7 @@ def test_a_bad_layer_head_or_prompt_is_one_line(trained, tmp_path, args, message
     assert not out.exists()
 
 
+@pytest.mark.integration
 def test_attention_out_is_a_path_as_typed():
     from gptlab.cli import compose
 

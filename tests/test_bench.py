@@ -38,6 +38,7 @@ def tiny(shakespeare):
     ]
 
 
+@pytest.mark.integration
 def test_flags():
     cfg = bench_config(
         compose("bench", ["bench.steps=4", "model=gpt_nano", "bench.warmup=0", "bench.mlflow=true"])
@@ -54,6 +55,7 @@ def test_flags():
         bench_config(compose("bench", ["bench.steps=0"]))
 
 
+@pytest.mark.integration
 def test_bench_in_process(shakespeare, tmp_path, capsys):
     cfg = compose(
         "bench",

@@ -1,11 +1,13 @@
 """gptlab.build: what building a run adds to the loop's results, e.g. a recipe's expected result,
 checked and recorded as an MLflow tag."""
 
+import pytest
 from helpers import compose_config, nano_overrides
 
 from gptlab.train import run_training
 
 
+@pytest.mark.integration
 def test_a_recipes_expected_result_is_checked_and_tagged(tmp_path, shakespeare, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from mlflow.tracking import MlflowClient

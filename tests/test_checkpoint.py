@@ -57,6 +57,7 @@ def test_pruning_keeps_the_newest_and_the_best(tmp_path):
     assert checkpoint.best(tmp_path) == paths[0]
 
 
+@pytest.mark.integration
 def test_training_state_round_trips_every_stateful_object_and_names_a_missing_field(tmp_path):
     """One module owns what a checkpoint holds: capture -> save -> load -> restore, field by
     field."""
@@ -188,6 +189,7 @@ def logged_val_losses(run_dir: Path):
     ],
     ids=["random", "sequential", "fp16", "muon", "ema"],
 )
+@pytest.mark.integration
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_training(
@@ -222,6 +224,7 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
         assert logged_val_losses(straight) == logged_val_losses(split) and logged_val_losses(split)
 
 
+@pytest.mark.integration
 def test_resuming_an_averaging_run_without_the_average_evaluates_and_saves_the_weights(
     tmp_path, shakespeare
 ):
@@ -251,6 +254,7 @@ def test_resuming_an_averaging_run_without_the_average_evaluates_and_saves_the_w
     assert results["val_loss"] == logged_val_losses(warm)[20]
 
 
+@pytest.mark.integration
 def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_that_file(
     tmp_path, shakespeare
 ):
@@ -278,6 +282,7 @@ def test_resume_never_starts_over_in_the_same_folder_and_a_path_resumes_from_tha
     assert sorted(logged_losses(tmp_path / "from_path")) == [11, 12]  # continued from step 10
 
 
+@pytest.mark.integration
 def test_a_run_resumed_at_its_final_step_reports_the_checkpoints_losses_and_no_tokens_trained(
     tmp_path, shakespeare
 ):
@@ -496,6 +501,7 @@ def _save_sharded(folder, step, seed=1):
     return checkpoint.save_state(folder, state, val_loss=None, keep=5), model
 
 
+@pytest.mark.integration
 def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unsharded_model(
     tmp_path, one_rank_group
 ):

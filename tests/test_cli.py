@@ -54,6 +54,7 @@ def test_every_command_composes_its_own_root_config(command):
     assert all(has_key(cfg, k) for k in keys), [k for k in keys if not has_key(cfg, k)]
 
 
+@pytest.mark.integration
 def test_the_commands_settings_are_overrides():
     bench = compose("bench", ["bench.warmup=0", "bench.steps=2", "bench.mlflow=true"])
     assert (bench.bench.warmup, bench.bench.steps, bench.tracking.mlflow) == (0, 2, True)
@@ -67,6 +68,7 @@ def test_the_commands_settings_are_overrides():
     assert compose("plan", ["experiment=gpt1b_shakespeare"]).model.name == "gpt1b"
 
 
+@pytest.mark.integration
 def test_compare_takes_the_target_as_its_first_word():
     assert compose("compare", ["outputs/sweeps/2026-11-30_06-22-48.746659"]).compare.target == (
         "outputs/sweeps/2026-11-30_06-22-48.746659"
@@ -89,6 +91,7 @@ def test_text_keys_are_taken_as_typed(prompt):
     assert compose("sample", ["run=r", f"prompt={prompt}"]).prompt == prompt
 
 
+@pytest.mark.integration
 def test_text_settings_of_ui_keep_commas():
     ui = compose("ui", ["ui.allowed_hosts=mlflow.example.org,mlflow.example.org:*"]).ui
     assert ui.allowed_hosts == "mlflow.example.org,mlflow.example.org:*"
@@ -115,6 +118,7 @@ def test_hydra_quote_reads_back_exactly(text):
         ("ui", "outputs", "Error parsing override 'outputs'"),
     ],
 )
+@pytest.mark.integration
 def test_in_process_errors_are_one_line(config_name, override, fragment):
     with pytest.raises(GptlabError) as e:
         compose(config_name, [override])
@@ -380,6 +384,7 @@ def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, frag
          "hydra.sweeper.n_trials: no such key; did you mean hparams_search.n_trials=6?"),
     ],
 )  # fmt: skip
+@pytest.mark.integration
 def test_a_mistyped_key_or_choice_gets_the_nearest_key_or_the_choices(
     config_name, override, message
 ):

@@ -186,6 +186,7 @@ def test_compare_a_parent_run_id_or_an_experiment_gives_the_same_table(sweep, mo
     assert (cwd / "exp.png").is_file()
 
 
+@pytest.mark.integration
 def test_compare_says_what_a_target_is_not(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(GptlabError, match="no MLflow store at .*outputs/mlflow.db"):
@@ -284,6 +285,7 @@ def test_a_wide_table_fits_in_100_columns_with_what_every_run_shares_said_once()
     )
 
 
+@pytest.mark.integration
 def test_the_legend_is_short_and_inside_the_png_without_warnings(tmp_path):
     """40 runs: a legend below the axes in columns, each entry a short name and values to 3
     significant digits, the whole legend inside the figure, and no warning (the old legend's

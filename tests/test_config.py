@@ -42,6 +42,7 @@ def test_defaults_compose_to_the_cpu_char_model():
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+@pytest.mark.integration
 def test_every_option_composes_validates_and_builds(group, option):
     c = to_config(compose_config([f"{group}={option}"]))
     assert getattr(c, group).name == option
@@ -66,6 +67,7 @@ def test_gpt1b_is_the_reference_architecture():
     assert m.n_embd // m.n_head == 128 and m.tie_weights and m.pos_emb == "learned"
 
 
+@pytest.mark.integration
 def test_derived_batch_split():
     c = to_config(compose_config(["train.batch_size=32", "train.micro_batch_size=8"]))
     assert (c.micro_batch_size, c.accum_steps) == (8, 4)

@@ -53,6 +53,7 @@ def test_the_schema_holds_types_and_no_values():
 
 
 @pytest.mark.parametrize("overrides", CHOICES, ids=ids)
+@pytest.mark.integration
 def test_every_choice_sets_every_schema_key_and_no_other(overrides):
     cfg = compose_config(overrides)  # a key outside the schema fails here, naming it
     missing = sorted(OmegaConf.missing_keys(cfg))
@@ -63,6 +64,7 @@ def test_every_choice_sets_every_schema_key_and_no_other(overrides):
 
 
 @pytest.mark.parametrize("overrides", CHOICES, ids=ids)
+@pytest.mark.integration
 def test_cfg_job_matches_its_snapshot(overrides):
     path = SNAPSHOTS / (overrides[0].replace("=", "__") + ".yaml" if overrides else "default.yaml")
     text = OmegaConf.to_yaml(compose_config(overrides))
@@ -97,6 +99,7 @@ def without_hydra(cfg: DictConfig) -> str:
 # ---- paths: where the commands write, written once ----------------------------------------------
 
 
+@pytest.mark.integration
 def test_paths_holds_the_outputs_root_and_the_default_store():
     assert to_config(compose_config([])).paths == PathsConfig("outputs", "outputs/mlflow.db")
     moved = to_config(compose_config(["paths.outputs=/scratch/me"])).paths
@@ -143,12 +146,14 @@ EXTRAS = [
 
 
 @pytest.mark.parametrize("extra", EXTRAS, ids=lambda extra: " ".join(extra) or "alone")
+@pytest.mark.integration
 def test_debug_smoke_is_the_nano_run_and_the_command_line_still_wins(extra):
     data = "data.path=/data/tinyshakespeare.txt"
     spelled = OmegaConf.to_yaml(compose_config([*SMOKE, data, *extra]))
     assert OmegaConf.to_yaml(compose_config(["debug=smoke", data, *extra])) == spelled
 
 
+@pytest.mark.integration
 def test_debug_smoke_is_what_the_tests_nano_overrides_compose():
     from helpers import nano_overrides
 
@@ -175,6 +180,7 @@ LAUNCHERS = [[], ["hydra/launcher=slurm_a100x8"], ["hydra/launcher=slurm_local"]
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda chosen: " ".join(chosen) or "its own")
+@pytest.mark.integration
 def test_the_local_example_gives_slurm_its_partition_and_account(conf_with_local, launcher):
     copied = compose_with_hydra(launcher, conf_with_local)  # as conf/local/default.yaml
     chosen = compose_with_hydra(["local=slurm_example", *launcher])  # tried without copying
@@ -187,6 +193,7 @@ JOBS = [[], ["experiment=gpt1b_shakespeare"], ["debug=smoke"]]
 
 
 @pytest.mark.parametrize("overrides", JOBS, ids=ids)
+@pytest.mark.integration
 def test_the_local_example_leaves_the_job_as_it_was(conf_with_local, overrides):
     cfg = compose_with_hydra(overrides, conf_with_local)
     assert without_hydra(cfg) == OmegaConf.to_yaml(compose_config(overrides))

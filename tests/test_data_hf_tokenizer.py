@@ -82,6 +82,7 @@ def test_recover_merges_is_tiktoken_bpe_on_each_tokens_bytes():
     assert recover_merges(ranks)[-1] == (b"ab", b"c")
 
 
+@pytest.mark.integration
 def test_a_token_bpe_cannot_reach_is_still_the_token_of_a_piece_that_is_it(tmp_path):
     """tiktoken returns a piece that is a token as that token, without merging; "xyz" has no
     merge (no "xy" or "yz"), so only that rule makes it one token."""
@@ -96,6 +97,7 @@ def test_a_token_bpe_cannot_reach_is_still_the_token_of_a_piece_that_is_it(tmp_p
     assert_same(tok, hf, ["xyz", "xyzxyz", "xyz abc xyz", "abcabc ab bc xyzabc", "axyz"])
 
 
+@pytest.mark.integration
 def test_a_trained_bpe_gives_tiktokens_ids(bpe_ranks, shakespeare, tmp_path):  # noqa: F811
     tok = tk.bpe_from_ranks(bpe_ranks)
     hf = load(tok, tmp_path, block_size=128)
@@ -112,6 +114,7 @@ def test_a_trained_bpe_gives_tiktokens_ids(bpe_ranks, shakespeare, tmp_path):  #
     assert hf.decode(hf.encode(" spaced .  out ,")) == " spaced .  out ,"  # no space clean-up
 
 
+@pytest.mark.integration
 def test_the_r50k_split_pattern_and_a_gpt2_style_special(bpe_ranks, shakespeare, tmp_path):  # noqa: F811
     """GPT-2's own encoding splits with tiktoken's r50k pattern and has one <|endoftext|>: the same
     conversion with the trained ranks, offline."""
@@ -135,6 +138,7 @@ def test_gpt2_gives_tiktokens_ids(shakespeare, tmp_path):
     assert hf.encode("Hello world") == [15496, 995] and hf.eos_token_id == 50256
 
 
+@pytest.mark.integration
 def test_char_tokenizer_gives_the_same_ids_and_joins_without_spaces(shakespeare, tmp_path):
     text = shakespeare.read_text()
     tok = CharTokenizer.fit(text, specials=["<|eos|>"])

@@ -63,6 +63,7 @@ def split_docs(data, split):
     return text.split("<|eos|>")
 
 
+@pytest.mark.integration
 def test_shards_hold_every_document_exactly_once(tmp_path, shakespeare):
     docs = write_corpus(tmp_path / "corpus", shakespeare)
     data = prepare_data(
@@ -77,6 +78,7 @@ def test_shards_hold_every_document_exactly_once(tmp_path, shakespeare):
     assert train[:-1] != [d for d in docs if d in set(train)]  # the documents were shuffled
 
 
+@pytest.mark.integration
 def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, shakespeare):
     write_corpus(tmp_path / "corpus", shakespeare)
     data = prepare_data(
@@ -118,6 +120,7 @@ def test_shards_are_equal_with_sidecars_and_a_multiple_of_the_divisor(tmp_path, 
     assert int(flat.max()) < 512
 
 
+@pytest.mark.integration
 def test_prepare_is_idempotent_and_keyed_by_settings(tmp_path, shakespeare):
     write_corpus(tmp_path / "corpus", shakespeare, n_docs=40)
     logs = []
@@ -236,6 +239,7 @@ def gutenberg_books(shakespeare, n=30):
     ]
 
 
+@pytest.mark.integration
 def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
     from helpers import compose_config
 
@@ -272,6 +276,7 @@ def test_gutenberg_from_a_local_parquet_copy(tmp_path, shakespeare):
     )
 
 
+@pytest.mark.integration
 def test_hf_save_to_disk_copy_and_offline_hub_error(tmp_path, monkeypatch, shakespeare):
     import datasets
 
@@ -382,6 +387,7 @@ def test_killed_prepare_leaves_nothing_complete_and_rerun_is_byte_identical(tmp_
     assert snapshot(rerun.root) == snapshot(clean.root)  # and 2 workers or none: the same bytes
 
 
+@pytest.mark.integration
 def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
     cfg = data_config(
         path=str(shakespeare), cache_dir=str(tmp_path), shard_divisor=1, progress=False
@@ -405,6 +411,7 @@ def test_prepare_writes_uint16_files_and_is_idempotent(shakespeare, tmp_path):
     assert (data.root / "train" / "shard_00000.bin").stat().st_mtime_ns == mtime
 
 
+@pytest.mark.integration
 def test_prepare_leaves_no_half_written_folder(shakespeare, tmp_path):
     data = prepare_data(
         data_config(path=str(shakespeare), cache_dir=str(tmp_path)), log=lambda *_: None
@@ -425,6 +432,7 @@ def test_offline_download_says_how_to_pass_a_local_copy(tmp_path):
     assert not list((tmp_path / "downloads").glob("*"))  # no partial download left behind
 
 
+@pytest.mark.integration
 def test_download_checks_sha256(tmp_path, shakespeare):
     # a local HTTP server stands in for the public URL
     import http.server
@@ -444,6 +452,7 @@ def test_download_checks_sha256(tmp_path, shakespeare):
         server.shutdown()
 
 
+@pytest.mark.integration
 def test_a_verified_data_path_is_remembered_for_later_commands_offline(tmp_path, shakespeare):
     """data.path=<a good copy> once: later runs without data.path find it in the cache, offline;
     a file that is not the download (another SHA-256) is not taken for it."""

@@ -90,6 +90,7 @@ def find_cycle(graph):
     return None
 
 
+@pytest.mark.integration
 def test_no_import_cycle_inside_gptlab():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -126,6 +127,7 @@ ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "ex
                                                 "eval")}  # fmt: skip
 
 
+@pytest.mark.integration
 def test_no_module_imports_an_entry_module():
     found = [f"{mod} imports {dep}" for mod, deps in import_graph().items() for dep in deps
              if dep in ENTRY_MODULES]  # fmt: skip
@@ -147,6 +149,7 @@ def string_constants(path: Path):
             yield node.lineno, node.value
 
 
+@pytest.mark.integration
 def test_the_run_folders_file_names_are_written_in_one_module():
     from gptlab.records import layout
 
@@ -160,6 +163,7 @@ def test_the_run_folders_file_names_are_written_in_one_module():
     assert not found, "run-folder file names outside records/layout.py: " + ", ".join(found)
 
 
+@pytest.mark.integration
 def test_a_runs_name_is_computed_in_one_module():
     """records/identity.py names runs; every MLflow run is created with a name it computed."""
     naming = {"run_name", "experiment_name", "sweep_run_name", "base_name", "identify"}
@@ -209,6 +213,7 @@ FROZEN_OVERRIDES = {
 }
 
 
+@pytest.mark.integration
 def test_command_line_override_names_are_frozen():
     cfg = to_config(compose_config([f"{k}={v}" for k, v in FROZEN_OVERRIDES.items()]))
     for key, value in FROZEN_OVERRIDES.items():
@@ -300,6 +305,7 @@ def repeated_blocks(paths):
     return found
 
 
+@pytest.mark.integration
 def test_no_block_of_code_repeats_inside_gptlab():
     found = repeated_blocks(sorted(PKG.rglob("*.py")))
     assert not found, "repeated blocks (factor them out): " + "; ".join(found)
@@ -319,6 +325,7 @@ def test_the_repetition_finder_finds_renamed_copies(tmp_path):
     assert not repeated_blocks([tmp_path / "a.py", tmp_path / "c.py"])
 
 
+@pytest.mark.integration
 def test_no_function_is_longer_than_sixty_lines():
     long = []
     for path in sorted(PKG.rglob("*.py")):

@@ -73,6 +73,7 @@ def test_the_guard_fails_a_cpu_count_stacked_with_device_sums():
         torch.stack([sums.sum(), torch.tensor(3.0, device=META)])
 
 
+@pytest.mark.integration
 def test_evaluation_places_every_tensor(meta_run):
     run = meta_run()
     figures, guard = guarded(loop.evaluate, run)
@@ -81,6 +82,7 @@ def test_evaluation_places_every_tensor(meta_run):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.integration
 def test_an_optimizer_step_and_the_weight_average_place_every_tensor(meta_run, optimizer):
     run = meta_run(f"optimizer={optimizer}", "optimizer.ema_decay=0.9", "optimizer.fused=false")
     p = loop.start_progress(run)
@@ -107,6 +109,7 @@ def test_a_weight_average_loaded_from_a_checkpoint_is_read_on_the_device(meta_ru
     assert average.updates == 2
 
 
+@pytest.mark.integration
 def test_hellaswag_scoring_places_every_tensor(meta_run):
     run = meta_run()
     examples = [("To bake a cake, ", [" mix", " run", " sleep", " fly"], 0)] * 3
@@ -118,6 +121,7 @@ def test_hellaswag_scoring_places_every_tensor(meta_run):
     assert set(figures) == {"hellaswag_acc", "hellaswag_acc_norm"}
 
 
+@pytest.mark.integration
 def test_lm_eval_scoring_places_every_tensor(meta_run):
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
@@ -137,6 +141,7 @@ def test_lm_eval_scoring_places_every_tensor(meta_run):
     assert len(scores) == 2 and len(rolling) == 1
 
 
+@pytest.mark.integration
 def test_checkpoint_capture_and_restore_place_every_tensor(meta_run, tmp_path):
     run = meta_run("optimizer=adamw", "optimizer.fused=false")
     p = loop.start_progress(run)

@@ -142,6 +142,7 @@ def test_role_of_each_kind_of_process(env):
     assert len(checked.calls) == 3  # launched processes check nothing here
 
 
+@pytest.mark.integration
 def test_role_refuses_to_start_a_multi_node_job_itself(env):
     with pytest.raises(GptlabError) as e:
         distributed.role(hw(nodes=2))
@@ -492,6 +493,7 @@ def fake_group(env):
     return calls
 
 
+@pytest.mark.integration
 def test_setup_of_a_plain_process(fake_group):
     d = distributed.setup(hw(), par())
     assert d == distributed.Dist(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
@@ -499,6 +501,7 @@ def test_setup_of_a_plain_process(fake_group):
     assert distributed._CONTROL_GROUP == "stale"  # no group made, none replaced
 
 
+@pytest.mark.integration
 def test_setup_of_a_torchrun_worker_on_the_cpu(fake_group, env):
     env.setenv("RANK", "3")
     env.setenv("WORLD_SIZE", "4")
@@ -552,6 +555,7 @@ def test_setup_sets_the_hardwares_threads(fake_group, env):
     assert fake_group.threads == [3, 5]
 
 
+@pytest.mark.integration
 def test_setup_of_a_world_of_one_under_fsdp_uses_an_in_memory_group(fake_group):
     d = distributed.setup(hw(), par("fsdp", timeout_s=7))
     assert d == distributed.Dist()
@@ -889,6 +893,7 @@ def _fsdp_settings(module):
     return group.mp_policy, group.post_forward_mesh_info is not None
 
 
+@pytest.mark.integration
 def test_fsdp_on_one_rank_shards_every_block_then_the_root(one_rank_group):
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
@@ -927,6 +932,7 @@ def test_fsdp_warns_of_nothing_on_its_views(one_rank_group, recwarn):
     assert not [w for w in recwarn if "FSDP2-wrapped module" in str(w.message)]
 
 
+@pytest.mark.integration
 def test_hsdp_and_fp32_and_zero2_settings(one_rank_group):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -1226,6 +1232,7 @@ def test_spawn_starts_the_workers_and_waits_for_all(fake_spawn):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR2, signal.SIGINT])
+@pytest.mark.integration
 def test_spawn_forwards_the_first_stop_signal_once_to_every_live_worker(fake_spawn, sig):
     before = {s: signal.getsignal(s) for s in STOPS}
     fake_spawn.on_signal = lambda w, s: None  # the workers stop at their next step: not yet
@@ -1237,6 +1244,7 @@ def test_spawn_forwards_the_first_stop_signal_once_to_every_live_worker(fake_spa
     assert {s: signal.getsignal(s) for s in STOPS} == before
 
 
+@pytest.mark.integration
 def test_a_second_ctrl_c_kills_the_workers_and_interrupts_at_once(fake_spawn):
     fake_spawn.on_signal = lambda w, s: None  # saving: they would take their time
     later((0.2, to_me(signal.SIGINT)), (distributed.SAME_STOP_S + 0.3, to_me(signal.SIGINT)))
@@ -1803,6 +1811,7 @@ def test_collectives_are_identities_without_a_group():
     assert distributed.grad_norm_value(t) is t
 
 
+@pytest.mark.integration
 def test_wrap_model_order_single_process():
     """Checkpointing is switched on, then torch.compile wraps the model (lazily: nothing compiles
     until the first forward); one process needs no DDP."""
@@ -1875,6 +1884,7 @@ def compiled_graph_ops(module, *args):
     return [op for op in ops if "checkpoint" in op]
 
 
+@pytest.mark.integration
 def test_checkpointing_is_applied_before_compile_so_a_compiled_block_holds_it():
     """wrap_model turns checkpointing on before it compiles: a compiled block (FSDP compiles each)
     must capture the checkpoint inside its graph, compile(checkpoint(block)); checkpointing around

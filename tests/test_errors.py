@@ -178,6 +178,7 @@ def _prepare(tmp_path: Path, **changes):
     )
 
 
+@pytest.mark.integration
 def test_an_empty_data_file_is_named(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -193,6 +194,7 @@ def test_an_empty_data_file_is_named(tmp_path):
         _prepare(tmp_path, source="text_files", path=str(folder))
 
 
+@pytest.mark.integration
 def test_a_folder_for_a_one_file_source_says_so(tmp_path, shakespeare):
     with pytest.raises(
         GptlabError, match=f"data.path={tmp_path} is a folder.*data=text_files"
@@ -209,6 +211,7 @@ def test_a_folder_for_a_one_file_source_says_so(tmp_path, shakespeare):
     assert data.meta["documents"] == 4
 
 
+@pytest.mark.integration
 def test_text_files_say_whether_the_folder_the_glob_or_the_path_is_wrong(tmp_path):
     with pytest.raises(GptlabError, match=r"the folder has no \*.txt files"):
         _prepare(tmp_path, source="text_files", path=str(tmp_path))
@@ -257,6 +260,7 @@ def test_a_bad_tokenizer_ranks_file_is_named(tmp_path, shakespeare):
             _prepare(tmp_path, path=str(shakespeare), tokenizer={"kind": "bpe", "path": str(path)})
 
 
+@pytest.mark.integration
 def test_a_damaged_prepared_folder_says_to_delete_it(tmp_path, shakespeare):
     data = _prepare(tmp_path, path=str(shakespeare))
     (data.root / "meta.json").write_text("{ not json")
@@ -357,6 +361,7 @@ def not_launched(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.mark.integration
 def test_gpu_hardware_without_gpus_fails_before_any_worker_starts(monkeypatch, not_launched):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(distributed, "spawn", lambda *a, **k: pytest.fail("spawned workers"))
@@ -370,6 +375,7 @@ def test_gpu_hardware_without_gpus_fails_before_any_worker_starts(monkeypatch, n
     assert distributed.role(typed("hardware", "hardware=cpu_x2")) == "parent"
 
 
+@pytest.mark.integration
 def test_fewer_gpus_than_processes_is_one_line(monkeypatch, not_launched):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -421,6 +427,7 @@ def test_a_micro_batch_of_zero_or_less_is_refused(override, message):
         assert "or auto" in str(e.value)
 
 
+@pytest.mark.integration
 def test_micro_batch_null_and_auto_still_mean_what_they_say():
     assert to_config(compose_config(["train.micro_batch_size=null"])).micro_batch_size > 0
     assert (
@@ -455,6 +462,7 @@ def text_server(tmp_path):
     server.server_close()
 
 
+@pytest.mark.integration
 def test_shakespeare_is_downloaded_once_into_gptlabs_cache_and_verified(tmp_path, text_server):
     url, sha, server = text_server
     data = data_config(url=url, sha256=sha)
@@ -485,6 +493,7 @@ def test_shakespeare_prefers_the_override_then_the_shared_copy(tmp_path):
     )
 
 
+@pytest.mark.integration
 def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_set(
     tmp_path, text_server
 ):
@@ -503,6 +512,7 @@ def test_shakespeare_offline_without_a_copy_fails_with_one_line_saying_what_to_s
         assert not list((tmp_path / "cache").rglob("*.part*"))
 
 
+@pytest.mark.integration
 def test_without_shakespeare_the_suite_stops_before_its_first_test_with_one_line(tmp_path):
     """Each test that needs the data used to error with the same line (122 errors in 13 minutes)."""
     import subprocess

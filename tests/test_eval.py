@@ -9,6 +9,7 @@ import math
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -69,6 +70,7 @@ def instance(kind, args):
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+@pytest.mark.integration
 def test_loglikelihood_is_the_continuations_log_probability_cropped_from_the_left(pos_emb):
     lm, model, tok = tiny_lm(pos_emb=pos_emb)
     pairs = [("ab", "cd"), ("a b", " c"), ("hgfedcbahgfedcba\nabc", "de")]  # the last is cropped
@@ -83,6 +85,7 @@ def test_loglikelihood_is_the_continuations_log_probability_cropped_from_the_lef
         assert logp == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.integration
 def test_rolling_loglikelihood_covers_every_token_once_with_overlapping_windows():
     """A text shorter than the window: one window after the prefix token (a newline here); a longer
     one: the windows' log-likelihoods add up, each token predicted once."""
@@ -107,6 +110,7 @@ def test_rolling_loglikelihood_covers_every_token_once_with_overlapping_windows(
     assert whole == pytest.approx(expected, abs=1e-4)
 
 
+@pytest.mark.integration
 def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_sequence():
     lm, model, tok = tiny_lm()
     context = "abc "
@@ -121,6 +125,7 @@ def test_generate_until_is_greedy_kv_cache_decoding_cut_at_the_stop_sequence():
     assert cut == greedy.split(stop)[0]
 
 
+@pytest.mark.integration
 def test_a_char_vocabulary_that_cannot_encode_the_task_says_so():
     lm, _, _ = tiny_lm()
     with pytest.raises(GptlabError, match="'z' is not in this model's vocabulary.*cannot encode"):
@@ -350,6 +355,7 @@ def broken_task(folder: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
+@pytest.mark.integration
 def test_a_local_tasks_broken_data_is_named_by_file_and_line_or_field(tmp_path, name):
     from gptlab.eval import task_manager
 
@@ -358,6 +364,7 @@ def test_a_local_tasks_broken_data_is_named_by_file_and_line_or_field(tmp_path, 
         local_spec(task_manager(str(folder), [name]), name)
 
 
+@pytest.mark.integration
 def test_a_relative_data_file_is_read_from_the_working_folder_else_from_the_yamls(
     tmp_path, monkeypatch
 ):
@@ -494,3 +501,109 @@ def test_eval_precision_auto_follows_trainings_rule_on_a_gpu(monkeypatch, capabi
     _, precision = eval_command.autocast_for("auto", torch.device("cuda", 0))
     assert precision == expected
     assert eval_command.autocast_for("auto", torch.device("cpu"))[1] == "fp32"
+
+
+# ---- the lm-eval adapter's own rules (gptlab/evaluation/harness.py), in process
+
+
+def test_an_empty_context_is_conditioned_on_bos_else_eos_else_a_newline():
+    from gptlab.data import CharTokenizer
+    from gptlab.evaluation.harness import prefix_token
+
+    assert prefix_token(SimpleNamespace(bos_id=7, eos_id=9)) == 7
+    assert prefix_token(SimpleNamespace(bos_id=0, eos_id=9)) == 0  # id 0 is a token
+    assert prefix_token(SimpleNamespace(bos_id=None, eos_id=0)) == 0
+    assert prefix_token(CharTokenizer("\n ab")) == 0
+    assert prefix_token(CharTokenizer(" ab\n")) == 3
+    two = SimpleNamespace(bos_id=None, eos_id=None, encode=lambda text: [1, 2])
+    for tok in (CharTokenizer("ab"), two):  # no newline, or not one token
+        with pytest.raises(GptlabError) as e:
+            prefix_token(tok)
+        assert str(e.value) == (
+            "this tokenizer has no end-of-text token and no newline to condition an empty "
+            "context on"
+        )
+
+
+class Scripted(torch.nn.Module):
+    """A model whose generate appends `then` (stopping where stop says) and records its call."""
+
+    def __init__(self, then, block_size=16):
+        super().__init__()
+        self.config, self.then, self.calls = SimpleNamespace(block_size=block_size), then, []
+
+    def generate(self, x, max_new, temperature, generator, stop):
+        self.calls.append((x[0].tolist(), max_new, temperature, generator.initial_seed()))
+        seq = x
+        for t in self.then[:max_new]:
+            seq = torch.cat([seq, torch.tensor([[t]])], dim=1)
+            if stop(seq):
+                break
+        return seq
+
+
+def scripted_lm(then, **kw):
+    from gptlab.data import CharTokenizer
+    from gptlab.evaluation.harness import GptlabLM
+
+    tok = CharTokenizer("\n abc", specials=["<|eos|>"])  # \n 0, ' ' 1, a 2, b 3, c 4, eos 5
+    model = Scripted(then)
+    return GptlabLM(model, tok, torch.device("cpu"), **kw), model
+
+
+def generated(lm, context, **kwargs):
+    (text,) = lm.generate_until([instance("generate_until", (context, kwargs))])
+    return text
+
+
+def test_generation_stops_at_end_of_text_and_at_the_first_stop_sequence():
+    lm, model = scripted_lm([2, 3, 5, 4, 4])
+    assert generated(lm, "ab", max_gen_toks=10) == "ab"  # cut before <|eos|>
+    assert model.calls == [([2, 3], 10, 0, 0)]  # greedy, seed 0
+    lm, model = scripted_lm([2, 1, 3, 4, 4])
+    assert generated(lm, "ab", until=[" b"], max_gen_toks=10) == "a"
+    assert generated(lm, "ab", until=" b", max_gen_toks=10) == "a"  # one string is one stop
+    assert generated(lm, "ab", until=["c", " b"], max_gen_toks=10) == "a"
+    assert [call[1] for call in model.calls] == [10, 10, 10]
+    assert generated(lm, "ab", max_gen_toks=2) == "a "
+    assert generated(lm, "ab") == "a bcc"  # 256 tokens by default; the script ends first
+    assert model.calls[-1][1] == 256
+
+
+def test_generation_samples_only_when_asked_and_keeps_room_for_the_new_tokens():
+    lm, model = scripted_lm([2])
+    generated(lm, "ab", temperature=0.7, max_gen_toks=4)
+    generated(lm, "ab", do_sample=True, temperature=0.7, seed=5, max_gen_toks=4)
+    generated(lm, "ab", do_sample=True, max_gen_toks=4)
+    assert [(c[2], c[3]) for c in model.calls] == [(0, 0), (0.7, 5), (0.0, 0)]
+    context = "abcabcabcabcabcabc"  # 18 tokens, a window of 16
+    generated(lm, context, max_gen_toks=10)
+    assert model.calls[-1][0] == lm.tok_encode(context)[-6:]
+    generated(lm, context, max_gen_toks=20)
+    assert model.calls[-1][0] == lm.tok_encode(context)[-1:]  # at least the last token
+    generated(lm, "", max_gen_toks=3)
+    assert model.calls[-1][0] == [5]  # an empty context: the prefix token
+
+
+def test_the_adapter_reports_its_window_prefix_and_ranks_and_gathers_alone():
+    lm, _ = scripted_lm([], rank=1, world_size=1, rolling_context=0, progress=True)
+    assert (lm.eot_token_id, lm.max_length, lm.device) == (5, 16, torch.device("cpu"))
+    assert lm.rolling_context == 1 and lm.show_progress is False  # only rank 0 shows progress
+    assert (lm.rank, lm.world_size) == (1, 1)
+    lm0, model0 = scripted_lm([], progress=True)
+    assert lm0.show_progress is True and not model0.training  # made in training mode: now eval
+    assert scripted_lm([], progress=False)[0].show_progress is False
+    t = torch.tensor([1.0, 2.0])
+    assert lm0.all_gather(t) is t and lm0.gather_object({"a": 1}) == [{"a": 1}]
+    lm0.barrier()
+    assert lm0.tok_decode([2, 3, 4]) == "abc"
+
+
+def test_loglikelihood_says_whether_the_continuation_is_the_greedy_one():
+    lm, model, tok = tiny_lm()
+    full = model.generate(torch.tensor([tok.encode("abc")]), 3, temperature=0)
+    greedy = tok.decode(full[0, 3:].tolist())
+    other = greedy[:2] + ("a" if greedy[2] != "a" else "b")  # only its last token differs
+    got = lm.loglikelihood([instance("loglikelihood", ("abc", c)) for c in (greedy, other)])
+    assert [g for _, g in got] == [True, False]
+    assert all(logp < 0 for logp, _ in got)

@@ -170,6 +170,7 @@ def local_data(name: str, shakespeare: Path, tmp_path: Path):
 
 
 @pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.integration
 def test_recipe_runs_five_steps_on_the_cpu(name, shakespeare, tmp_path):
     from gptlab.train import run_training
 

@@ -13,6 +13,7 @@ from test_sample import trained  # noqa: F401 - a short run's folder, trained on
 from gptlab.train import run_training
 
 
+@pytest.mark.integration
 def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained, tmp_path):  # noqa: F811
     from safetensors.torch import load_file
 
@@ -122,6 +123,7 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == specials
 
 
+@pytest.mark.integration
 def test_the_export_folders_files_all_get_the_mode_of_new_files(trained, tmp_path):  # noqa: F811
     """model.safetensors (safetensors writes a private temporary file) is as readable as its
     siblings: what the umask gives any new file, 0644 under 022."""

@@ -27,6 +27,7 @@ def skipped(rungs):
     return {r.name: r.skip for r in rungs if r.skip}
 
 
+@pytest.mark.integration
 def test_a_cpu_without_bf16_units_or_a_compiler_skips_those_rungs_with_the_reason(
     shakespeare, monkeypatch
 ):
@@ -51,6 +52,7 @@ def test_a_cpu_without_bf16_units_or_a_compiler_skips_those_rungs_with_the_reaso
     assert "dropout" in skips["+ fused attention (SDPA)"]
 
 
+@pytest.mark.integration
 def test_a_gpu_gets_tf32_and_bf16_from_ampere_on_and_a_batch_that_can_grow_gets_its_rung(
     shakespeare, monkeypatch
 ):
@@ -68,6 +70,7 @@ def test_a_gpu_gets_tf32_and_bf16_from_ampere_on_and_a_batch_that_can_grow_gets_
     assert "sm_70" in skips["+ TF32"] and "sm_70" in skips["+ bf16 autocast"]
 
 
+@pytest.mark.integration
 def test_a_lever_that_slows_the_step_is_shown_and_not_kept_and_the_repeats_give_the_drift(
     shakespeare, monkeypatch, tmp_path
 ):

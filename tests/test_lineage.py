@@ -4,6 +4,7 @@ the same digest in every run, other data another one, live and through gptlab.sy
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from helpers import compose_config, nano_overrides, run_cli, typed
@@ -29,6 +30,7 @@ def inputs_of(run):
     return {i.tags[0].value: i.dataset for i in run.inputs.dataset_inputs}  # context -> dataset
 
 
+@pytest.mark.integration
 def test_the_same_data_has_the_same_digest_and_other_data_another(shakespeare, tmp_path):
     first, folder = train(shakespeare, tmp_path, "a")
     # another run, the same data (and no MLflow model: tracking.log_model=false)
@@ -99,3 +101,148 @@ def test_a_run_on_a_side_file_without_its_digest_stops_before_its_folder(shakesp
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(f"gptlab.train: error: {side}") and "prepare it again" in line
     assert not run.exists()
+
+
+# ---- the descriptions themselves, in process on a prepared folder made by hand
+
+
+def prepared(root, shards):
+    """root/<split>/shard_<n>.json side files recording the given digests."""
+    for split, digests in shards.items():
+        (root / split).mkdir(parents=True)
+        for n, digest in reversed(list(enumerate(digests))):  # made last-first: read in name order
+            (root / split / f"shard_{n:06d}.json").write_text(json.dumps({"sha256": digest}))
+    return root
+
+
+META = {
+    "tokenizer_sha256": "tok1",
+    "dtype": "uint16",
+    "train_tokens": 900,
+    "val_tokens": 100,
+    "train_shards": 2,
+    "val_shards": 1,
+    "documents": 7,
+    "vocab_size": 65,
+}
+
+
+def data_config(source="local", path="text.txt", url=None, **hf):
+    return SimpleNamespace(name="tiny", source=source, path=path, url=url,
+                           tokenizer=SimpleNamespace(kind="char"), **hf)  # fmt: skip
+
+
+def test_a_splits_digest_is_its_shards_digests_in_order_the_tokenizers_and_the_dtype(tmp_path):
+    import hashlib
+
+    root = prepared(tmp_path / "p", {"train": ["aa", "bb", "cc"], "val": ["dd"]})
+    want = hashlib.sha256(b"aabbcctok1uint16").hexdigest()[:16]
+    assert lineage.split_digest(root / "train", META) == want
+    assert (
+        lineage.split_digest(root / "val", META) == hashlib.sha256(b"ddtok1uint16").hexdigest()[:16]
+    )
+    for change in ({"tokenizer_sha256": "tok2"}, {"dtype": "uint32"}):
+        assert lineage.split_digest(root / "train", {**META, **change}) != want
+    assert (
+        lineage.split_digest(root / "train", {})
+        == hashlib.sha256(b"aabbccNoneNone").hexdigest()[:16]
+    )
+
+
+@pytest.mark.parametrize("content", ["{}", '{"sha256": ""}', '{"sha256": 3}', "[1]", "not json"])
+def test_a_side_file_without_a_digest_names_itself_and_the_folder_to_delete(tmp_path, content):
+    root = prepared(tmp_path / "p", {"train": ["aa"]})
+    side = root / "train" / "shard_000000.json"
+    side.write_text(content)
+    with pytest.raises(GptlabError) as e:
+        lineage.split_digest(root / "train", META)
+    assert str(e.value) == (
+        f"{side}: no sha256 of its shard (the side file is damaged); delete {root} to prepare it "
+        f"again"
+    )
+
+
+def test_each_split_is_described_with_its_own_figures_context_and_source(tmp_path):
+    root = prepared(tmp_path / "p", {"train": ["aa", "bb"], "val": ["cc"]})
+    text = tmp_path / "text.txt"
+    got = lineage.describe(root, {**META, "source_sha256": "src"}, data_config(path=str(text)))
+    source = {"source": "local", "path": str(text.resolve()), "sha256": "src", "tokenizer": "char"}
+    assert got == [
+        {
+            "name": "tiny-train",
+            "digest": lineage.split_digest(root / "train", META),
+            "context": "training",
+            "source_type": "local",
+            "source": json.dumps(source, sort_keys=True),
+            "profile": json.dumps(
+                {
+                    "tokens": 900,
+                    "shards": 2,
+                    "documents": 7,
+                    "vocab_size": 65,
+                    "dtype": "uint16",
+                    "prepared": str(root),
+                },
+                sort_keys=True,
+            ),
+        },  # fmt: skip
+        {
+            "name": "tiny-val",
+            "digest": lineage.split_digest(root / "val", META),
+            "context": "validation",
+            "source_type": "local",
+            "source": json.dumps(source, sort_keys=True),
+            "profile": json.dumps(
+                {
+                    "tokens": 100,
+                    "shards": 1,
+                    "documents": 7,
+                    "vocab_size": 65,
+                    "dtype": "uint16",
+                    "prepared": str(root),
+                },
+                sort_keys=True,
+            ),
+        },  # fmt: skip
+    ]
+    assert got[0]["digest"] != got[1]["digest"]
+    lineage.write(tmp_path, got)
+    assert lineage.read(tmp_path) == got
+    assert json.loads((tmp_path / "datasets.json").read_text()) == {"datasets": got}
+    assert lineage.read(tmp_path / "nowhere") is None
+
+
+def test_the_source_says_where_the_text_came_from_in_the_data_configs_words(tmp_path):
+    hf = {"hf_dataset": "roneneldan/TinyStories", "hf_config": None, "hf_split": "train"}
+    assert lineage.source_of(data_config("hf", None, **hf), {}) == {
+        "source": "hf", **hf, "tokenizer": "char"
+    }  # fmt: skip
+    assert lineage.source_of(data_config("hf", "/d/stories", **hf), {"source_sha256": ""}) == {
+        "source": "hf", **hf, "path": "/d/stories", "tokenizer": "char"
+    }  # fmt: skip
+    url = "https://example.org/t.txt"
+    assert lineage.source_of(data_config("url", None, url), {"source_sha256": "s"}) == {
+        "source": "url", "url": url, "sha256": "s", "tokenizer": "char"
+    }  # fmt: skip
+    root = prepared(tmp_path / "p", {"train": ["aa"], "val": ["bb"]})
+    kinds = {
+        "hugging_face": data_config("hf", "/d/stories", **hf),
+        "http": data_config("url", None, url),
+        "local": data_config("local", str(tmp_path / "t.txt")),
+    }
+    for kind, data in kinds.items():
+        assert {d["source_type"] for d in lineage.describe(root, META, data)} == {kind}
+
+
+def test_the_descriptions_become_mlflow_dataset_inputs_tagged_with_their_context(tmp_path):
+    root = prepared(tmp_path / "p", {"train": ["aa"], "val": ["bb"]})
+    described = lineage.describe(root, META, data_config(path=str(tmp_path / "t.txt")))
+    inputs = lineage.dataset_inputs(described)
+    assert [(i.tags[0].key, i.tags[0].value) for i in inputs] == [
+        ("mlflow.data.context", "training"),
+        ("mlflow.data.context", "validation"),
+    ]
+    for i, d in zip(inputs, described):
+        ds = i.dataset
+        got = (ds.name, ds.digest, ds.source_type, ds.source, ds.schema, ds.profile)
+        assert got == (d["name"], d["digest"], "local", d["source"], None, d["profile"])

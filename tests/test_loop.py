@@ -36,6 +36,7 @@ def _close_runs():
         _BUILT.pop().close("FINISHED")
 
 
+@pytest.mark.integration
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
     """micro-batch B/4 x 4 accumulation steps gives the gradients of B x 1, through the real
     loop."""
@@ -62,6 +63,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
     assert rows[0]["train_loss"] == pytest.approx(rows[1]["train_loss"], rel=1e-5)
 
 
+@pytest.mark.integration
 def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare, monkeypatch):
     """DDP / FSDP are told to skip the reduction on every micro-step but the last of each step (the
     2-process equivalence test in test_distributed.py checks the losses that depend on it)."""
@@ -82,6 +84,7 @@ def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare
     )
 
 
+@pytest.mark.integration
 def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
     text = "to be or not to be, that is the question.\n" * 50
     path = tmp_path / "tiny.txt"
@@ -103,6 +106,7 @@ def test_tiny_model_overfits_a_tiny_corpus(tmp_path):
     assert results["val_loss"] < 0.3  # the repeated text is fully predictable
 
 
+@pytest.mark.integration
 def test_loss_goes_down_and_run_folder_is_complete(tmp_path, shakespeare):
     run_dir = tmp_path / "run"
     results = run_training(
@@ -134,6 +138,7 @@ def test_loss_goes_down_and_run_folder_is_complete(tmp_path, shakespeare):
     assert list((run_dir / "checkpoints").glob("ckpt_00000060.pt"))
 
 
+@pytest.mark.integration
 def test_golden_loss_curve(tmp_path, shakespeare):
     """A fixed tiny config's losses must not drift: a silent numerics change fails here.
 
@@ -293,6 +298,7 @@ def train_step_losses(run):
     return losses
 
 
+@pytest.mark.integration
 def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
     tmp_path, shakespeare, monkeypatch
 ):
@@ -393,6 +399,7 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR2", "SIGINT"])
+@pytest.mark.integration
 def test_a_signal_stops_at_the_next_step_with_a_checkpoint(
     tmp_path, shakespeare, monkeypatch, name
 ):
@@ -491,6 +498,7 @@ def test_stop_on_signal_outside_the_main_thread_installs_nothing():
     got[0].restore()
 
 
+@pytest.mark.integration
 def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespeare):
     run = build_run(
         tmp_path,
@@ -506,6 +514,7 @@ def test_no_clipping_logs_a_zero_grad_norm_and_still_trains(tmp_path, shakespear
     assert (run.raw_model.lm_head.weight - before).abs().max() > 1e-4
 
 
+@pytest.mark.integration
 def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
     """The GradScaler multiplies the loss by 2**16: the norm clipped and logged must be the true
     one."""
@@ -527,6 +536,7 @@ def test_fp16_clips_and_logs_the_unscaled_gradient_norm(tmp_path, shakespeare):
     assert norms["fp16"] == pytest.approx(norms["fp32"], rel=1e-3)
 
 
+@pytest.mark.integration
 def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     """A crash after step 7 was logged, with the newest checkpoint at step 5: the resumed run trains
     steps 6 and 7 again but does not log them twice."""
@@ -555,6 +565,7 @@ def test_a_run_resumed_after_a_crash_logs_each_step_once(tmp_path, shakespeare):
     assert [r["step"] for r in rows] == list(range(1, 11))
 
 
+@pytest.mark.integration
 def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages(
     tmp_path, shakespeare
 ):
@@ -612,6 +623,7 @@ def test_dropout_draws_depend_on_seed_step_and_rank_only():
     assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
 
 
+@pytest.mark.integration
 def test_val_bpb_of_a_char_model_on_ascii_text_is_val_loss_over_ln2(tmp_path, shakespeare):
     """Every character of Tiny Shakespeare is one byte: bits per byte is nats per token / ln 2,
     in metrics.jsonl and results.json, and best_val_bpb is the lowest evaluated."""

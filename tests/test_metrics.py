@@ -55,6 +55,7 @@ def analytic(model: GPT):
         ),
     ],
 )
+@pytest.mark.integration
 def test_flops_per_token_matches_flop_counter(kw):
     torch.manual_seed(0)
     model = GPT(model_config(**kw))

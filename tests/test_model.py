@@ -28,6 +28,7 @@ def test_shapes_and_initial_loss(pos_emb, mlp):
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
+@pytest.mark.integration
 def test_causality(pos_emb):
     torch.manual_seed(0)
     model = GPT(tiny(pos_emb=pos_emb)).eval()
@@ -116,6 +117,7 @@ def test_configuration_errors_name_the_field():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal"])
+@pytest.mark.integration
 def test_the_residual_stream_starts_as_token_plus_position_and_each_block_is_pre_layernorm(pos_emb):
     """The first block sees wte[token] + position; a block is x + attn(ln_1(x)), then +
     mlp(ln_2(x)); the head reads ln_f of the last block. Rebuilt by hand, measured 0 to 2e-7 apart
@@ -171,6 +173,7 @@ def test_rotary_in_complex_and_in_real_arithmetic_agree():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+@pytest.mark.integration
 def test_kv_cache_generation_matches_full_recompute(pos_emb):
     torch.manual_seed(0)
     model = GPT(tiny(pos_emb=pos_emb)).eval()
@@ -184,6 +187,7 @@ def test_kv_cache_generation_matches_full_recompute(pos_emb):
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
+@pytest.mark.integration
 def test_a_chunk_of_new_tokens_after_a_cache_sees_the_cache_and_its_own_past_only(pos_emb):
     """Several new tokens after a cached prefix (the masked branch of attention, which generate's
     one token at a time never takes): the same logits as one forward over the whole sequence."""
@@ -205,6 +209,7 @@ def test_a_chunk_of_new_tokens_after_a_cache_sees_the_cache_and_its_own_past_onl
         model(x[:, :5], cache=cache)
 
 
+@pytest.mark.integration
 def test_generation_past_block_size_and_top_k():
     torch.manual_seed(0)
     model = GPT(tiny())
@@ -217,6 +222,7 @@ def test_generation_past_block_size_and_top_k():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+@pytest.mark.integration
 def test_activation_checkpointing_same_gradients_and_recomputes_only_when_training(pos_emb):
     """Same gradients with and without checkpointing (rotary: the rotation goes into the recompute);
     each block runs forward twice per training step with it (once more in backward), once without it
@@ -260,6 +266,7 @@ def test_attention_dropout_applies_in_training_only():
     assert torch.equal(attn(x)[0], attn(x)[0])
 
 
+@pytest.mark.integration
 def test_sequence_too_long_is_refused():
     model = GPT(tiny())
     with pytest.raises(ValueError, match="block_size"):
@@ -268,6 +275,7 @@ def test_sequence_too_long_is_refused():
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("chunk", [1, 7, 32, 1000])
+@pytest.mark.integration
 def test_chunked_head_and_loss_match_the_whole_logits_in_loss_and_every_gradient(tie, chunk):
     """ChunkedHeadLoss against F.cross_entropy over the whole logits: fp32 loss and gradients of
     every parameter within 1e-5, for chunks smaller than, not dividing, and larger than the 3 x 16
@@ -367,6 +375,7 @@ def test_swiglu_is_silu_of_the_gate_times_the_up_projection():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "sinusoidal", "rotary"])
+@pytest.mark.integration
 def test_every_position_scheme_makes_the_model_see_token_order(pos_emb):
     """Without positions, a one-layer causal model's last output depends on the set of earlier
     tokens, not their order: swapping two of them must change it under each scheme. Sharpened

@@ -38,6 +38,7 @@ def test_warmup_then_cosine_to_floor():
     assert lr_at(10_000, 1e-3, cfg, 110) == pytest.approx(1e-4)  # stays at the floor
 
 
+@pytest.mark.integration
 def test_lr_scaling_rules():
     assert scaled_lr(OptimizerConfig(lr=1e-3, lr_scaling="sqrt"), 8) == pytest.approx(
         1e-3 * math.sqrt(8)
@@ -46,6 +47,7 @@ def test_lr_scaling_rules():
     assert scaled_lr(OptimizerConfig(lr=1e-3), 8) == pytest.approx(1e-3)
 
 
+@pytest.mark.integration
 def test_weight_decay_only_on_matrices():
     model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
     opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1), 1e-3, "cpu")
@@ -59,6 +61,7 @@ def test_weight_decay_only_on_matrices():
     assert not slow.defaults.get("fused")  # optimizer.fused=false chooses for-each
 
 
+@pytest.mark.integration
 def test_warmup_peaks_exactly_at_the_peak_and_never_above():
     """The last warmup step and the first decay step are both the peak; nothing is above it."""
     cfg = OptimizerConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
@@ -74,6 +77,7 @@ def test_warmup_peaks_exactly_at_the_peak_and_never_above():
 
 
 @pytest.mark.parametrize("schedule", ["linear", "constant"])
+@pytest.mark.integration
 def test_linear_and_constant_schedules_and_decay_steps(schedule):
     cfg = OptimizerConfig(
         lr=1e-3, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, decay_steps=50
@@ -101,6 +105,7 @@ def test_cosine_decays_over_decay_steps_when_given():
     assert lr_at(20, 1e-3, cfg, 1000) == pytest.approx(0.0, abs=1e-12)
 
 
+@pytest.mark.integration
 def test_adamw_takes_the_configured_hyperparameters():
     model = GPT(model_config(vocab_size=10, block_size=8, n_layer=1, n_head=2, n_embd=8))
     cfg = OptimizerConfig(betas=[0.8, 0.9], eps=1e-6, fused=False)
@@ -117,6 +122,7 @@ def test_adamw_takes_the_configured_hyperparameters():
     assert all(p is not frozen.wpe.weight for g in opt.param_groups for p in g["params"])
 
 
+@pytest.mark.integration
 def test_orthogonalize_pushes_every_singular_value_near_one():
     """Newton-Schulz on a stack of gradient-like matrices (singular values spread 10x), fp32 and
     bf16: every singular value lands in [0.68, 1.14] (measured, both dtypes)."""
@@ -139,6 +145,7 @@ def muon_model():
     return GPT(model_config(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8))
 
 
+@pytest.mark.integration
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     model = muon_model()
     opt = build_optimizer(model, OptimizerConfig(name="muon", weight_decay=0.1), 1e-3, "cpu")
@@ -175,6 +182,7 @@ def test_fast_bf16_is_cuda_and_cpus_with_native_bf16(monkeypatch, avx512_bf16, a
 
 
 @pytest.mark.parametrize("native", [False, True])
+@pytest.mark.integration
 def test_muon_ns_dtype_auto_follows_native_bf16_and_an_explicit_choice_wins(monkeypatch, native):
     monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: native)
     cpu = torch.device("cpu")
@@ -187,6 +195,7 @@ def test_muon_ns_dtype_auto_follows_native_bf16_and_an_explicit_choice_wins(monk
         to_config(compose_config(["optimizer=muon", "optimizer.muon_ns_dtype=fp16"]))
 
 
+@pytest.mark.integration
 def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
     torch.manual_seed(0)
     mine = [torch.randn(64, 64, requires_grad=True) for _ in range(2)]
@@ -231,6 +240,7 @@ def test_muon_adamw_groups_take_torch_fused_adamw_steps_bitwise():
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16-newton-schulz", "fp32-newton-schulz"])
+@pytest.mark.integration
 def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, monkeypatch):
     """Three steps by hand: Nesterov momentum, Newton-Schulz, 0.2 sqrt(max dim) scale, decoupled
     decay; the AdamW groups equal torch.optim.AdamW's steps to rounding. Both Newton-Schulz
@@ -299,6 +309,7 @@ def test_an_unknown_optimizer_is_refused():
 
 # as distributed.py does
 @pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module.*returned a view tensor")
+@pytest.mark.integration
 def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
     """fully_shard in a gloo group of one, in this process: Muon's parameters, gradients and
     momentum buffers are DTensors; each update is gathered whole, orthogonalised and cut back to the
@@ -453,6 +464,7 @@ def step_with_random_grads(model, opt, gen):
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.integration
 def test_the_weight_average_follows_its_recurrence_after_every_step(name):
     model = muon_model()
     opt = build_optimizer(model, OptimizerConfig(name=name, ema_decay=0.9), 1e-2, "cpu")
@@ -532,6 +544,7 @@ def test_load_average_takes_the_saved_average_under_any_name_of_a_tied_weight():
     )
 
 
+@pytest.mark.integration
 def test_a_run_without_the_average_drops_a_resumed_one_instead_of_evaluating_it_stale():
     """Resuming an averaging run's state with ema_decay=0: the old average would never move again,
     yet be swapped in for evaluation and saved for sample and export. It is dropped on load."""

@@ -96,6 +96,7 @@ CALIBRATED = ["optimizer=adamw", "model.pos_emb=learned", "train.batch_size=16"]
 
 @pytest.mark.parametrize("model", ["gpt_char", "gpt_nano", "default"])
 @pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.integration
 def test_memory_estimate_within_7_percent_of_measured(model, checkpointing):
     setting = [] if model == "default" else [f"model={model}", *CALIBRATED]
     cfg = cfg_for(*setting, f"parallelism.activation_checkpointing={str(checkpointing).lower()}")
@@ -112,6 +113,7 @@ def test_memory_estimate_within_7_percent_of_measured(model, checkpointing):
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 256])
+@pytest.mark.integration
 def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, monkeypatch):
     """A vocabulary of 8,192 on gpt_char's shape: the logits dominate the step unless chunked, and
     the memory model follows the allocator both ways (an over-estimate of 21% whole, 13%
@@ -130,6 +132,7 @@ def test_memory_estimate_with_a_wide_vocabulary_whole_or_chunked(loss_chunk, mon
     assert over[0] < predicted / measured - 1 < over[1]
 
 
+@pytest.mark.integration
 def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
     assert make_plan(cfg_for("model=gpt_char")).shape.loss_chunk == 0  # 65 symbols: never worth it
     assert (
@@ -144,6 +147,7 @@ def test_loss_chunks_by_rule_where_the_logits_are_the_largest_tensor():
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rotary"])
+@pytest.mark.integration
 def test_activations_per_layer_match_autograds_saved_tensors(pos_emb):
     """The per-token count of saved tensors (without checkpointing) for fp32 and bf16 autocast;
     rotary positions keep their rotated q and k besides."""
@@ -179,6 +183,7 @@ def test_activations_per_layer_match_autograds_saved_tensors(pos_emb):
         assert sum(saved.values()) - weights == pytest.approx(expected * B * T, rel=0.02)
 
 
+@pytest.mark.integration
 def test_gpt1b_recipe_fits_40gb_only_with_checkpointing():
     cfg = cfg_for("experiment=gpt1b_shakespeare")
     plan = make_plan(cfg)
@@ -192,6 +197,7 @@ def test_gpt1b_recipe_fits_40gb_only_with_checkpointing():
     assert not no_ckpt.fits and no_ckpt.largest_fit is not None and no_ckpt.largest_fit < 8
 
 
+@pytest.mark.integration
 def test_micro_batch_auto_uses_the_planner():
     cfg = cfg_for(
         "model=gpt2_124m",
@@ -288,6 +294,7 @@ def test_fsdp_memory_estimate_within_25_percent_of_measured_on_two_processes(tmp
     )
 
 
+@pytest.mark.integration
 def test_a_ddp_run_that_does_not_fit_is_told_the_fsdp_setting_that_would():
     from gptlab.plan import main
 
@@ -303,6 +310,7 @@ def test_a_ddp_run_that_does_not_fit_is_told_the_fsdp_setting_that_would():
         main([*args, "train.micro_batch_size=8"])
 
 
+@pytest.mark.integration
 def test_the_readmes_planner_figures(capsys):
     """docs/speed.md quotes these for the 1B recipe: 20.9 GiB with checkpointing (fits), 40.9 GiB
     without, more than the 36.8 GiB usable, and the two settings that would fit."""
@@ -337,6 +345,7 @@ def test_the_readmes_planner_figures(capsys):
     )
 
 
+@pytest.mark.integration
 def test_plan_json_is_one_object_of_the_plans_figures(capsys):
     from gptlab.plan import main
 
@@ -354,6 +363,7 @@ def test_plan_json_is_one_object_of_the_plans_figures(capsys):
     assert out["hardware_flops_per_token"] >= out["flops_per_token"] > 6 * out["params"] * 0.5
 
 
+@pytest.mark.integration
 def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
     """The whole report, line for line: docs/speed.md's block for the 1B recipe, and an fsdp
     recipe's labels (the 1/8 shards, the gradients in flight, the gathered weights) with a
@@ -436,6 +446,7 @@ GPT2_ON_A_SMALL_GPU = [
 ]
 
 
+@pytest.mark.integration
 def test_auto_micro_batch_is_the_largest_that_fits_the_usable_memory():
     """gpt2_124m, 16 sequences a step on a GPU of 3 GiB (2.76 usable): 2 a micro-batch without
     checkpointing (4 needs more: with 3 / 0.92 = 3.26 GiB usable it would be 4), all 16 with it; a
@@ -569,6 +580,7 @@ def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
         ["model=gpt_nano", "model.mlp=swiglu", "model.bias=false"],
     ],
 )
+@pytest.mark.integration
 def test_the_shape_is_the_models_block_by_block(overrides):
     """What the memory model is told: one block's parameters as the model has them (a sharded run
     gathers one block at a time), SwiGLU, the head count and the device."""
@@ -585,6 +597,7 @@ def test_the_shape_is_the_models_block_by_block(overrides):
     assert (shape.device, shape.reshard, shape.world_size, shape.shards) == ("cpu", True, 1, 1)
 
 
+@pytest.mark.integration
 def test_the_shape_knows_fused_attention_and_hsdps_shards():
     """The fused attention kernels keep no T x T matrix, except the math backend, and on the CPU
     with dropout (SDPA's CPU kernels take none). hsdp splits over the ranks of a node; fsdp over
@@ -623,6 +636,7 @@ def test_the_shape_knows_fused_attention_and_hsdps_shards():
     )
 
 
+@pytest.mark.integration
 def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
     def vocab(*overrides):
         return costs.vocab_for(to_config(compose_config(list(overrides))))
@@ -672,6 +686,7 @@ def test_vocabularies_peaks_memory_and_divisors_by_rule(monkeypatch):
     assert make_plan(cfg_for("model=gpt_nano"), micro_batch=2).micro_batch == 2
 
 
+@pytest.mark.integration
 def test_two_processes_that_do_not_fit_are_told_the_fsdp_setting():
     """The smallest data-parallel job (2 processes) is offered fsdp, with a smaller micro-batch
     where only that fits, and with checkpointing on where only that fits."""
@@ -748,6 +763,7 @@ def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
     )
 
 
+@pytest.mark.integration
 def test_a_sharded_run_that_does_not_fit_is_not_told_to_shard():
     """An fsdp run on too small a device: only a larger device or a smaller model helps (sharding is
     already on, so neither fsdp nor "more data-parallel GPUs" is offered)."""
@@ -771,6 +787,7 @@ def test_a_sharded_run_that_does_not_fit_is_not_told_to_shard():
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+@pytest.mark.integration
 def test_the_plans_flops_are_what_the_model_does(mlp):
     """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's
     second forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP
@@ -802,6 +819,7 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     ],
     ids=["adamw", "adamw-ema", "muon", "muon-ema", "muon-untied-swiglu"],
 )
+@pytest.mark.integration
 def test_the_optimizer_state_is_what_the_optimizer_keeps(overrides):
     """The planner's optimizer bytes against the fp32 numbers a real optimizer holds after one
     step."""
@@ -832,6 +850,7 @@ MUON_BOUND = ["model=gpt_char", "model.n_embd=256", "model.n_head=4", "model.blo
               "optimizer.ema_decay=0"]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_muons_newton_schulz_is_a_part_of_the_estimate_and_shrinks_split_over_ranks():
     """newton_schulz: the Nesterov updates (fp32) and the largest stack's iteration (the stack, x,
     the next x and two grams), 0 with AdamW; the optimizer step, this rank's gradients beside it, is

@@ -78,3 +78,113 @@ def test_a_profiled_run_prints_no_profiler_chatter(shakespeare, tmp_path):
     assert not [ln for ln in r.stderr.splitlines() if any(c in ln for c in CHATTER)], r.stderr
     assert "profile of steps 2..3" in r.stdout
     assert (tmp_path / "run" / "profile" / "operators_rank0.txt").is_file()
+
+
+# ---- what a profile records and writes, and the filter's pieces, in process
+
+
+class Tracker:
+    def __init__(self):
+        self.logged = []
+
+    def log_artifact(self, path, folder):
+        self.logged.append((path.name, folder))
+
+
+def steps(prof, first, last):
+    for step in range(first, last + 1):
+        prof.begin(step)
+        torch.randn(16, 16) @ torch.randn(16, 16)
+        prof.end(step)
+
+
+def test_a_profile_records_its_steps_only_and_rank_0_logs_its_files(tmp_path):
+    import json
+
+    tracker = Tracker()
+    cfg = ProfileConfig(steps=[2, 3], rows=3, oom_snapshot=True)  # no CUDA: no allocator history
+    prof = StepProfiler(cfg, tmp_path, torch.device("cpu"), 1, tracker, True)
+    assert (prof.first, prof.last, prof.rows, prof.oom_history) == (2, 3, 3, False)
+    steps(prof, 1, 1)
+    assert not (tmp_path / "profile").exists() and prof._prof is None
+    steps(prof, 2, 2)
+    assert prof._prof is not None  # still recording after step 2
+    steps(prof, 3, 5)
+    assert prof._prof is None
+    assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == [
+        "operators_rank1.txt",
+        "trace_rank1.json",
+    ]
+    assert tracker.logged == [("trace_rank1.json", "profile"), ("operators_rank1.txt", "profile")]
+    trace = json.loads((tmp_path / "profile" / "trace_rank1.json").read_text())
+    ranges = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step ")}
+    assert ranges == {"step 2", "step 3"}
+    table = (tmp_path / "profile" / "operators_rank1.txt").read_text()
+    rows = [ln for ln in table.splitlines() if ln.lstrip().startswith(("aten::", "step "))]
+    assert len(rows) == 3 and "Self CPU" in table and table.endswith("\n")  # rows=3
+    assert prof.out_of_memory() is None  # only CUDA keeps the allocator's history
+    prof.close()  # after the profile: nothing more written
+    assert len(tracker.logged) == 2
+
+
+def test_a_run_ending_inside_its_profile_writes_what_was_recorded_and_other_ranks_log_nothing(
+    tmp_path,
+):
+    tracker = Tracker()
+    prof = StepProfiler(ProfileConfig(steps=[1, 9], rows=2, oom_snapshot=False), tmp_path,
+                        torch.device("cpu"), 0, tracker, False)  # fmt: skip
+    steps(prof, 1, 2)
+    prof.begin(3)  # the run fails inside step 3
+    prof.close()
+    assert (tmp_path / "profile" / "trace_rank0.json").is_file() and tracker.logged == []
+    assert prof._range is None and prof._prof is None
+    off = StepProfiler(None, tmp_path / "off", torch.device("cpu"), 0, tracker, True)
+    assert (off.first, off.last, off.rows) == (0, -1, 0)
+    steps(off, 1, 3)
+    off.close()
+    assert not (tmp_path / "off").exists()
+    unset = StepProfiler(ProfileConfig(steps=None, rows=5, oom_snapshot=False), tmp_path / "u",
+                         torch.device("cpu"), 0, tracker, True)  # fmt: skip
+    steps(unset, 1, 3)
+    assert not (tmp_path / "u").exists()
+
+
+def test_the_noise_is_the_profilers_exact_lines():
+    from gptlab.profiling import NOISE
+
+    def noise(line):
+        return any(p.search(line.encode()) for p in NOISE)
+
+    assert noise(USDT_START) and noise(USDT_STOP) and noise(UNKNOWN_BLOCK)
+    assert not noise(USDT_START + "ed")  # a line that only starts like a marker
+    assert not noise("x" + USDT_START)
+    assert not noise(UNKNOWN_BLOCK.replace("CPUAllocator.cpp:245", "CPUAllocator.cpp"))
+    assert not noise("[W1203 x.cpp:1] Memory block of unknown size was allocated before the "
+                     "profiling started")  # fmt: skip
+
+
+def test_a_line_is_held_back_only_while_it_may_still_become_noise():
+    quiet = StderrFilter()
+    for start in (b"U", b"USDT:", b"USDT:2026", b"[", b"[W", b"[W1203"):
+        assert quiet._may_be_noise(start), start
+    for start in (b"X", b"USDX", b"[X", b"progress 50%"):
+        assert not quiet._may_be_noise(start), start
+
+
+def test_the_pump_forwards_every_line_but_the_noise_whatever_its_pieces(tmp_path):
+    import threading
+
+    quiet = StderrFilter()
+    read, write = os.pipe()
+    out_read, out_write = os.pipe()
+    pump = threading.Thread(target=quiet._pump, args=(read, out_write))
+    pump.start()
+    for piece in (b"US", b"DT:1 2:3 x.cpp:52] profiler_", b"start\nkept ", b"line\n[W1",
+                  b" y.cpp:2] other\n", USDT_STOP.encode() + b"\n", b"last"):  # fmt: skip
+        os.write(write, piece)
+    os.close(write)
+    pump.join(timeout=10)
+    with os.fdopen(out_read, "rb") as f:
+        assert f.read() == b"kept line\n[W1 y.cpp:2] other\nlast"
+    with pytest.raises(OSError):
+        os.fstat(read)  # the pump closed its ends

@@ -64,6 +64,7 @@ def logged_models(client, run_id):
     return client.search_logged_models([experiment], f"source_run_id = '{run_id}'")
 
 
+@pytest.mark.integration
 def test_a_finished_run_logs_its_model_and_export_registers_that_one(registered):
     """tracking.log_model (on by default): the run's last checkpoint is its MLflow model, with the
     step and the final metrics; export.register afterwards registers it, not a copy."""
@@ -79,6 +80,7 @@ def test_a_finished_run_logs_its_model_and_export_registers_that_one(registered)
     assert version.source == model.model_uri
 
 
+@pytest.mark.integration
 def test_a_registered_model_is_the_runs_and_loads_back_by_name_alias_and_run(registered, capsys):
     run_dir, uri, run_id = registered
     client = MlflowClient(uri)
@@ -97,6 +99,7 @@ def test_a_registered_model_is_the_runs_and_loads_back_by_name_alias_and_run(reg
         assert sampled(capsys, f"run={uri_form}", f"tracking_uri={uri}", *GREEDY) == from_folder
 
 
+@pytest.mark.integration
 def test_eval_of_a_model_uri_scores_as_its_run_folder_and_records_in_its_run(
     registered, shakespeare, tmp_path
 ):
@@ -206,6 +209,7 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.integration
 def test_bad_registry_input_is_one_line_and_registers_nothing(registered, tmp_path):
     run_dir, uri, run_id = registered
     client = MlflowClient(uri)
@@ -239,6 +243,7 @@ def test_bad_registry_input_is_one_line_and_registers_nothing(registered, tmp_pa
     assert str(client.get_registered_model("nano-chars").latest_versions[0].version) == "1"
 
 
+@pytest.mark.integration
 def test_a_store_down_when_a_run_ends_is_one_warning_naming_the_command(
     registered, shakespeare, caplog
 ):
@@ -298,6 +303,7 @@ def test_bad_registry_names_are_refused_before_anything_is_written(registered, t
     assert {p: p.stat().st_mtime_ns for p in export_dir.iterdir()} == written
 
 
+@pytest.mark.integration
 def test_a_model_whose_files_are_gone_says_so_and_export_logs_it_again(
     registered, tmp_path, capsys
 ):
@@ -385,6 +391,7 @@ def test_served_params_out_of_range_are_a_400_naming_the_param(registered, param
     assert e.value.get_http_status_code() == 400
 
 
+@pytest.mark.integration
 def test_a_request_ends_at_its_deadline_and_when_the_server_is_stopping(registered, monkeypatch):
     """The work a request costs is bounded: at the deadline (the scoring server's timeout less a
     margin) it is a 504; when the server is told to stop (its SIGTERM handler sets should_exit, as
@@ -434,3 +441,187 @@ def test_export_and_sample_by_model_uri_print_gptlab_lines_only(registered, tmp_
     r = run_cli(["gptlab.sample", "run=models:/nano-quiet/1", f"tracking_uri={uri}", *GREEDY],
                 cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("ROMEO:"), r.stderr
+
+
+# ---- serving's rules in process, without a trained model
+
+
+def test_params_at_their_bounds_and_the_defaults_for_those_not_given():
+    from mlflow.exceptions import MlflowException
+
+    assert serving.check_params(None) == {"max_new_tokens": 100, "temperature": 0.8, "top_k": 200,
+                                          "seed": 0}  # fmt: skip
+    edge = {"max_new_tokens": 4096, "temperature": 0, "top_k": 0, "seed": -(2**63)}
+    assert serving.check_params(edge) == edge
+    assert serving.check_params({"max_new_tokens": 1, "seed": 2**64 - 1, "top_k": None}) == {
+        "max_new_tokens": 1, "temperature": 0.8, "top_k": 200, "seed": 2**64 - 1,
+    }  # fmt: skip
+    tokens, temp = "must be a whole number from 1 to 4096", "must be a number >= 0 (0: greedy)"
+    top_k, seed = "must be a whole number >= 0 (0: the whole vocabulary)", "must be a whole number"
+    bad = [
+        ({"max_new_tokens": 4097}, f"param max_new_tokens=4097: {tokens}"),
+        ({"max_new_tokens": 0}, f"param max_new_tokens=0: {tokens}"),
+        ({"max_new_tokens": 2.0}, f"param max_new_tokens=2.0: {tokens}"),
+        ({"temperature": -0.01}, f"param temperature=-0.01: {temp}"),
+        ({"temperature": float("inf")}, f"param temperature=inf: {temp}"),
+        ({"temperature": False}, f"param temperature=False: {temp}"),
+        ({"top_k": -1}, f"param top_k=-1: {top_k}"),
+        ({"top_k": True}, f"param top_k=True: {top_k}"),  # a bool is no count
+        ({"max_new_tokens": True}, f"param max_new_tokens=True: {tokens}"),
+        ({"seed": 2**64}, f"param seed=18446744073709551616: {seed}"),
+        ({"seed": -(2**63) - 1}, f"param seed=-9223372036854775809: {seed}"),
+        ({"seed": "7"}, f"param seed='7': {seed}"),
+        ({"top_p": 0.9}, "param top_p=0.9: not a param of this model (max_new_tokens, "
+                         "temperature, top_k, seed)"),
+    ]  # fmt: skip
+    for params, says in bad:
+        with pytest.raises(MlflowException) as e:
+            serving.check_params(params)
+        assert e.value.message == says and e.value.get_http_status_code() == 400
+
+
+def test_a_requests_deadline_is_the_servers_timeout_less_five_seconds_or_half_of_it(monkeypatch):
+    for timeout, deadline in [("60", 55.0), ("10", 5.0), ("8", 4.0), ("2", 1.0), ("100", 95.0)]:
+        monkeypatch.setenv("MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT", timeout)
+        assert serving.deadline_s() == deadline
+
+
+def test_a_budget_stops_at_its_deadline_or_when_the_server_stops(monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    now = [100.0]
+    monkeypatch.setattr(serving.time, "monotonic", lambda: now[0])
+    budget = serving.Budget(2.5)
+    assert budget.ends == 102.5 and not budget.stop() and budget.reason is None
+    budget.check()  # nothing to say yet
+    now[0] = 102.5
+    assert not budget.stop()  # at the deadline itself, still in time
+    now[0] = 102.6
+    assert budget.stop(None) and budget.reason == "deadline"
+    with pytest.raises(MlflowException) as e:
+        budget.check()
+    assert e.value.get_http_status_code() == 504
+    assert e.value.message.startswith("generation passed the request's deadline (2.5 s); ask for")
+    stopping = serving.Budget(60)
+    monkeypatch.setattr(serving, "server_stopping", lambda: True)
+    assert stopping.stop() and stopping.reason == "stopping"
+    with pytest.raises(MlflowException, match="the server is stopping") as e:
+        stopping.check()
+    assert e.value.get_http_status_code() == 503
+
+
+def test_the_server_is_stopping_once_its_sigterm_or_sigint_handler_has_set_should_exit(
+    monkeypatch,
+):
+    class Server:
+        should_exit = False
+
+        def handle_exit(self, signum, frame):
+            self.should_exit = True
+
+    handlers = {}
+    monkeypatch.setattr(serving.signal, "getsignal", lambda sig: handlers.get(sig))
+    assert not serving.server_stopping()  # no handler, or not a server's
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        server = Server()
+        handlers.clear()
+        handlers[sig] = server.handle_exit
+        assert not serving.server_stopping()
+        server.should_exit = True
+        assert serving.server_stopping()
+    server.should_exit = 1  # only uvicorn's True counts
+    assert not serving.server_stopping()
+
+
+def test_prompts_come_from_a_list_a_string_or_a_dataframes_prompt_column():
+    import pandas as pd
+
+    assert serving._prompts(["a", 3]) == ["a", "3"]
+    assert serving._prompts("ROMEO:") == ["ROMEO:"]
+    assert serving._prompts(pd.DataFrame({"x": [1], "prompt": ["p"]})) == ["p"]
+    assert serving._prompts(pd.DataFrame({"text": ["t", "u"]})) == ["t", "u"]
+    uris = ("models:/m/1", "runs:/r/model", "mlflow-artifacts:/x", "outputs/run", "/models:/x")
+    assert [serving.is_model_uri(u) for u in uris] == [True, True, True, False, False]
+
+
+def test_the_signature_names_the_prompt_and_each_params_default():
+    sig = serving.signature()
+    assert sig.inputs.input_names() == ["prompt"]
+    assert {p.name: (p.dtype.name, p.default) for p in sig.params.params} == {
+        "max_new_tokens": ("long", 100), "temperature": ("double", 0.8), "top_k": ("long", 200),
+        "seed": ("long", 0),
+    }  # fmt: skip
+
+
+def test_the_model_links_the_runs_points_at_its_step_the_validation_ones_with_their_data():
+    point = lambda name, value, step: SimpleNamespace(value=value, timestamp=7, step=step)  # noqa: E731
+    history = {
+        "val/loss": [point("val/loss", 3.0, 10), point("val/loss", 2.0, 20)],
+        "train/loss": [point("train/loss", 2.5, 20), point("train/loss", 2.4, 21)],
+        "summary/best_val_loss": [point("summary/best_val_loss", 2.0, 20)],
+    }
+    sent = []
+    client = SimpleNamespace(
+        get_metric_history=lambda run_id, name: history[name],
+        log_batch=lambda run_id, metrics: sent.append((run_id, metrics)),
+    )
+    run = SimpleNamespace(info=SimpleNamespace(run_id="r"), data=SimpleNamespace(metrics=history))
+    data = SimpleNamespace(name="tiny-val", digest="abc")
+    serving.link_figures(client, run, "m-1", 20, data)
+    [(run_id, metrics)] = sent
+    got = [(m.key, m.value, m.step, m.timestamp, m.model_id, m.run_id, m.dataset_name,
+            m.dataset_digest) for m in metrics]  # fmt: skip
+    assert run_id == "r" and got == [
+        ("summary/best_val_loss", 2.0, 20, 7, "m-1", "r", "tiny-val", "abc"),
+        ("train/loss", 2.5, 20, 7, "m-1", "r", None, None),
+        ("val/loss", 2.0, 20, 7, "m-1", "r", "tiny-val", "abc"),
+    ]
+    described = [{"name": "d-train", "digest": "1", "context": "training", "source_type": "local",
+                  "source": "{}", "profile": "{}"}]  # fmt: skip
+    assert (
+        serving.validation_dataset(described) is None and serving.validation_dataset(None) is None
+    )
+    described.append({**described[0], "name": "d-val", "context": "validation"})
+    assert serving.validation_dataset(described).name == "d-val"
+
+
+def test_a_logged_models_files_are_its_mlmodel_and_an_export_folder():
+    def client(tree):
+        listing = lambda model_id, path=None: [SimpleNamespace(path=p) for p in tree.get(path, [])]  # noqa: E731
+        return SimpleNamespace(list_logged_model_artifacts=listing)
+
+    files = ["artifacts/export/config.json", "artifacts/export/model.safetensors"]
+    whole = {None: ["MLmodel", "artifacts"], "artifacts": ["artifacts/export"],
+             "artifacts/export": files}  # fmt: skip
+    assert serving.has_files(client(whole), "m")
+    assert not serving.has_files(client({**whole, None: ["artifacts"]}), "m")
+    assert not serving.has_files(client({**whole, "artifacts/export": files[:1]}), "m")
+    assert not serving.has_files(client({None: ["MLmodel"]}), "m")
+
+
+def test_a_downloaded_models_export_folder_else_one_line_saying_what_is_wrong(tmp_path):
+    got = tmp_path / "got"
+    (got / "artifacts" / "out").mkdir(parents=True)
+    (got / "artifacts" / "out" / "config.json").write_text("{}")
+    (got / "artifacts" / "out" / "model.safetensors").write_text("")
+    assert serving.export_in("models:/m/1", got) == got / "artifacts" / "out"
+    (got / "artifacts" / "out" / "model.safetensors").unlink()
+    with pytest.raises(GptlabError, match=r"^models:/m/1: the model's files are missing from"):
+        serving.export_in("models:/m/1", got)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(GptlabError, match="files are missing"):
+        serving.export_in("models:/m/1", empty)
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "MLmodel").write_text(
+        "flavors:\n  python_function:\n    artifacts:\n      export: {}\n"
+    )
+    with pytest.raises(GptlabError, match="files are missing"):
+        serving.export_in("models:/m/1", ours)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "MLmodel").write_text("flavors:\n  sklearn: {}\n")
+    with pytest.raises(GptlabError) as e:
+        serving.export_in("models:/m/2", other)
+    assert str(e.value) == "models:/m/2: not a gptlab model (no artifacts/*/config.json in it)"

@@ -46,6 +46,7 @@ def one_error_line(r) -> str:
     return lines[0]
 
 
+@pytest.mark.integration
 def test_resume_never_moves_the_earlier_run_aside_and_never_mixes(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(compose_config(overrides(shakespeare, "train.max_steps=30")), run_dir)
@@ -69,6 +70,7 @@ def test_resume_never_moves_the_earlier_run_aside_and_never_mixes(tmp_path, shak
     )
 
 
+@pytest.mark.integration
 def test_auto_refuses_another_runs_checkpoint_in_one_line_naming_the_keys(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     assert (
@@ -103,6 +105,7 @@ def test_auto_refuses_another_runs_checkpoint_in_one_line_naming_the_keys(tmp_pa
     assert ok["steps"] == 20 and steps_logged(run_dir) == [1, 5, 10, 15, 20]
 
 
+@pytest.mark.integration
 def test_broken_newer_checkpoints_are_moved_aside_and_never_win_pruning(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(
@@ -124,6 +127,7 @@ def test_broken_newer_checkpoints_are_moved_aside_and_never_win_pruning(tmp_path
     assert steps == sorted(set(steps))  # steps 21-40 were not logged twice
 
 
+@pytest.mark.integration
 def test_every_checkpoint_broken_is_refused_and_nothing_is_touched(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
     run_training(compose_config(overrides(shakespeare, "train.max_steps=20")), run_dir)

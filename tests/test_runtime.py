@@ -47,6 +47,7 @@ def faults_per_step(tune: bool) -> float:
 @pytest.mark.skipif(
     not hasattr(resource, "getrusage") or sys.platform != "linux", reason="glibc on Linux"
 )
+@pytest.mark.integration
 def test_freed_memory_is_kept_for_the_next_step():
     # 4 x 12 MiB freshly mapped per step is 12,288 faults of 4 KiB pages; the median step
     # measured 12,292 untuned, 0 tuned

@@ -5,6 +5,8 @@ sweeper, in test_search_slurm.py)."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +100,7 @@ def test_the_storage_url_is_absolute_and_postgresql_goes_through_psycopg(tmp_pat
     assert studies.redact("postgresql+psycopg://u:secret@h/db") == "postgresql+psycopg://u:***@h/db"
 
 
+@pytest.mark.integration
 def test_sweepers_opening_a_new_study_database_at_once_all_open_it(tmp_path):
     """Two sweepers started together both create the tables of a new SQLite study; the one that
     loses the race finds them made, instead of stopping on a UNIQUE constraint."""
@@ -111,6 +114,7 @@ def test_sweepers_opening_a_new_study_database_at_once_all_open_it(tmp_path):
             assert out.strip() == "1", err[-1000:]
 
 
+@pytest.mark.integration
 def test_an_unreachable_storage_is_one_line():
     # port 9 (discard) on loopback: nothing listens; the driver's error, in one line with the URL
     with pytest.raises(GptlabError) as e:
@@ -135,6 +139,7 @@ def test_a_sweeper_is_alive_while_its_process_runs_or_its_heartbeat_is_fresh():
     assert not owner_alive(None, beats, time.time())
 
 
+@pytest.mark.integration
 def test_a_trial_being_asked_for_is_no_orphan_and_an_adopted_one_gets_the_whole_space(tmp_path):
     import time
 
@@ -174,6 +179,7 @@ def a_search(tmp_path, params=None, launcher=None, max_steps=500, **changes):
     return search
 
 
+@pytest.mark.integration
 def test_two_sweepers_on_one_study_draw_different_points(tmp_path):
     """Issue 42: a second sweeper's first trial repeated the first sweeper's (one seed, one
     stream); each trial's draw is seeded by its own number."""
@@ -188,6 +194,7 @@ def test_two_sweepers_on_one_study_draw_different_points(tmp_path):
     assert [t.params for t in again.study.get_trials()] == [zero.params, one.params]
 
 
+@pytest.mark.integration
 def test_a_study_spends_no_trial_on_a_point_it_has_tried(tmp_path):
     search = a_search(tmp_path, {"optimizer.weight_decay": "choice(0.0, 0.1, 0.2)"}, n_trials=3)
     assert search._next_trials(3, set()) == [0, 1, 2]
@@ -195,6 +202,7 @@ def test_a_study_spends_no_trial_on_a_point_it_has_tried(tmp_path):
     assert drawn == [0.0, 0.1, 0.2]
 
 
+@pytest.mark.integration
 def test_a_sweeper_reading_a_study_while_another_writes_it_sees_the_whole_search(
     tmp_path, monkeypatch
 ):
@@ -217,6 +225,7 @@ def test_a_sweeper_reading_a_study_while_another_writes_it_sees_the_whole_search
     assert looked == [studies.DEFINITION_ATTR]
 
 
+@pytest.mark.integration
 def test_a_study_made_before_its_search_was_one_attribute_still_continues(tmp_path):
     first = a_search(tmp_path)
     attrs = first.storage.get_study_system_attrs(first.storage.get_study_id_from_name("s"))
@@ -230,6 +239,7 @@ def test_a_study_made_before_its_search_was_one_attribute_still_continues(tmp_pa
         a_search(tmp_path / "old", metric="val_loss")
 
 
+@pytest.mark.integration
 def test_the_first_line_says_how_many_trials_run_at_once(tmp_path):
     """Issue 42: `2 at a time`, then `one trial at a time`; the basic launcher runs one."""
     import logging
@@ -255,6 +265,7 @@ def test_the_first_line_says_how_many_trials_run_at_once(tmp_path):
     assert not any("2 at a time" in line or "one trial at a time" in line for line in lines)
 
 
+@pytest.mark.integration
 def test_a_warmup_range_past_the_trials_max_steps_is_cut_there_or_refused(tmp_path):
     from optuna.distributions import CategoricalDistribution, IntDistribution
 
@@ -280,6 +291,7 @@ def test_a_warmup_range_past_the_trials_max_steps_is_cut_there_or_refused(tmp_pa
     )
 
 
+@pytest.mark.integration
 def test_a_trial_worse_than_the_median_is_pruned_and_a_better_one_is_not(tmp_path):
     url = f"sqlite:///{tmp_path}/optuna.db"
     storage = studies.open_storage(url)
@@ -303,6 +315,7 @@ def test_a_trial_worse_than_the_median_is_pruned_and_a_better_one_is_not(tmp_pat
     assert not TrialLink(off, True).should_prune(20, {"val_loss": 9.0})
 
 
+@pytest.mark.integration
 def test_a_trial_number_the_study_lacks_is_one_line(tmp_path):
     url = f"sqlite:///{tmp_path}/optuna.db"
     optuna.create_study(study_name="s", storage=studies.open_storage(url))
@@ -310,6 +323,7 @@ def test_a_trial_number_the_study_lacks_is_one_line(tmp_path):
         TrialLink(settings(storage=url, trial=7), True)
 
 
+@pytest.mark.integration
 def test_a_job_of_a_superseded_launch_ends_without_touching_its_folder(shakespeare, tmp_path):
     """A dead sweeper's trial job still queued when another sweeper launched the trial again: when
     it starts, it ends at once with one line, and the folder stays the new launch's."""
@@ -512,3 +526,470 @@ def test_two_sweepers_on_one_study_share_it(shakespeare, tmp_path):
         ran = [f"trial {t.number} (" in out for out in outs]
         assert sum(ran) == 1, (t.number, ran)
         assert (outputs / "searches" / "default_job" / str(t.number) / "results.json").is_file()
+
+
+# ---- the study's rules, a trial's report and how the sweeper records each way a trial ends
+
+
+def test_each_metric_has_its_direction_and_the_figure_its_trials_report():
+    assert studies.METRICS == {
+        "best_val_loss": ("minimize", "val_loss"),
+        "val_loss": ("minimize", "val_loss"),
+        "best_val_bpb": ("minimize", "val_bpb"),
+        "val_bpb": ("minimize", "val_bpb"),
+        "hellaswag_acc": ("maximize", "hellaswag_acc"),
+        "hellaswag_acc_norm": ("maximize", "hellaswag_acc_norm"),
+    }
+    for metric, (direction, _) in studies.METRICS.items():
+        assert studies.check_settings(settings(metric=metric), 10) == direction
+    assert studies.check_settings(settings(direction="maximize"), 0) == "maximize"
+    assert studies.check_settings(settings(metric="hellaswag_acc", direction="minimize"), 1) == (
+        "minimize"
+    )
+
+
+def test_each_setting_is_checked_at_its_bounds_in_one_line_naming_it():
+    ok = [dict(max_failure_rate=0.0), dict(max_failure_rate=1.0), dict(pruner_startup_trials=0),
+          dict(pruner_warmup_steps=0), dict(n_trials=1, n_jobs=1), dict(sampler="random"),
+          dict(pruner="none")]  # fmt: skip
+    for changes in ok:
+        studies.check_settings(settings(**changes), 0)
+    bad = {
+        "n_trials=0": dict(n_trials=0),
+        "n_jobs=0": dict(n_jobs=0),
+        "max_failure_rate=-0.1": dict(max_failure_rate=-0.1),
+        "max_failure_rate=1.01": dict(max_failure_rate=1.01),
+        "pruner_startup_trials=-1": dict(pruner_startup_trials=-1),
+        "pruner_warmup_steps=-1": dict(pruner_warmup_steps=-1),
+    }
+    for said, changes in bad.items():
+        with pytest.raises(GptlabError, match=f"^hparams_search.{said}: out of range$"):
+            studies.check_settings(settings(**changes), 0)
+    with pytest.raises(GptlabError, match="^hparams_search.sampler=grid: one of tpe, random$"):
+        studies.check_settings(settings(sampler="grid"), 0)
+    with pytest.raises(GptlabError, match="^hparams_search.pruner=hyperband: one of median, none$"):
+        studies.check_settings(settings(pruner="hyperband"), 0)
+    with pytest.raises(
+        GptlabError, match="^hparams_search.direction=up: minimize, maximize or null"
+    ):
+        studies.check_settings(settings(direction="up"), 0)
+    with pytest.raises(GptlabError, match="^hparams_search.study_name is not set: name the study"):
+        studies.check_settings(settings(study_name=""), 0)
+    with pytest.raises(GptlabError, match=r"HellaSwag is off in these runs \(eval.hellaswag.every"):
+        studies.check_settings(settings(metric="hellaswag_acc_norm"), 0)
+
+
+def test_the_failures_allowed_are_the_rate_times_the_trials_rounded_down():
+    cases = [(0.5, 4, 2), (0.25, 10, 2), (0.29, 7, 2), (1.0, 6, 6), (0.0, 9, 0), (0.99, 1, 0)]
+    for rate, n, allowed in cases:
+        assert studies.allowed_failures(settings(max_failure_rate=rate, n_trials=n)) == allowed
+
+
+def test_the_sampler_and_pruner_are_built_from_the_settings():
+    assert isinstance(studies.make_sampler("random", 3, 10), optuna.samplers.RandomSampler)
+    for n_trials, startup in [(4, 2), (11, 2), (12, 3), (20, 5), (40, 10), (400, 10)]:
+        tpe = studies.make_sampler("tpe", 3, n_trials)
+        assert isinstance(tpe, optuna.samplers.TPESampler) and tpe._multivariate
+        assert tpe._n_startup_trials == startup, n_trials
+    pruner = studies.make_pruner(settings(pruner_startup_trials=3, pruner_warmup_steps=50))
+    assert isinstance(pruner, optuna.pruners.MedianPruner)
+    assert (pruner._n_startup_trials, pruner._n_warmup_steps) == (3, 50)
+    assert isinstance(studies.make_pruner(settings(pruner="none")), optuna.pruners.NopPruner)
+
+
+def test_a_trials_seed_mixes_the_seed_its_number_and_its_draw():
+    import hashlib
+
+    want = int.from_bytes(hashlib.sha256(b"7:3:1").digest()[:4], "little")
+    assert studies.trial_seed(7, 3, 1) == want
+    assert studies.trial_seed(7, 3) == studies.trial_seed(7, 3, 0) != want
+    assert studies.trial_seed(None, 3, 1) is None
+    assert len({studies.trial_seed(0, n, d) for n in range(5) for d in range(3)}) == 15
+
+
+def test_the_objective_is_a_finite_number_of_the_results_else_none():
+    assert studies.objective({"best_val_loss": 2}, "best_val_loss") == 2.0
+    assert isinstance(studies.objective({"best_val_loss": 2}, "best_val_loss"), float)
+    for value in (float("nan"), float("inf"), -float("inf"), "2.0", None):
+        assert studies.objective({"best_val_loss": value}, "best_val_loss") is None
+    assert studies.objective({"val_loss": 1.0}, "best_val_loss") is None
+
+
+def test_a_studys_search_is_its_one_attribute_else_all_three_older_ones():
+    held = {"space": {"a": 1}, "fixed": [], "metric": "val_loss"}
+    assert studies.definition({studies.DEFINITION_ATTR: held, "gptlab:space": 2}) is held
+    legacy = {"gptlab:space": {"a": 1}, "gptlab:fixed": [], "gptlab:metric": "val_loss"}
+    assert studies.definition(legacy) == held
+    del legacy["gptlab:fixed"]
+    assert studies.definition(legacy) is None and studies.definition({}) is None
+
+
+def test_urls_lose_their_password_in_messages_and_other_databases_are_kept(tmp_path):
+    assert studies.redact("postgresql://u:p@ss@h:5432/db") == "postgresql://u:***@h:5432/db"
+    assert studies.redact("postgresql://u@h/db") == "postgresql://u:***@h/db"
+    assert studies.redact("postgresql://u:p:q@h/db") == "postgresql://u:***@h/db"
+    assert studies.redact("postgresql://u:p@h/db?o=a://b") == "postgresql://u:***@h/db?o=a://b"
+    assert studies.redact("sqlite:////a/b.db") == "sqlite:////a/b.db"
+    assert studies.redact("user@host") == "user@host"
+    assert studies.storage_url("postgres://u@h/db", "x") == "postgresql+psycopg://u@h/db"
+    assert studies.storage_url("mysql://u@h/db", "x") == "mysql://u@h/db"
+    assert studies.storage_url("", str(tmp_path)) == f"sqlite:///{tmp_path}/optuna.db"
+
+
+def test_a_sweeper_is_dead_once_its_heartbeat_is_a_minute_old():
+    import datetime
+
+    other = "elsewhere:123"
+    beats = {f"{studies.OWNER_ATTR}:{other}": 1000.0}
+    assert owner_alive(other, beats, 1059.9) and not owner_alive(other, beats, 1060.0)
+    assert not owner_alive(other, {f"{studies.OWNER_ATTR}:{other}": "1000"}, 1001.0)
+    assert not owner_alive("", beats, 1001.0) and not owner_alive("elsewhere:9", beats, 1001.0)
+    start = datetime.datetime.fromtimestamp(1000.0)
+    unowned = SimpleNamespace(system_attrs={}, datetime_start=start)
+    assert trial_alive(unowned, beats, 1059.9) and not trial_alive(unowned, beats, 1060.0)
+    assert not trial_alive(SimpleNamespace(system_attrs={}, datetime_start=None), beats, 59.0 + 1)
+    owned = SimpleNamespace(system_attrs={studies.OWNER_ATTR: other}, datetime_start=None)
+    assert trial_alive(owned, beats, 1030.0) and not trial_alive(owned, beats, 1061.0)
+
+
+@pytest.mark.integration
+def test_a_trial_reports_its_metrics_figure_and_stays_unpruned_when_it_cannot(
+    tmp_path, monkeypatch
+):
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="s", storage=studies.open_storage(url))
+    t = study.ask()
+    hs = settings(storage=url, trial=t.number, metric="best_val_bpb")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    link = TrialLink(hs, True)
+    assert link.reported == "val_bpb" and link.superseded is None
+    assert link.storage.get_trial(link.trial_id).system_attrs[studies.SLURM_ATTR] == "4242"
+    assert not link.should_prune(10, {"val_loss": 3.0})  # not its figure: nothing reported
+    assert not link.should_prune(20, {"val_bpb": 1.5})
+    assert study.trials[0].intermediate_values == {20: 1.5}
+
+    def broken(study, trial):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(link.study.pruner, "prune", broken)
+    assert link.should_prune(30, {"val_bpb": 9.0}) is False  # the trial goes on
+    other = TrialLink(hs, False)  # another rank: no storage, and the answer is rank 0's
+    assert other.storage is None and other.number == t.number
+    assert other.should_prune(10, {"val_bpb": 9.0}) is False
+    from gptlab.search.trial import open_link
+
+    assert open_link(settings(trial=None), True) is None
+
+
+def ended_search(tmp_path):
+    """A search of 8 trials, 7 asked for; no MLflow parent."""
+    s = a_search(tmp_path, n_trials=8)
+    s.parent = None
+    assert s._next_trials(7, set()) == list(range(7))
+    return s
+
+
+def finish(search, number, outcome, results=None):
+    folder = search.sweep_dir / str(number)
+    folder.mkdir(parents=True, exist_ok=True)
+    if results is not None:
+        (folder / "results.json").write_text(json.dumps(results))
+    return search._finish(number, outcome)
+
+
+@pytest.mark.integration
+def test_each_way_a_trial_ends_is_told_to_the_study(tmp_path, monkeypatch):
+    import concurrent.futures as cf
+
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from gptlab import slurm
+    from gptlab.search.sweeper import _fmt
+
+    s = ended_search(tmp_path)
+    lost = {str(s.sweep_dir / "5"): "SLURM job 61: rank 1 on n2: Killed"}
+    monkeypatch.setattr(slurm, "job_error", lambda run_dir: lost.get(run_dir))
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("gptlab.search")
+    logger.addHandler(handler)
+    level, logger.level = logger.level, logging.INFO
+    done = JobReturn(status=JobStatus.COMPLETED)
+    future = cf.Future()
+    future.set_result(done)
+    try:
+        assert finish(s, 0, future, {"best_val_loss": 2.5, "val_loss": 2.6}) is done
+        finish(s, 1, done, {"stopped_by": "pruned", "steps": 40})
+        finish(s, 2, done, {"stopped_by": "signal", "steps": 12})
+        finish(s, 3, done)
+        long = ValueError("bad lr " + "x" * 3000 + "\nmore")
+        finish(s, 4, JobReturn(status=JobStatus.FAILED, _return_value=long))
+        s._check_failures()  # 3 failed: within the 4 allowed
+        finish(s, 5, RuntimeError("it died"))
+        s._check_failures()
+        finish(s, 6, done, {"val_loss": 2.0, "best_val_loss": "n/a"})
+        finish(s, 0, done, {"best_val_loss": 9.0})  # told already: kept as it was
+        s._summary(optuna)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    trials = s.study.get_trials()
+    assert [t.state.name for t in trials] == [
+        "COMPLETE", "PRUNED", "FAIL", "FAIL", "FAIL", "FAIL", "FAIL"
+    ]  # fmt: skip
+    assert trials[0].value == 2.5 and trials[0].values == [2.5]
+    errors = [t.system_attrs.get(studies.ERROR_ATTR) for t in trials]
+    assert errors == [
+        None,
+        None,
+        "stopped by signal at step 12",
+        f"no results.json in {s.sweep_dir / '3'}",
+        ("ValueError: bad lr " + "x" * 3000)[:2000],  # kept short in the study
+        "SLURM job 61: rank 1 on n2: Killed",  # a SLURM job's own account of its end
+        "its results have no best_val_loss (got n/a)",
+    ]
+    shown = [", ".join(f"{k}={_fmt(v)}" for k, v in t.params.items()) for t in trials]
+    assert lines[0] == f"trial 0 ({shown[0]}): best_val_loss 2.5000 | best 2.5000 (trial 0)"
+    assert lines[1] == f"trial 1 ({shown[1]}): pruned at step 40 | best 2.5000 (trial 0)"
+    assert lines[2] == (
+        f"trial 2 ({shown[2]}): failed: stopped by signal at step 12 | best 2.5000 (trial 0)"
+    )
+    assert lines[-2] == "trial 0: already ended (COMPLETE) elsewhere"
+    assert lines[-1] == (
+        f"search 's': 1 complete, 1 pruned, 5 failed; best best_val_loss 2.5000, trial 0: "
+        f"{shown[0]}; the trials: python -m gptlab.compare {s.sweep_dir}"
+    )
+    with pytest.raises(GptlabError) as e:
+        s._check_failures()
+    assert str(e.value) == (
+        "search stopped: 5 of 8 trials failed, more than hparams_search.max_failure_rate=0.5 "
+        "allows; the last, trial 6: its results have no best_val_loss (got n/a)"
+    )
+
+
+@pytest.mark.integration
+def test_a_maximised_study_is_not_continued_as_a_minimised_one(tmp_path):
+    made = a_search(tmp_path, direction="maximize")
+    assert made.study.direction.name == "MAXIMIZE" and made.direction == "maximize"
+    made.parent = {"uri": "sqlite:///x.db", "parent_run_id": "P", "experiment_id": "e"}
+    client = Recorder()
+    made._client = lambda: client
+    made._record_space()
+    assert client.tags["P"]["search.direction"] == "maximize"
+    with pytest.raises(GptlabError, match="was made to maximize, not minimize: choose another"):
+        a_search(tmp_path)
+
+
+def test_a_trials_job_gets_the_fixed_overrides_its_point_and_its_launch(tmp_path):
+    from gptlab.search.sweeper import _fmt
+
+    s = a_search(tmp_path / "it's", {"optimizer.weight_decay": "choice(0.1)"}, n_trials=2)
+    s.fixed = ["train.max_steps=50"]
+    assert s._next_trials(1, set()) == [0]
+    url = f"sqlite:///{tmp_path}/it\\'s/optuna.db"
+    assert s._overrides(0) == [
+        "train.max_steps=50",
+        "optimizer.weight_decay=0.1",
+        "hparams_search.trial=0",
+        "hparams_search.attempt=0",
+        f"hparams_search.storage='{url}'",
+    ]
+    assert [_fmt(0.000123456), _fmt(3), _fmt("x")] == ["0.0001235", "3", "x"]
+
+
+class Recorder:
+    """The MLflow client calls the sweeper makes, recorded; search_runs answers with `runs`."""
+
+    def __init__(self, runs=()):
+        self.runs, self.tags, self.metrics, self.params, self.deleted = list(runs), {}, {}, {}, []
+
+    def set_tag(self, run_id, key, value):
+        self.tags.setdefault(run_id, {})[key] = value
+
+    def log_metric(self, run_id, key, value, step=None):
+        self.metrics.setdefault(run_id, {})[key] = (value, step)
+
+    def log_batch(self, run_id, params=()):
+        self.params.setdefault(run_id, {}).update({p.key: p.value for p in params})
+
+    def search_runs(self, experiment_ids, filter_string, max_results):
+        assert experiment_ids == ["e"] and filter_string == "tags.`mlflow.parentRunId` = 'P'"
+        return self.runs
+
+    def delete_run(self, run_id):
+        self.deleted.append(run_id)
+
+
+def run_in(folder, run_id):
+    return SimpleNamespace(info=SimpleNamespace(run_id=run_id),
+                           data=SimpleNamespace(tags={"run_dir": str(folder)}))  # fmt: skip
+
+
+@pytest.mark.integration
+def test_the_sweeper_records_the_search_and_each_trial_in_mlflow(tmp_path, monkeypatch):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    s = ended_search(tmp_path)
+    s.parent = {"uri": "sqlite:///x.db", "parent_run_id": "P", "experiment_id": "e"}
+    client = Recorder([run_in(s.sweep_dir / "1", "r1"), run_in(s.sweep_dir / "10", "r10")])
+    monkeypatch.setattr(s, "_client", lambda: client)
+    s._record_space()
+    assert client.params["P"] == {
+        "space/optimizer.lr": spaces.describe(s.space["optimizer.lr"]),
+        "space/optimizer.weight_decay": spaces.describe(s.space["optimizer.weight_decay"]),
+    }
+    assert client.tags["P"] == {
+        "run_type": "search", "search.study": "s", "search.storage": s.url,
+        "search.metric": "best_val_loss", "search.direction": "minimize", "search.n_trials": "8",
+    }  # fmt: skip
+    done = JobReturn(status=JobStatus.COMPLETED)
+    finish(s, 0, done, {"best_val_loss": 2.5, "mlflow_run_id": "r0"})
+    best = s.study.trials[0].params
+    assert client.tags["r0"] == {"search.trial": "0", "search.state": "COMPLETE"}
+    assert client.metrics["r0"] == {"search/objective": (2.5, None)}
+    assert client.metrics["P"] == {"search/best_value": (2.5, 1)}
+    assert {k: v for k, v in client.tags["P"].items() if k.startswith("search.b")} == {
+        "search.best_trial": "0", **{f"search.best.{k}": str(v) for k, v in best.items()},
+    }  # fmt: skip
+    assert client.tags["P"]["search.finished"] == "1"
+    finish(s, 1, done, {"stopped_by": "signal", "steps": 3})  # its run found by its folder
+    assert client.tags["r1"] == {"search.trial": "1", "search.state": "FAIL",
+                                 "search.error": "stopped by signal at step 3"}  # fmt: skip
+    assert "r1" not in client.metrics and client.tags["P"]["search.finished"] == "2"
+    assert client.metrics["P"] == {"search/best_value": (2.5, 2)}
+    finish(s, 2, done)  # no run of its own: only the parent's count
+    assert client.tags["P"]["search.finished"] == "3" and "r10" not in client.tags
+
+    def down():
+        raise ConnectionError("the store is down")
+
+    monkeypatch.setattr(s, "_client", down)
+    finish(s, 3, done, {"best_val_loss": 1.0})  # told to the study all the same
+    s._record_space()
+    assert s.study.trials[3].value == 1.0
+
+
+def test_an_orphan_is_adopted_once_and_a_trial_asked_past_the_count_is_never_run(tmp_path):
+    s = a_search(tmp_path, n_trials=3)
+    s.parent = None  # no MLflow parent (run() reads sweep.json)
+    dead = s.study.ask()  # a trial of a sweeper that died: RUNNING, its owner gone
+    s.storage.set_trial_system_attr(dead._trial_id, studies.OWNER_ATTR, "elsewhere:1")
+    assert s._next_trials(2, {dead.number}) == [1, 2]  # one of ours is no orphan
+    attrs = s.storage.get_trial(dead._trial_id).system_attrs
+    assert attrs[studies.OWNER_ATTR] == "elsewhere:1" and studies.ATTEMPT_ATTR not in attrs
+    assert s._next_trials(2, set()) == [0]  # adopted; the study has its 3 trials
+    attrs = s.storage.get_trial(dead._trial_id).system_attrs
+    assert attrs[studies.OWNER_ATTR] == s.owner and attrs[studies.ATTEMPT_ATTR] == 1
+    assert set(s.study.trials[0].params) == set(s.space)  # given the whole space
+    assert s._overrides(0)[-2] == "hparams_search.attempt=1"
+    assert not s._more_to_do(set()) and s._next_trials(2, set()) == []
+    s.study.get_trials = lambda deepcopy=False: []  # as another sweeper asks at the same moment
+    assert s._next_trials(1, set()) == []
+    surplus = s.storage.get_trial(s.storage.get_trial_id_from_study_id_trial_number(s.study_id, 3))
+    assert surplus.system_attrs[studies.SURPLUS_ATTR] is True and surplus.state.name == "FAIL"
+    del s.study.get_trials
+    assert [t.number for t in s.trials()] == [0, 1, 2]
+    s._check_failures()  # the surplus trial is no failure
+
+
+def test_a_taken_over_trial_without_a_checkpoint_loses_its_unfinished_run(tmp_path, monkeypatch):
+    s = a_search(tmp_path)
+    s.parent = None
+    s._drop_unsaved_attempt(0)  # no MLflow parent: nothing to do
+    s.parent = {"uri": "sqlite:///x.db", "parent_run_id": "P", "experiment_id": "e"}
+    client = Recorder([run_in(s.sweep_dir / "0", "r0"), run_in(s.sweep_dir / "1", "r1")])
+    monkeypatch.setattr(s, "_client", lambda: client)
+    s._drop_unsaved_attempt(0)
+    assert client.deleted == ["r0"]
+    (s.sweep_dir / "1" / "checkpoints").mkdir(parents=True)
+    (s.sweep_dir / "1" / "checkpoints" / "ckpt_00000010.pt").write_bytes(b"x")
+    s._drop_unsaved_attempt(1)  # it has a checkpoint: its run goes on
+    assert client.deleted == ["r0"]
+
+
+def test_a_superseded_launch_is_refused_in_one_line_and_the_current_one_goes_on(tmp_path):
+    from gptlab.search.trial import open_link
+
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    storage = studies.open_storage(url)
+    optuna.create_study(study_name="other", storage=storage)  # the study is found by its name
+    study = optuna.create_study(study_name="s", storage=storage)
+    t = study.ask()
+    storage.set_trial_system_attr(t._trial_id, studies.ATTEMPT_ATTR, 2)
+    for attempt in (2, 3):
+        link = open_link(settings(storage=url, trial=0, attempt=attempt), True)
+        assert link.number == 0 and link.superseded is None and link.study.study_name == "s"
+    with pytest.raises(GptlabError) as e:
+        open_link(settings(storage=url, trial=0, attempt=1), True)
+    assert str(e.value) == (
+        "trial 0: this job is launch 1 of it, and another sweeper has launched it again (launch "
+        "2); this job ends without touching its folder"
+    )
+    other_rank = open_link(settings(storage=url, trial=0, attempt=1), False)
+    assert other_rank.superseded is None and other_rank.storage is None  # rank 0 decides
+    secret = f"sqlite:///{tmp_path}/optuna.db"
+    with pytest.raises(GptlabError) as e:
+        TrialLink(settings(storage=secret, trial=9), True)
+    assert str(e.value) == (
+        f"hparams_search: study 's' has no trial 9 in {secret}; a trial's job is started by the "
+        f"search (python -m gptlab.train -m hparams_search=...)"
+    )
+
+
+def test_a_loaded_study_gets_the_configured_sampler_and_pruner(tmp_path):
+    storage = studies.open_storage(f"sqlite:///{tmp_path}/optuna.db")
+    optuna.create_study(study_name="a", storage=storage)
+    optuna.create_study(study_name="s", storage=storage)
+    study = studies.load(storage, "s", settings(sampler="random", seed=3, pruner="none"))
+    assert study.study_name == "s" and isinstance(study.sampler, optuna.samplers.RandomSampler)
+    assert isinstance(study.pruner, optuna.pruners.NopPruner)
+    tpe = studies.load(storage, "s", settings(seed=3, n_trials=40))
+    assert isinstance(tpe.sampler, optuna.samplers.TPESampler)
+    assert tpe.sampler._n_startup_trials == 10 and isinstance(
+        tpe.pruner, optuna.pruners.MedianPruner
+    )
+    again = studies.load(storage, "s", settings(sampler="random", seed=3))
+    first = [again.sampler._rng.rng.random() for _ in range(3)]
+    same = studies.make_sampler("random", 3, 4)
+    assert first == [same._rng.rng.random() for _ in range(3)]  # seeded by hparams_search.seed
+
+
+def test_tables_made_at_once_by_another_sweeper_are_told_from_other_failures():
+    from sqlalchemy.exc import IntegrityError
+
+    from gptlab.search.study import _made_at_once
+
+    assert _made_at_once(IntegrityError("INSERT", {}, Exception("UNIQUE constraint failed")))
+    assert _made_at_once(RuntimeError('relation "studies" already exists'))
+    assert not _made_at_once(RuntimeError("could not connect to server"))
+
+
+def test_a_report_that_fails_is_one_warning_naming_the_trial_and_step(
+    tmp_path, monkeypatch, caplog
+):
+    url = f"sqlite:///{tmp_path}/optuna.db"
+    study = optuna.create_study(study_name="s", storage=studies.open_storage(url))
+    study.ask()
+    link = TrialLink(settings(storage=url, trial=0), True)
+
+    def broken(study, trial):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(link.study.pruner, "prune", broken)
+    with caplog.at_level("WARNING", logger="gptlab.search.trial"):
+        assert link.should_prune(30, {"val_loss": 9.0}) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "trial 0: could not report step 30: database is locked"
+    ]
+
+
+def test_a_sweeper_of_another_user_on_this_host_is_alive(monkeypatch):
+    import socket
+
+    def not_yours(pid, sig):
+        assert sig == 0  # only asked whether it runs
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "kill", not_yours)
+    assert owner_alive(f"{socket.gethostname()}:1", {}, 0.0)

@@ -99,6 +99,7 @@ def test_help_and_config_errors_import_no_heavy_module(tmp_path):
     assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # the failed starts left nothing
 
 
+@pytest.mark.integration
 def test_train_help_imports_no_heavy_module():
     r = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "gptlab.train", "--help"],

@@ -123,6 +123,7 @@ def folder(offline_run, tmp_path):
     return Path(shutil.copytree(offline_run[0], tmp_path / "run"))
 
 
+@pytest.mark.integration
 def test_the_warning_says_how_to_record_the_run_later(offline_run):
     run_dir, messages = offline_run
     (message,) = [m for m in messages if "MLflow disabled" in m]
@@ -156,6 +157,7 @@ def test_folders_are_given_one_way():
         gather_words(["sync.folders=[a]", "b"])
 
 
+@pytest.mark.integration
 def test_folders_are_taken_as_typed():
     names = [
         "outputs/sweeps/2026-11-30_06-22-48.746659",
@@ -175,6 +177,7 @@ def logged_models(uri, run):
     )
 
 
+@pytest.mark.integration
 def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     (line,) = main([str(folder), f"tracking.uri={uri}"])
@@ -205,6 +208,7 @@ def test_a_second_sync_adds_nothing(folder, tmp_path, capsys):
     ) == recorded_points(uri, again.info.run_id)
 
 
+@pytest.mark.integration
 def test_the_count_sync_says_is_what_the_store_holds_and_the_model_adds_no_metric(folder, tmp_path):
     """The run's metric points in the store are the N of sync's line, under the run's own names
     only: the model it logged carries the run's figures at its step (summary/best_val_loss,
@@ -225,6 +229,7 @@ def test_the_count_sync_says_is_what_the_store_holds_and_the_model_adds_no_metri
     assert figures["summary/best_val_loss"].dataset_digest == validation["digest"]
 
 
+@pytest.mark.integration
 def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
     from mlflow.entities import Metric
 
@@ -257,6 +262,7 @@ def test_a_partly_recorded_run_is_completed_not_duplicated(folder, tmp_path):
     assert sync([folder], uri) == [f"{folder}: up to date"]
 
 
+@pytest.mark.integration
 def test_results_json_names_the_run_and_a_run_without_results_stays_running(folder, tmp_path):
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
     c = client(uri)
@@ -288,6 +294,7 @@ def test_results_json_names_the_run_and_a_run_without_results_stays_running(fold
     assert sync([live], uri) == [f"{live}: skipped (its MLflow run {rec.info.run_id} is deleted)"]
 
 
+@pytest.mark.integration
 def test_an_earlier_run_moved_aside_in_the_folder_is_not_mixed_with_this_one(folder, tmp_path):
     """train.resume=never moves an earlier run's files to previous/<time>/; its MLflow run had the
     same run_dir tag, and must not be completed with the new run's records."""
@@ -308,6 +315,7 @@ def test_an_earlier_run_moved_aside_in_the_folder_is_not_mixed_with_this_one(fol
     assert sync([folder], uri) == [f"{folder}: up to date"]
 
 
+@pytest.mark.integration
 def test_a_sweep_folder_nests_its_jobs_under_a_parent_made_from_sweep_json(folder, tmp_path):
     sweep = tmp_path / "sweep"
     for num, lr in (("0", "0.001"), ("1", "0.003")):
@@ -419,6 +427,7 @@ client.set_terminated(run.info.run_id)
 """
 
 
+@pytest.mark.integration
 def test_processes_that_open_one_fresh_sqlite_store_at_once_all_record(tmp_path):
     """Each process's first connection creates and migrates the store; without the lock they
     race."""

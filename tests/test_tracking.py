@@ -25,6 +25,7 @@ def client_for(tmp_path):
     return MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
 
 
+@pytest.mark.integration
 def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the default store is ./outputs/mlflow.db
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
@@ -88,6 +89,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
         assert [e.step for e in events.Scalars("val/loss")] == [10, 20]
 
 
+@pytest.mark.integration
 def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespeare, capsys):
     run_dir = tmp_path / "run"
     overrides = nano_overrides(
@@ -158,6 +160,7 @@ def test_a_store_mlflow_does_not_know_is_one_line_at_the_start(tmp_path, shakesp
     assert "step" not in r.stdout and "Launching" not in r.stdout  # nothing ran
 
 
+@pytest.mark.integration
 def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(
     tmp_path, shakespeare, monkeypatch
 ):
@@ -172,6 +175,7 @@ def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(
     assert (run_dir / "loss.png").is_file()  # what there was of the curves, for the post-mortem
 
 
+@pytest.mark.integration
 def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_missing(
     tmp_path, shakespeare, monkeypatch, capsys
 ):
@@ -236,6 +240,7 @@ def test_a_sweep_job_is_named_after_its_own_overrides():
     )
 
 
+@pytest.mark.integration
 def test_a_resumed_run_goes_on_in_the_same_mlflow_run(tmp_path):
     cfg, outputs = typed("tracking", plots=False), tmp_path / "outputs"
     first = Tracker(
@@ -349,6 +354,7 @@ def log_steps(tracker, steps):
     return slowest
 
 
+@pytest.mark.integration
 def test_a_stopped_server_never_holds_the_step_loop_and_the_end_names_gptlab_sync(stalled, caplog):
     tracker, client = stalled
     # 600 points: 30 batches queued behind a store that waits

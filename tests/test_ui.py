@@ -36,6 +36,7 @@ def test_the_store_and_experiment_come_from_the_config_overrides(tmp_path):
     assert store_uri("http://10.0.0.1:5000") == "http://10.0.0.1:5000"
 
 
+@pytest.mark.integration
 def test_the_newest_experiment_is_opened_unless_one_is_named(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -67,6 +68,7 @@ def test_serving_on_another_address_accepts_this_machines_names_as_host_and_orig
     assert "10.1.2.3:*" in hosts.split(",") and "http://10.1.2.3:5001" in origins.split(",")
 
 
+@pytest.mark.integration
 def test_a_server_that_fails_is_one_line_from_its_log(tmp_path):
     """Its notices stay in the log; the line is its exit code, its last line (the error) and the
     log."""

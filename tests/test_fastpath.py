@@ -442,9 +442,9 @@ def test_a_set_compile_is_kept_and_parallelism_compile_is_folded_into_it():
 
 
 def test_rates_and_hours_are_rounded_as_they_are_said():
-    rate = {4: 12_499_999_990.0, 1: 29_500_000_010.0}.__getitem__  # 12.49999999, 29.50000001
+    rate = {4: 12_500_000_010.0, 1: 29_500_000_010.0}.__getitem__  # 12.50000001, 29.50000001
     assert fastpath.choose_threads("auto", "cpu", 4, rate).reason == (
-        "the CPU is busy: 1 thread multiplies at 30 GFLOP/s, 4 threads at 12"
+        "the CPU is busy: 1 thread multiplies at 30 GFLOP/s, 4 threads at 13"
     )
     rate = {4: 29_500_000_010.0, 1: 12_500_000_010.0}.__getitem__
     assert fastpath.choose_threads("auto", "cpu", 4, rate).reason == "30 GFLOP/s, 1 thread 13"

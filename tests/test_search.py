@@ -197,7 +197,8 @@ def test_two_sweepers_on_one_study_draw_different_points(tmp_path):
 @pytest.mark.integration
 def test_a_study_spends_no_trial_on_a_point_it_has_tried(tmp_path):
     search = a_search(tmp_path, {"optimizer.weight_decay": "choice(0.0, 0.1, 0.2)"}, n_trials=3)
-    assert search._next_trials(3, set()) == [0, 1, 2]
+    assert search._next_trials(5, set()) == [0, 1, 2]  # more slots than trials: n_trials asked
+    assert len(search.study.get_trials()) == 3
     drawn = sorted(t.params["optimizer.weight_decay"] for t in search.study.get_trials())
     assert drawn == [0.0, 0.1, 0.2]
 
@@ -883,7 +884,9 @@ def test_an_orphan_is_adopted_once_and_a_trial_asked_past_the_count_is_never_run
     assert attrs[studies.OWNER_ATTR] == s.owner and attrs[studies.ATTEMPT_ATTR] == 1
     assert set(s.study.trials[0].params) == set(s.space)  # given the whole space
     assert s._overrides(0)[-2] == "hparams_search.attempt=1"
+    assert all(t.system_attrs[studies.OWNER_ATTR] == s.owner for t in s.study.trials)
     assert not s._more_to_do(set()) and s._next_trials(2, set()) == []
+    assert len(s.study.get_trials()) == 3  # none asked past n_trials
     s.study.get_trials = lambda deepcopy=False: []  # as another sweeper asks at the same moment
     assert s._next_trials(1, set()) == []
     surplus = s.storage.get_trial(s.storage.get_trial_id_from_study_id_trial_number(s.study_id, 3))
@@ -993,3 +996,36 @@ def test_a_sweeper_of_another_user_on_this_host_is_alive(monkeypatch):
 
     monkeypatch.setattr(os, "kill", not_yours)
     assert owner_alive(f"{socket.gethostname()}:1", {}, 0.0)
+
+
+def test_a_trials_draw_is_the_samplers_own_joint_draw_after_its_startup_trials(tmp_path):
+    """Past its random startup trials TPE draws lr and weight decay jointly: the point drawn is the
+    one optuna's own Trial draws with the same seeded sampler on the same history; a one-valued
+    range is its value."""
+    from optuna.distributions import FloatDistribution
+
+    space = spaces.parse({"optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
+                          "optimizer.weight_decay": "interval(0.0, 0.4)"}, [])[0]  # fmt: skip
+    history = [(1e-3, 0.1), (3e-3, 0.2), (5e-4, 0.3), (2e-3, 0.05), (8e-3, 0.35)]
+
+    def study_with_history(name):
+        study = optuna.create_study(study_name=name, storage=f"sqlite:///{tmp_path}/{name}.db")
+        for i, (lr, wd) in enumerate(history):
+            study.add_trial(optuna.trial.create_trial(
+                params={"optimizer.lr": lr, "optimizer.weight_decay": wd}, distributions=space,
+                value=float(i),
+            ))  # fmt: skip
+        return study
+
+    ours = study_with_history("ours")
+    asked = ours.ask()
+    trial = ours._storage.get_trial(asked._trial_id)
+    got = studies._draw(studies.make_sampler("tpe", 5, 8), ours, trial, space)
+    ref = study_with_history("ref")
+    ref.sampler = studies.make_sampler("tpe", 5, 8)
+    assert got == ref.ask(space).params
+    assert got != studies._draw(studies.make_sampler("random", 5, 8), ours, trial, space)
+    fixed = {**space, "train.grad_clip": FloatDistribution(1.0, 1.0)}
+    assert studies._draw(studies.make_sampler("tpe", 5, 8), ours, trial, fixed) == {
+        **got, "train.grad_clip": 1.0
+    }  # fmt: skip

@@ -2,7 +2,7 @@
 #   make train   set up .venv and train the default model (character GPT on Tiny Shakespeare, CPU)
 #   make test    set up .venv, start the services the tests use (a local SLURM, headless Chromium;
 #                installed if missing, which needs root) and run the whole test suite (what CI runs)
-#   make unit    the fast tests only, no services
+#   make unit    the unit tests only (not slow, not integration), on 2 workers, no services: < 1 min
 #   make lint    ruff: lint rules and formatting (make test runs it first)
 #   make mutation  mutation testing (mutmut) of the core modules against the fast tests; hours, not in CI
 #                (docs/testing.md); one module: make mutation MUTANTS="gptlab.optim*"
@@ -39,7 +39,11 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
 			--extra-index-url https://pypi.org/simple; \
 	fi
-	$(BIN)/pip install -q -e ".[dev,eval]"
+	# uv resolves and downloads the rest in parallel (pip takes minutes), holding torch to the one
+	# installed above; plain pip where uv cannot be had
+	$(BIN)/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/torch.txt
+	$(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --python $(BIN)/python \
+		-c $(VENV)/torch.txt -e ".[dev,eval]" || $(BIN)/pip install -q -e ".[dev,eval]"
 	touch $@
 
 train: setup

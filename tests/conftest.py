@@ -5,7 +5,9 @@ Run as a script (make test does, first): prints where Tiny Shakespeare is, or on
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -38,6 +40,17 @@ def shakespeare() -> Path:
     return find_shakespeare()
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--package",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only the tests of files that import gptlab.NAME (a module or package: records, "
+        "search, model, data.loader); repeatable",
+    )
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects: the integration mark below must count
 def pytest_collection_modifyitems(session, config, items) -> None:
     """Without Tiny Shakespeare the suite stops before its first test, with the one line saying what
@@ -48,12 +61,35 @@ def pytest_collection_modifyitems(session, config, items) -> None:
             find_shakespeare()
         except pytest.fail.Exception as e:
             pytest.exit(str(e), returncode=2)
+    packages = config.getoption("package")
+    if packages:
+        keep = [item for item in items if imports_any(item.path, packages)]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     for item in items:
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
         if group is not None and group != "slurm" and not item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.integration)
+
+
+@functools.lru_cache(maxsize=None)
+def _source(path: Path) -> str:
+    return path.read_text()
+
+
+def imports_any(path: Path, packages: "list[str]") -> bool:
+    """Whether the test file imports one of gptlab's packages or modules (`gptlab.search`, `from
+    gptlab import search`, `from gptlab.search.study import ...`)."""
+    text = _source(path)
+    for name in packages:
+        parent, _, last = f"gptlab.{name}".rpartition(".")
+        dotted = re.compile(rf"\bgptlab\.{re.escape(name)}\b")
+        from_parent = re.compile(rf"from {re.escape(parent)} import [^\n]*\b{re.escape(last)}\b")
+        if dotted.search(text) or from_parent.search(text):
+            return True
+    return False
 
 
 # One SLURM cluster for the session, which test_multinode turns into two nodes and back: the tests

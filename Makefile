@@ -27,6 +27,8 @@ setup: $(VENV)/.installed
 # a wheel already on this machine (pip's find-links) wins, then CUDA where nvidia-smi works,
 # else PyTorch's CPU-only index.
 # A venv cut short (python but no pip) is made again rather than used.
+# Then uv resolves and downloads the rest in parallel (pip takes minutes), holding torch to the one
+# installed (torch.txt); plain pip where uv cannot be had.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python -a -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
@@ -39,9 +41,8 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
 			--extra-index-url https://pypi.org/simple; \
 	fi
-	# uv resolves and downloads the rest in parallel (pip takes minutes), holding torch to the one
-	# installed above; plain pip where uv cannot be had
-	$(BIN)/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VENV)/torch.txt
+	$(BIN)/python -c 'from importlib.metadata import version as v; print("torch==" + v("torch").split("+")[0])' \
+		> $(VENV)/torch.txt
 	$(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --python $(BIN)/python \
 		-c $(VENV)/torch.txt -e ".[dev,eval]" || $(BIN)/pip install -q -e ".[dev,eval]"
 	touch $@

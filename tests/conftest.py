@@ -67,6 +67,8 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
     for item in items:
+        if item.path.name in SERVICES_FILES:
+            item.add_marker(pytest.mark.services)
         group = xdist_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
@@ -95,6 +97,8 @@ def imports_any(path: Path, packages: "list[str]") -> bool:
 # One SLURM cluster for the session, which test_multinode turns into two nodes and back: the tests
 # that submit jobs to it run one after another on one worker.
 SLURM_FILES = {"test_slurm.py", "test_multinode.py", "test_search_slurm.py"}
+# run alone after the rest (make test): SLURM jobs and server restarts with deadlines of their own
+SERVICES_FILES = SLURM_FILES | {"test_mlflow_server.py"}
 # a test module's shared fixtures that cost nothing to make again
 CHEAP_SHARED = {"slurm_cluster", "bpe_ranks"}
 

@@ -20,7 +20,7 @@ MUTANTS ?=
 # then run in one process, after the others: their jobs' deadlines assume a machine not saturated.
 WORKERS ?= 4
 
-.PHONY: setup train test unit lint mutation clean
+.PHONY: setup train test unit lint bytecode mutation clean
 
 setup: $(VENV)/.installed
 
@@ -29,7 +29,9 @@ setup: $(VENV)/.installed
 # else PyTorch's CPU-only index.
 # A venv cut short (python but no pip) is made again rather than used.
 # Then uv resolves and downloads the rest in parallel (pip takes minutes), holding torch to the one
-# installed (torch.txt); plain pip where uv cannot be had.
+# installed (torch.txt); plain pip where uv cannot be had. Both write the bytecode at install: a
+# command (and each of the thousands the tests start) then never compiles a library's source, even
+# where PYTHONDONTWRITEBYTECODE keeps Python from caching what it compiles.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python -a -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
@@ -44,7 +46,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/python -c 'from importlib.metadata import version as v; print("torch==" + v("torch").split("+")[0])' \
 		> $(VENV)/torch.txt
-	$(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --python $(BIN)/python \
+	$(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --compile-bytecode --python $(BIN)/python \
 		-c $(VENV)/torch.txt -e ".[dev,eval]" || $(BIN)/pip install -q -e ".[dev,eval]"
 	touch $@
 
@@ -52,17 +54,21 @@ train: setup
 	$(BIN)/python -m gptlab.train $(ARGS)
 
 # Tiny Shakespeare is looked for first: without it the suite stops here with one line
-test: setup lint
+test: setup lint bytecode
 	@$(BIN)/python tests/conftest.py >/dev/null
 	bash .ci/with_services.sh sh -c '$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup \
 		-m "not services" $(PYTEST_ARGS); a=$$?; $(BIN)/python -m pytest -m services $(PYTEST_ARGS); \
 		b=$$?; [ $$a = 0 ] && { [ $$b = 0 ] || [ $$b = 5 ]; }'
 
+# gptlab's own bytecode too, for the processes the tests start (PYTHONDONTWRITEBYTECODE may be set)
+bytecode: setup
+	@$(BIN)/python -m compileall -q gptlab hydra_plugins tests >/dev/null
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-unit: setup
+unit: setup bytecode
 	$(BIN)/python -m pytest -m "not slow and not integration" -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # mutmut copies gptlab/, tests/ and conf/ into mutants/ and runs pytest there ([tool.mutmut] in

@@ -14,6 +14,11 @@ from pathlib import Path
 import pytest
 from helpers import find_shakespeare
 
+# Under xdist more workers than cores share the machine: each test process, and every command it
+# starts, multiplies on one thread, so no worker's matmul threads wait on another's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):

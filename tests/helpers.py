@@ -149,38 +149,51 @@ def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False) -> subproc
     )  # fmt: skip
 
 
-def start_mlflow_server(store: Path):
-    """A real `mlflow server` on a free loopback port with a SQLite backend: (process, uri)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start_mlflow_server(store: Path, attempts: int = 3):
+    """A real `mlflow server` on a free loopback port with a SQLite backend: (process, uri).
+
+    A server that exits at start (another process took the port between its pick and the bind)
+    is started again on a new port; its output is in store/server.log."""
     store.mkdir(parents=True, exist_ok=True)
-    server = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--artifacts-destination",
-            str(store / "artifacts"),
-        ],
-        cwd=store,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2).read()
-            return server, uri
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                os.killpg(server.pid, signal.SIGTERM)
-                pytest.fail("mlflow server did not start")
-            time.sleep(0.5)
+    log_path = store / "server.log"
+    for _attempt in range(attempts):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(log_path, "a") as log:
+            server = subprocess.Popen(
+                [
+                    str(Path(sys.executable).parent / "mlflow"),
+                    "server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--backend-store-uri",
+                    f"sqlite:///{store / 'mlflow.db'}",
+                    "--artifacts-destination",
+                    str(store / "artifacts"),
+                ],
+                cwd=store,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        uri = f"http://127.0.0.1:{port}"
+        # generous: a loaded 2-core machine under xdist imports mlflow slowly
+        deadline = time.time() + 300
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=5).read()
+                return server, uri
+            except OSError:
+                if server.poll() is not None:
+                    break
+                if time.time() > deadline:
+                    os.killpg(server.pid, signal.SIGTERM)
+                    server.wait(timeout=30)
+                    tail = log_path.read_text(errors="replace")[-2000:]
+                    pytest.fail(f"mlflow server did not answer in 300 s; its log:\n{tail}")
+                time.sleep(0.5)
+    tail = log_path.read_text(errors="replace")[-2000:]
+    pytest.fail(f"mlflow server exited at start {attempts} times; its log:\n{tail}")

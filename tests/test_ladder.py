@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import cli_env
 
 from gptlab import cli, fastpath, ladder
@@ -77,6 +78,8 @@ def test_a_lever_that_slows_the_step_is_shown_and_not_kept_and_the_repeats_give_
     """climb's bookkeeping on scripted figures: the ladder's arithmetic, not the machine's."""
     monkeypatch.setattr(fastpath, "cpu_bf16_units", lambda: True)
     monkeypatch.setenv("CXX", "no-such-compiler")
+    # torch's default is a thread per core: the threads rung has nothing to try, on any machine
+    monkeypatch.setattr(ladder, "physical_cores", torch.get_num_threads)
     speeds = {"plain fp32": 100.0, "+ bf16 autocast": 80.0, "+ fused attention (SDPA)": 150.0,
               "+ fused AdamW": 165.0}  # fmt: skip
     calls = []

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptlab import checkpoint, distributed  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
-from gptlab.optim import build_optimizer  # noqa: E402
+from gptlab.optim.factory import build_optimizer  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -27,7 +27,8 @@ from gptlab.evaluation import hellaswag
 from gptlab.inference import generate_text
 from gptlab.metrics import expectation_met
 from gptlab.model import GPT, GPTConfig
-from gptlab.optim import build_optimizer, lr_at, scaled_lr
+from gptlab.optim.factory import build_optimizer
+from gptlab.optim.schedule import lr_at, scaled_lr
 from gptlab.records import identity, layout, lineage, runfolder
 from gptlab.records.layout import last_logged_step
 from gptlab.records.store import flatten, local_uri

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
+from gptlab.optim import OPTIMIZERS
 from gptlab.records.store import check_uri
 from gptlab.sections import GPTConfig, OptimizerConfig, ProfileConfig, check_profile
 
@@ -297,7 +298,7 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
         "optimizer.betas",
         "must be two numbers in [0, 1)",
     )
-    _choice("optimizer.name", o.name, ["adamw", "muon"])
+    _choice("optimizer.name", o.name, list(OPTIMIZERS))
     _check(0.0 <= o.muon_momentum < 1.0, "optimizer.muon_momentum", "must be in [0, 1)")
     _check(o.muon_ns_steps >= 1, "optimizer.muon_ns_steps", "must be >= 1")
     _choice("optimizer.muon_ns_dtype", o.muon_ns_dtype, ["auto", "bf16", "fp32"])

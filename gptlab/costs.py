@@ -31,7 +31,8 @@ from gptlab.metrics import (
     measured_gpu_peak,
 )
 from gptlab.model import GPTConfig, padded_vocab
-from gptlab.optim import muon_owners, ns_dtype
+from gptlab.optim import OPTIMIZERS
+from gptlab.optim.muon import muon_owners, ns_dtype
 
 GiB = 2**30
 
@@ -81,15 +82,13 @@ def param_count(cfg: Config, vocab: int) -> int:
 
 
 def optimizer_floats(cfg: Config, params: int, matmuls: int, head: int) -> float:
-    """fp32 numbers of optimizer state per parameter: AdamW's two moments for every parameter; with
-    Muon, one momentum for each matrix it orthogonalises (every matmul weight but a tied head, which
-    is the embedding) and AdamW's two for the rest; one more for the weight average
-    (optimizer.ema_decay > 0). matmuls: matmul_params(); head: the LM head's weights (padded
-    vocabulary x n_embd)."""
+    """fp32 numbers of optimizer state per parameter, as the optimizer's row of the table says
+    (gptlab.optim.OPTIMIZERS), plus one for the weight average (optimizer.ema_decay > 0). The
+    matrices Muon orthogonalises are every matmul weight but a tied head (the embedding). matmuls:
+    matmul_params(); head: the LM head's weights (padded vocabulary x n_embd)."""
     o = cfg.optimizer
-    floats = 2.0 * params
-    if o.name == "muon":
-        floats -= matmuls - (head if cfg.model.tie_weights else 0)
+    matrices = matmuls - (head if cfg.model.tie_weights else 0)
+    floats = OPTIMIZERS[o.name].state_floats(params, matrices)
     return floats / params + (1.0 if o.ema_decay > 0 else 0.0)
 
 
@@ -238,7 +237,7 @@ class Shape:
     optimizer_floats: float = 2.0  # fp32 optimizer numbers per parameter (AdamW: two moments)
     # the matrices Muon orthogonalises, (rows, cols) each (muon_matrices); none without Muon
     muon_shapes: Tuple[Tuple[int, int], ...] = ()
-    ns_bytes: int = 4  # the size of Muon's Newton-Schulz dtype (optim.ns_dtype)
+    ns_bytes: int = 4  # the size of Muon's Newton-Schulz dtype (optim.muon.ns_dtype)
 
 
 def activation_bytes_per_layer_token(s: Shape, checkpointing: bool) -> float:
@@ -329,10 +328,10 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
 
 
 def muon_matrices(cfg: Config, vocab: int) -> Tuple[Tuple[int, int], ...]:
-    """The matrices Muon orthogonalises (none unless optimizer.name=muon), as optim.build_optimizer
+    """The matrices Muon orthogonalises (none for a kind without Newton-Schulz), as muon.build
     picks them: each block's attention c_attn and c_proj, MLP c_fc and c_proj, and an untied head
     (vocab: the padded vocabulary)."""
-    if cfg.optimizer.name != "muon":
+    if not OPTIMIZERS[cfg.optimizer.name].newton_schulz:
         return ()
     m = cfg.model
     d, h = m.n_embd, m.hidden_dim
@@ -344,7 +343,7 @@ def muon_matrices(cfg: Config, vocab: int) -> Tuple[Tuple[int, int], ...]:
 def newton_schulz_bytes(s: Shape) -> float:
     """What Muon's step holds beside the weights, gradients and state (0 without Muon): the Nesterov
     updates (fp32, this rank's part of each matrix) and, in the Newton-Schulz dtype, what
-    orthogonalising this rank's share of the matrices takes (optim.muon_owners, over the shards
+    orthogonalising this rank's share of the matrices takes (muon.muon_owners, over the shards
     when sharded, else over the world): its largest stack with the iteration's x, next x and two
     grams; split over ranks, its results too, and the collectives' buffers: replicated, one other
     owner's broadcast results at a time; sharded, the owner's whole matrices gathered beside its

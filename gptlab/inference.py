@@ -20,7 +20,7 @@ from gptlab.data import Tokenizer, load_tokenizer
 from gptlab.data.hf_tokenizer import write_hf_tokenizer
 from gptlab.errors import GptlabError
 from gptlab.model import GPT, GPTConfig
-from gptlab.optim import AVERAGE, load_average
+from gptlab.optim.average import AVERAGE, load_average
 
 
 def load_model(

@@ -146,7 +146,7 @@ def plan_rungs(cfg: DictConfig, typed: Callable[[DictConfig], Any]) -> List[Rung
 
 
 def _fused_adamw(plain: Any) -> Rung:
-    from gptlab.optim import FUSED_ADAMW_DEVICES
+    from gptlab.optim.factory import FUSED_ADAMW_DEVICES
 
     device = plain.hardware.device
     why = None if device in FUSED_ADAMW_DEVICES else f"torch has no fused AdamW on {device}"

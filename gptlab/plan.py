@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.config import Config
 from gptlab.errors import GptlabError
+from gptlab.optim import OPTIMIZERS
 
 if TYPE_CHECKING:  # hints only: costs imports torch, kept off the start-up path of --help
     from gptlab.costs import Plan
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # hints only: costs imports torch, kept off the start-up path
 
 def optimizer_label(cfg: Config) -> str:
     """What the optimizer's memory holds, in the report's words."""
-    kind = "Muon/AdamW" if cfg.optimizer.name == "muon" else "AdamW"
+    kind = OPTIMIZERS[cfg.optimizer.name].label
     return kind + (" + average" if cfg.optimizer.ema_decay > 0 else " state")
 
 

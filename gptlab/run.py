@@ -16,7 +16,7 @@ from gptlab.console import Reporter
 from gptlab.data import RandomWindowLoader, Tokenizer
 from gptlab.distributed import Dist
 from gptlab.model import GPT
-from gptlab.optim import averaged_weights
+from gptlab.optim.average import averaged_weights
 from gptlab.records import runfolder
 
 

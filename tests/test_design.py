@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[1] / "gptlab"
 # safe_dcp and sections
 LEAVES = ["model", "optim", "metrics", "checkpoint", "data", "safe_dcp", "sections",
           "records.layout", "records.store", "records.identity", "records.tracker"]  # fmt: skip
-# safe_dcp: torch only; sections: the torch-free config sections of model.py and optim.py
+# safe_dcp: torch only; sections: the torch-free config sections of model.py and optim/
 ALLOWED_FOR_LEAVES = {"gptlab.errors", "gptlab.safe_dcp", "gptlab.sections"}
 
 
@@ -375,7 +375,8 @@ def test_readme_names_the_files_and_folders_the_code_writes():
 
 
 # The training, evaluation and checkpoint paths: a tensor they make meets the model's on its device
-DEVICE_PATHS = ["loop.py", "optim.py", "checkpoint.py", "run.py", "inference.py",
+DEVICE_PATHS = ["loop.py", "optim/muon.py", "optim/lion.py", "optim/average.py", "checkpoint.py",
+                "run.py", "inference.py",
                 "distributed.py", "evaluation/scoring.py", "evaluation/hellaswag.py",
                 "evaluation/harness.py"]  # fmt: skip
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",

@@ -18,7 +18,8 @@ from gptlab import checkpoint, loop
 from gptlab.build import build
 from gptlab.config import to_config
 from gptlab.evaluation import hellaswag
-from gptlab.optim import AVERAGE, UPDATES, WeightAverage, averaged_weights
+from gptlab.optim import OPTIMIZERS
+from gptlab.optim.average import AVERAGE, UPDATES, WeightAverage, averaged_weights
 
 META = torch.device("meta")
 
@@ -81,7 +82,7 @@ def test_evaluation_places_every_tensor(meta_run):
     assert any("scaled_dot_product" in op or "bmm" in op or "mm" in op for op in guard.ops)
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.integration
 def test_an_optimizer_step_and_the_weight_average_place_every_tensor(meta_run, optimizer):
     run = meta_run(f"optimizer={optimizer}", "optimizer.ema_decay=0.9", "optimizer.fused=false")

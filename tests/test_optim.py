@@ -3,24 +3,16 @@ import math
 
 import pytest
 import torch
-from helpers import compose_config, model_config, typed
+from helpers import compose_config, model_config, nano_overrides, typed
 
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.optim import (
-    Muon,
-    averaged_weights,
-    build_optimizer,
-    fast_bf16,
-    load_average,
-    lr_at,
-    muon_owners,
-    ns_dtype,
-    ns_flops,
-    orthogonalize,
-    scaled_lr,
-)
+from gptlab.optim import OPTIMIZERS
+from gptlab.optim.average import averaged_weights, load_average
+from gptlab.optim.factory import build_optimizer
+from gptlab.optim.muon import Muon, fast_bf16, muon_owners, ns_dtype, ns_flops, orthogonalize
+from gptlab.optim.schedule import lr_at, scaled_lr
 
 
 def OptimizerConfig(**changes):  # noqa: N802 - conf/optimizer/adamw.yaml with fields changed
@@ -184,7 +176,7 @@ def test_fast_bf16_is_cuda_and_cpus_with_native_bf16(monkeypatch, avx512_bf16, a
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.integration
 def test_muon_ns_dtype_auto_follows_native_bf16_and_an_explicit_choice_wins(monkeypatch, native):
-    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: native)
+    monkeypatch.setattr("gptlab.optim.muon.fast_bf16", lambda device: native)
     cpu = torch.device("cpu")
     assert ns_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     assert ns_dtype("fp32", cpu) == torch.float32 and ns_dtype("bf16", cpu) == torch.bfloat16
@@ -245,7 +237,7 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, mo
     """Three steps by hand: Nesterov momentum, Newton-Schulz, 0.2 sqrt(max dim) scale, decoupled
     decay; the AdamW groups equal torch.optim.AdamW's steps to rounding. Both Newton-Schulz
     precisions."""
-    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: bf16)
+    monkeypatch.setattr("gptlab.optim.muon.fast_bf16", lambda device: bf16)
     cfg = OptimizerConfig(name="muon", weight_decay=0.1, betas=[0.9, 0.95], muon_momentum=0.9)
     model, ref = muon_model(), muon_model()
     ref.load_state_dict(model.state_dict())
@@ -303,8 +295,11 @@ def test_an_unknown_optimizer_is_refused():
     from gptlab.config import to_config
     from gptlab.errors import GptlabError
 
-    with pytest.raises(GptlabError, match="optimizer.name=lion: must be one of adamw, muon"):
-        to_config(compose_config(["optimizer.name=lion"]))
+    # the choices are the table's rows
+    with pytest.raises(
+        GptlabError, match="optimizer.name=sophia: must be one of adamw, muon, lion"
+    ):
+        to_config(compose_config(["optimizer.name=sophia"]))
 
 
 # as distributed.py does
@@ -319,7 +314,7 @@ def test_muon_on_sharded_parameters_steps_as_on_whole_ones(monkeypatch):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    monkeypatch.setattr("gptlab.optim.fast_bf16", lambda device: False)
+    monkeypatch.setattr("gptlab.optim.muon.fast_bf16", lambda device: False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         whole, sharded = muon_model(), muon_model()
@@ -406,7 +401,7 @@ def split_worker(rank, store, out):
     number of matrices this rank orthogonalised in each, to out/<rank>.pt."""
     import torch.distributed as dist
 
-    import gptlab.optim as optim
+    import gptlab.optim.muon as optim
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
@@ -559,3 +554,104 @@ def test_a_run_without_the_average_drops_a_resumed_one_instead_of_evaluating_it_
     again = build_optimizer(model, OptimizerConfig(ema_decay=0.5), 1e-2, "cpu")
     again.load_state_dict(saved)  # an averaging run keeps it
     assert all("ema" in s for s in again.state.values())
+
+
+# ---- Lion, and every optimizer of the table --------------------------------------------------
+
+
+def lion_reference(p, g, m, lr, betas, weight_decay):
+    """Lion's step written out: (the new weights, the new momentum)."""
+    b1, b2 = betas
+    p = p * (1 - lr * weight_decay) - lr * torch.sign(b1 * m + (1 - b1) * g)
+    return p, b2 * m + (1 - b2) * g
+
+
+def test_lion_steps_each_coordinate_by_lr_in_the_sign_of_its_momentum():
+    from gptlab.optim.lion import Lion
+
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(8))
+    lr, betas = 0.01, (0.9, 0.99)
+    opt = Lion([{"params": [w], "weight_decay": 0.5}, {"params": [b], "weight_decay": 0.0}], lr,
+               betas)  # fmt: skip
+    ref = {
+        "w": (w.detach().clone(), torch.zeros_like(w)),
+        "b": (b.detach().clone(), torch.zeros(8)),
+    }
+    for step in range(3):
+        grads = {"w": torch.randn_like(w), "b": torch.randn_like(b)}
+        if step == 0:
+            before = b.detach().clone()
+        w.grad, b.grad = grads["w"].clone(), grads["b"].clone()
+        opt.step()
+        if step == 0:  # no decay on b: every coordinate moved by exactly lr
+            assert torch.allclose((b.detach() - before).abs(), torch.full_like(b, lr))
+        for name, decay in (("w", 0.5), ("b", 0.0)):
+            ref[name] = lion_reference(*ref[name][:1], grads[name], ref[name][1], lr, betas, decay)
+        assert torch.allclose(w, ref["w"][0], atol=1e-6) and torch.allclose(
+            b, ref["b"][0], atol=1e-6
+        )
+    # one state buffer per parameter: the momentum
+    assert [sorted(s) for s in opt.state.values()] == [["exp_avg"], ["exp_avg"]]
+
+
+def test_lion_on_sharded_parameters_steps_as_on_whole_ones(one_rank_group):
+    """fully_shard's DTensors: the for-each update and the per-shard sign give the same weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    sharded = copy.deepcopy(whole)
+    fully_shard(sharded)
+    cfg = OptimizerConfig(name="lion", weight_decay=0.3)
+    opts = [build_optimizer(m, cfg, 0.01, "cpu") for m in (whole, sharded)]
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        for model, opt in zip((whole, sharded), opts):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(whole.parameters(), sharded.parameters()):
+        assert torch.allclose(a, b.full_tensor(), atol=1e-6)
+
+
+def state_bytes(optimizer_state) -> int:
+    """The fp32 bytes an optimizer's saved state holds per parameter tensor (a step count or an
+    update count aside)."""
+    return sum(
+        v.numel() * v.element_size()
+        for per_param in optimizer_state["state"].values()
+        for k, v in per_param.items()
+        if k not in ("step", "ema_updates")
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_of_the_table_is_planned_trains_and_resumes_exactly(
+    name, tmp_path, shakespeare
+):
+    """compose -> plan -> steps -> resume: the plan's optimizer memory is what the optimizer holds,
+    and a run stopped and resumed ends with the uninterrupted run's weights, bit for bit."""
+    from gptlab import checkpoint
+    from gptlab.costs import make_plan, resolve_auto, resolve_micro_batch
+    from gptlab.train import run_training
+
+    def overrides(steps):
+        return nano_overrides(
+            shakespeare, f"optimizer={name}", f"train.max_steps={steps}",
+            "optimizer.decay_steps=6", "optimizer.warmup_steps=2", "train.eval_every=3",
+            "train.eval_steps=1", "train.checkpoint_every=3", "train.sample_tokens=0",
+        )  # fmt: skip
+
+    cfg = resolve_micro_batch(resolve_auto(to_config(compose_config(overrides(6))))[0])
+    planned = make_plan(cfg).memory["optimizer"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_training(compose_config(overrides(6)), straight)
+    assert run_training(compose_config(overrides(3)), split)["steps"] == 3
+    assert run_training(compose_config(overrides(6)), split)["steps"] == 6
+    saved = checkpoint.load(checkpoint.latest(straight / "checkpoints"))
+    assert planned == pytest.approx(state_bytes(saved["optimizer"]), rel=1e-6)
+    a = checkpoint.read_model(checkpoint.latest(straight / "checkpoints")).model
+    b = checkpoint.read_model(checkpoint.latest(split / "checkpoints")).model
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -12,7 +12,7 @@ from gptlab.config import to_config
 from gptlab.costs import make_plan, param_count, resolve_auto, resolve_micro_batch, shape_for
 from gptlab.errors import GptlabError
 from gptlab.model import GPT
-from gptlab.optim import build_optimizer
+from gptlab.optim.factory import build_optimizer
 
 
 @pytest.fixture(autouse=True)
@@ -887,7 +887,7 @@ def muon_step_held(mode, ns):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from gptlab.optim import Muon
+    from gptlab.optim.muon import Muon
 
     torch.manual_seed(0)
     matrices = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s)) for s in MUON_MATRICES])

@@ -1,11 +1,9 @@
-"""Optimizer: parameter groups, AdamW, Muon, the weight average, and the learning-rate schedule
-lr_at(step)."""
+"""Muon: momentum updates orthogonalised by Newton-Schulz, split over ranks; AdamW for the rest."""
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,180 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
-# the section lives in torch-free sections.py (the schema imports it); importable from here too
 from gptlab.sections import OptimizerConfig
-
-
-def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:
-    """The peak lr after the data-parallel scaling rule (sqrt as in the 1B reference run)."""
-    factor = {"none": 1.0, "sqrt": math.sqrt(world_size), "linear": float(world_size)}[
-        cfg.lr_scaling
-    ]
-    return cfg.lr * factor
-
-
-def lr_at(step: int, peak: float, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Linear warmup over warmup_steps, then decay to min_lr_ratio * peak at decay_steps."""
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return peak * (step + 1) / cfg.warmup_steps
-    floor = peak * cfg.min_lr_ratio
-    decay = cfg.decay_steps or total_steps
-    if cfg.schedule == "constant" or decay <= cfg.warmup_steps:
-        return peak
-    progress = min(1.0, (step - cfg.warmup_steps) / (decay - cfg.warmup_steps))
-    if cfg.schedule == "linear":
-        return peak - (peak - floor) * progress
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
-
-
-def build_optimizer(
-    model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str
-) -> torch.optim.Optimizer:
-    """AdamW with weight decay on >=2-D tensors (matrices, embeddings) only; name=muon: Muon on the
-    blocks' matrices, AdamW on the rest, with the same decay rule."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    # One fused kernel per step on CUDA and the CPU: faster than the for-each default, the same
-    # update to rounding (docs/measurements/2026-11-30-cpu-speed.md has the figures).
-    fused = cfg.fused if cfg.fused is not None else device_type in FUSED_ADAMW_DEVICES
-    if cfg.name == "muon":
-        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-        matrices = [p for p in decay if p.dim() == 2 and id(p) not in embeddings]
-        taken = {id(p) for p in matrices}
-        groups = [
-            {"params": matrices, "weight_decay": cfg.weight_decay, "muon": True},
-            {
-                "params": [p for p in decay if id(p) not in taken],
-                "weight_decay": cfg.weight_decay,
-                "muon": False,
-            },
-            {"params": no_decay, "weight_decay": 0.0, "muon": False},
-        ]
-        optimizer: torch.optim.Optimizer = Muon(
-            groups,
-            lr,
-            tuple(cfg.betas),
-            cfg.eps,
-            cfg.muon_momentum,
-            cfg.muon_ns_steps,
-            fused,
-            cfg.muon_ns_dtype,
-        )
-    else:
-        groups = [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(
-            groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
-        )
-    if cfg.ema_decay > 0:
-        WeightAverage(cfg.ema_decay).attach(optimizer)
-    # resumed from a run that averaged: its average would stand still, and be evaluated and saved
-    else:
-        optimizer.register_load_state_dict_post_hook(drop_average)
-    return optimizer
-
-
-# ------------------------------------------------------------------------------ the weight average
-
-# The exponential moving average of the weights is per-parameter optimizer state under this key, so
-# it is saved, resharded and restored with the moments (a sharded run keeps the average of its own
-# shard), and a resumed run goes on averaging exactly where it stopped.
-AVERAGE = "ema"
-# per parameter, beside its average: how many updates it has had (the first included)
-UPDATES = "ema_updates"
-
-
-class WeightAverage:
-    """Keeps an exponential moving average of an optimizer's parameters, through the optimizer's
-    hooks: after each step, average = d * average + (1 - d) * weights, the first step starting the
-    average at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short
-    run (or the start of a long one) averages over its last few steps instead of lagging behind at
-    its initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at
-    0.998).
-
-    n is saved as per-parameter state (UPDATES) with the average, and counted here in Python too, so
-    a step reads no device value; loading a state has the next step read the loaded count, once."""
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.updates: Optional[int] = None  # None: read the saved count at the next update
-
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.update(opt))
-        optimizer.register_load_state_dict_post_hook(lambda opt: self.forget_count())
-
-    def forget_count(self) -> None:
-        self.updates = None
-
-    @torch.no_grad()
-    def update(self, optimizer: torch.optim.Optimizer) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        states = [optimizer.state[p] for p in params]
-        if self.updates is None:  # first step of this process, or just loaded: read it once
-            counted = next((s[UPDATES] for s in states if UPDATES in s), None)
-            self.updates = int(counted.item()) if counted is not None else 0
-        d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        started, weights, counts = [], [], []
-        for p, state in zip(params, states):
-            if AVERAGE in state and UPDATES in state:
-                started.append(state[AVERAGE])
-                weights.append(p.detach())
-                counts.append(state[UPDATES])
-            else:  # a new average (or one without its count): it starts at these weights, update 1
-                state[AVERAGE] = p.detach().clone()
-                # shape (1,), not 0-d: torch's state-dict helpers reshard it like the average
-                state[UPDATES] = torch.ones(1, dtype=torch.float32, device=p.device)
-        if started:
-            torch._foreach_lerp_(started, weights, 1.0 - d)
-            torch._foreach_add_(counts, 1.0)
-        self.updates += 1
-
-
-def drop_average(optimizer: torch.optim.Optimizer) -> None:
-    """Forget every parameter's average (an optimizer without ema_decay that loaded one)."""
-    for state in optimizer.state.values():
-        state.pop(AVERAGE, None)
-        state.pop(UPDATES, None)
-
-
-@contextmanager
-def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """Inside, every parameter that has an average holds it (evaluation, sampling); the training
-    weights are back afterwards, bit for bit. Without an average (ema_decay=0) it changes nothing.
-    Yields whether it swapped any weights in."""
-    pairs = [(p.detach(), s[AVERAGE]) for p, s in optimizer.state.items() if AVERAGE in s]
-    saved = [p.clone() for p, _ in pairs]
-    with torch.no_grad():
-        for p, avg in pairs:
-            p.copy_(avg)
-    try:
-        yield bool(pairs)
-    finally:
-        with torch.no_grad():
-            for (p, _), kept in zip(pairs, saved):
-                p.copy_(kept)
-
-
-def load_average(model: nn.Module, optimizer_state: Optional[Dict[str, Any]]) -> bool:
-    """Copy a saved optimizer state's weight average (keyed by parameter name, as checkpoints hold
-    it) into model's parameters; True if there was one. Tied parameters take it under any of their
-    names."""
-    saved = (optimizer_state or {}).get("state", {})
-    found = False
-    with torch.no_grad():
-        for name, p in model.named_parameters(remove_duplicate=False):
-            avg = saved.get(name, {}).get(AVERAGE)
-            if avg is not None:
-                p.copy_(avg)
-                found = True
-    return found
-
 
 # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -511,3 +336,36 @@ class Muon(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def build(
+    model: nn.Module,
+    decay: List[nn.Parameter],
+    no_decay: List[nn.Parameter],
+    cfg: OptimizerConfig,
+    lr: float,
+    fused: bool,
+) -> torch.optim.Optimizer:
+    """Muon on the blocks' matrices (and an untied head), AdamW on embeddings and the rest."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matrices = [p for p in decay if p.dim() == 2 and id(p) not in embeddings]
+    taken = {id(p) for p in matrices}
+    groups: List[Any] = [
+        {"params": matrices, "weight_decay": cfg.weight_decay, "muon": True},
+        {
+            "params": [p for p in decay if id(p) not in taken],
+            "weight_decay": cfg.weight_decay,
+            "muon": False,
+        },
+        {"params": no_decay, "weight_decay": 0.0, "muon": False},
+    ]
+    return Muon(
+        groups,
+        lr,
+        tuple(cfg.betas),
+        cfg.eps,
+        cfg.muon_momentum,
+        cfg.muon_ns_steps,
+        fused,
+        cfg.muon_ns_dtype,
+    )

@@ -1,0 +1,26 @@
+"""AdamW with decoupled weight decay on the matrices and embeddings only."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.nn as nn
+
+from gptlab.sections import OptimizerConfig
+
+
+def build(
+    model: nn.Module,
+    decay: List[nn.Parameter],
+    no_decay: List[nn.Parameter],
+    cfg: OptimizerConfig,
+    lr: float,
+    fused: bool,
+) -> torch.optim.Optimizer:
+    """torch's AdamW (fused: its one-kernel step)."""
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

@@ -56,9 +56,11 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val/loss")] == [10, 20]
     # every point MLflow holds is the run folder's own value at that step (metrics.jsonl is the
     # record)
-    from gptlab.records.store import METRIC_NAMES
+    from gptlab.records.store import METRIC_NAMES, NOT_METRICS
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # every key the run wrote has its MLflow name (a new metric is named, or this fails)
+    assert {k for r in rows for k in r} <= METRIC_NAMES.keys() | NOT_METRICS
     for key, name in METRIC_NAMES.items():
         expected = {r["step"]: r[key] for r in rows if key in r}
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
@@ -195,6 +197,20 @@ def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_miss
     assert "loss.png skipped: matplotlib is not installed (pip install matplotlib)" in err
     assert "TensorBoard event files skipped: the tensorboard package is not installed" in err
     assert "system metrics skipped" in err  # they live in MLflow, which this run has off
+
+
+def test_a_metric_without_a_name_is_said_once_and_the_named_ones_are_sent(caplog):
+    """A key the loop writes that METRIC_NAMES lacks would reach MLflow and TensorBoard as nothing:
+    it is said, once per key, and the rest go on."""
+    from gptlab.records import store
+
+    store._unnamed.cache_clear()
+    with caplog.at_level("WARNING", logger="gptlab.records.store"):
+        for _ in range(2):
+            sent = store.mlflow_metrics({"step": 3, "train_loss": 2.5, "lr": None, "zloss": 0.1})
+    assert sent == {"train/loss": 2.5}
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'zloss'" in said[0] and "METRIC_NAMES" in said[0], said
 
 
 def test_ui_command_names_the_store_and_the_experiment(tmp_path, monkeypatch):

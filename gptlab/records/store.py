@@ -38,6 +38,8 @@ METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so run
     "mfu": "perf/mfu",
     "tokens": "tokens",
 }
+# metrics.jsonl keys that are no metric of their own: the step is every point's x
+NOT_METRICS = frozenset({"step"})
 # results.json key -> MLflow metric logged once at the end (sortable in the runs table)
 SUMMARY_METRICS = {
     "best_val_loss": "summary/best_val_loss",
@@ -336,11 +338,21 @@ def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
 
 
 def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
-    """The run-folder metrics that MLflow records, under their MLflow names (None values left
-    out)."""
+    """The run-folder metrics under their MLflow (and TensorBoard) names, None values left out; a
+    key without a name is said once, not dropped in silence."""
+    for key in metrics.keys() - METRIC_NAMES.keys() - NOT_METRICS:
+        _unnamed(key)
     return {
         METRIC_NAMES[k]: float(v) for k, v in metrics.items() if k in METRIC_NAMES and v is not None
     }
+
+
+@functools.lru_cache(maxsize=None)
+def _unnamed(key: str) -> None:
+    log.warning(
+        f"metric {key!r} is recorded in metrics.jsonl only: give it a name in "
+        "gptlab/records/store.py METRIC_NAMES for MLflow and TensorBoard"
+    )
 
 
 def _hydra_value(value: str) -> str:

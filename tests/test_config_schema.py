@@ -131,6 +131,7 @@ SMOKE = [
     "train.log_every=5",
     "train.sample_tokens=20",
     "tracking.mlflow=false",
+    "tracking.plots=false",
     "optimizer.warmup_steps=5",
     "hardware.threads=null",
 ]

@@ -105,7 +105,11 @@ def offline_run(tmp_path_factory, shakespeare):
     """A finished run whose store was unreachable: everything in its folder, nothing in MLflow."""
     run_dir = tmp_path_factory.mktemp("offline") / "run"
     overrides = nano_overrides(
-        shakespeare, "tracking.mlflow=true", f"tracking.uri={DOWN}", "train.sample_tokens=5"
+        shakespeare,
+        "tracking.mlflow=true",
+        "tracking.plots=true",  # loss.png is an artifact sync sends
+        f"tracking.uri={DOWN}",
+        "train.sample_tokens=5",
     )
     said, logger = Lines(), logging.getLogger("gptlab.records.tracker")
     logger.addHandler(said)

@@ -36,6 +36,7 @@ def test_mlflow_run_has_params_metrics_and_artifacts(tmp_path, shakespeare, monk
             nano_overrides(
                 shakespeare,
                 "tracking.mlflow=true",
+                "tracking.plots=true",
                 "tracking.system_metrics=true",
                 f"tracking.tensorboard={tensorboard}",
             )
@@ -168,7 +169,11 @@ def test_a_failing_run_is_failed_in_mlflow_with_the_error_as_a_tag(
 ):
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "outputs" / "runs" / "diverged"
-    cfg = compose_config(nano_overrides(shakespeare, "tracking.mlflow=true", "optimizer.lr=1e7"))
+    cfg = compose_config(
+        nano_overrides(
+            shakespeare, "tracking.mlflow=true", "tracking.plots=true", "optimizer.lr=1e7"
+        )
+    )
     with pytest.raises(GptlabError, match="diverged"):
         run_training(cfg, run_dir)
     (run,) = client_for(tmp_path).search_runs(["1"])
@@ -187,7 +192,12 @@ def test_a_run_without_matplotlib_or_tensorboard_completes_and_says_what_is_miss
     run_dir = tmp_path / "run"
     results = run_training(
         compose_config(
-            nano_overrides(shakespeare, "tracking.tensorboard=true", "tracking.system_metrics=true")
+            nano_overrides(
+                shakespeare,
+                "tracking.plots=true",
+                "tracking.tensorboard=true",
+                "tracking.system_metrics=true",
+            )
         ),
         run_dir,
     )

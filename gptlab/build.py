@@ -90,9 +90,7 @@ def build(
     # trial, stops before the folder is claimed or any training
     trial = search_trial.open_link(cfg.hparams_search, d.is_main)
     run_dir = shared_run_dir(run_dir)
-    resume_from, loaded = runfolder.shared_claim(
-        run_dir, cfg.train.resume, resolved, d.is_main, log.info
-    )
+    resume_from, loaded = shared_claim(run_dir, cfg.train.resume, resolved, d.is_main, log.info)
     data, train_tokens, val_tokens = build_data(cfg, d)
     hellaswag = build_hellaswag(cfg, d, data.tokenizer)  # a run that cannot have it stops here
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
@@ -291,7 +289,7 @@ def resume(
     loaded: the state rank 0 read while claiming the folder (the other ranks read it here)."""
     if path is None:
         return None
-    path, state = runfolder.shared_restore(
+    path, state = shared_restore(
         run.run_dir,
         run.train.resume,
         run.resolved_config,
@@ -378,3 +376,66 @@ def log_model(config: Any, tracker: Any, run_dir: Path, results: Dict[str, Any])
         f"logged the run's MLflow model {info.model_uri} (step {results['steps']}) in "
         f"{time.perf_counter() - start:.1f} s"
     )
+
+
+# ---- the run folder's claim across ranks (records/runfolder decides on rank 0) ----------------
+
+
+def shared_claim(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    is_main: bool,
+    log: Callable[[str], None],
+    unreadable: Optional[Dict[Path, str]] = None,
+) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:
+    """runfolder.claim() on rank 0, its answer on every rank.
+
+    Returns (the checkpoint to load, the state rank 0 loaded already, None on the other ranks).
+    Rank 0's refusal is raised on every rank. Called before the data is prepared, so another run's
+    checkpoint or a bad path stops at once."""
+    answer: Tuple[Optional[str], Optional[str]] = (None, None)
+    c = None
+    if is_main:
+        try:
+            c = runfolder.claim(run_dir, resume, resolved, log, unreadable)
+            answer = (str(c.resume_from) if c.resume_from else None, None)
+        except GptlabError as e:
+            answer = (None, str(e))
+    path, error = distributed.broadcast_object(answer)
+    if error is not None:
+        raise GptlabError(error)
+    return (Path(path) if path else None), (c.state if c is not None else None)
+
+
+def shared_restore(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    is_main: bool,
+    log: Callable[[str], None],
+    objects: Dict[str, Any],
+    claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
+) -> Tuple[Path, checkpoint.TrainingState]:
+    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its
+    state).
+
+    A sharded checkpoint an entry of which does not read back (damaged, or crafted) is claimed past:
+    named with its cause, moved to checkpoints/broken/, and the previous one restored.
+    train.resume=PATH asked for that one: its damage is the error."""
+    path, loaded = claimed
+    unreadable: Dict[Path, str] = {}
+    while True:
+        state = loaded or checkpoint.TrainingState.load(path)
+        try:
+            # restoring is the check (each rank reads its entries once); DCP gives all failures
+            state.restore(objects)
+            return path, state
+        except checkpoint.UnreadableCheckpoint as e:
+            if resume != "auto":
+                raise
+            unreadable[path] = str(e)
+        found, loaded = shared_claim(run_dir, resume, resolved, is_main, log, unreadable)
+        if found is None:  # not reached: a folder whose checkpoints all fail is refused by claim
+            raise GptlabError(unreadable[path])
+        path = found

@@ -172,7 +172,7 @@ class SweepCallback(Callback):
         try:
             parent.end(
                 mlflow_client(p["uri"]), p["experiment_id"], p["parent_run_id"], stopped,
-                tolerated_failures=self.tolerated_failures,
+                tolerated_failures=self.tolerated_failures, job_error=slurm.job_error,
             )  # fmt: skip
         except Exception as e:  # noqa: BLE001
             log.warning(

@@ -346,9 +346,13 @@ class Store:
     def close(self) -> None:
         """End the parent runs sync made whose children it recorded, as the sweep's end would have
         (FINISHED, or FAILED when a job failed; the best summary/best_val_loss)."""
+        from gptlab import slurm  # submitit: off the command's start-up
+
         for sweep_dir, (run_id, experiment_id) in self.parents.items():
             if run_id in self.ours and run_id in self.touched:
-                parent.end(self.client, experiment_id, run_id, stopped=False)
+                parent.end(
+                    self.client, experiment_id, run_id, stopped=False, job_error=slurm.job_error
+                )
                 print(f"{sweep_dir}: sweep run {run_id} ended from its jobs' records", flush=True)
 
 

@@ -96,6 +96,14 @@ def test_no_import_cycle_inside_gptlab():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_records_call_neither_distributed_nor_slurm():
+    """records/ reads and writes records: the claim across ranks lives with training (build.py), and
+    what ended a SLURM job is read by the caller that ends a sweep (parent.end's job_error)."""
+    for path in sorted((PKG / "records").glob("*.py")):
+        used = set(gptlab_imports(path)) & {"gptlab.distributed", "gptlab.slurm"}
+        assert not used, f"{path.name} imports {sorted(used)}"
+
+
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

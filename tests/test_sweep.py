@@ -271,25 +271,23 @@ def test_a_parent_fails_past_its_allowance_of_failed_jobs_or_when_stopped(
     assert "best_run" not in client.tags["P"]
 
 
-def test_a_failed_slurm_jobs_rank_and_node_go_on_its_run_and_the_parents_error(monkeypatch):
-    from gptlab import slurm
+def test_a_failed_slurm_jobs_rank_and_node_go_on_its_run_and_the_parents_error():
     from gptlab.records import parent
 
     why = {"/s/1": "SLURM job 61: rank 1 on n2: Killed", "/s/2": "SLURM job 62: rank 0 on n1: OOM"}
-    monkeypatch.setattr(slurm, "job_error", lambda run_dir: why.get(run_dir))
     runs = [
         child("a", "FAILED", "/s/1"),
         child("b", "FAILED", "/s/2"),
         child("c", "FAILED", "/s/3"),
     ]
     client = FakeClient(runs)
-    parent.end(client, "e1", "P", stopped=False)
+    parent.end(client, "e1", "P", stopped=False, job_error=why.get)
     assert client.tags["id-a"] == {"slurm_error": why["/s/1"]}
     assert client.tags["id-b"] == {"slurm_error": why["/s/2"]} and "id-c" not in client.tags
     assert client.tags["P"]["error"] == f"3 of 3 jobs failed; {why['/s/1']}; {why['/s/2']}"
     why["/s/1"] = "SLURM job 61: " + "x" * 6000  # cut to what an MLflow tag holds
     client = FakeClient(runs[:1])
-    parent.end(client, "e1", "P", stopped=False)  # no failure tolerated by default
+    parent.end(client, "e1", "P", stopped=False, job_error=why.get)  # no failure tolerated
     assert client.status == {"P": "FAILED"}
     assert client.tags["id-a"]["slurm_error"] == why["/s/1"][:5000]
     assert client.tags["P"]["error"] == ("1 of 1 jobs failed; " + why["/s/1"])[:5000]

@@ -8,7 +8,7 @@ through these functions, so a sweep looks the same in MLflow whichever recorded 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from gptlab.records import store
 from gptlab.records.identity import RunIdentity
@@ -98,14 +98,17 @@ def record_failed_job(
 
 
 def end(
-    client: Any, experiment_id: str, parent_run_id: str, stopped: bool, tolerated_failures: int = 0
+    client: Any,
+    experiment_id: str,
+    parent_run_id: str,
+    stopped: bool,
+    tolerated_failures: int = 0,
+    job_error: Optional[Callable[[Optional[str]], Optional[str]]] = None,
 ) -> None:
     """End the parent from its children: FAILED if a job failed (more than tolerated_failures: a
     search's allowance) or the sweep stopped early, else FINISHED; with the job counts, the best
-    job's summary/best_val_loss, and for a failed SLURM job the rank and node that failed
-    (`slurm_error`)."""
-    from gptlab import slurm
-
+    job's summary/best_val_loss, and what ended each failed job as job_error(its run folder) says
+    (`slurm_error`; the callers pass slurm.job_error: the rank and node a SLURM job lost)."""
     runs = store.children(client, experiment_id, parent_run_id)
     failed = [r for r in runs if r.info.status in ("FAILED", "KILLED")]
     client.set_tag(parent_run_id, "jobs", str(len(runs)))
@@ -121,8 +124,8 @@ def end(
     for key, value in per_job_figures(runs).items():
         client.log_metric(parent_run_id, key, value)
     slurm_errors = []
-    for r in failed:
-        why = slurm.job_error(r.data.tags.get("run_dir"))
+    for r in failed if job_error is not None else ():
+        why = job_error(r.data.tags.get("run_dir"))
         if why:
             client.set_tag(r.info.run_id, "slurm_error", why[:5000])
             slurm_errors.append(why)

@@ -5,7 +5,8 @@ Before anything is written, rank 0 decides (``claim``):
 - ``train.resume=auto``: the newest checkpoint that loads is the run's own line of history. Newer
   ones that do not load are moved to ``checkpoints/broken/`` (named), so that neither pruning nor a
   later resume ever picks them. A sharded checkpoint is read whole only when restored: one an entry
-  of which does not read back is passed over then, the same way, on every rank (``shared_restore``).
+  of which does not read back is passed over then, the same way, on every rank (build.py's
+  ``shared_restore``).
   The checkpoint must come from the same run: its config and this one may differ only in topology
   (hardware, parallelism, processes, the micro-batch split of the same global batch), pace
   (max_steps, eval / log / checkpoint cadence) and records (tracking); any other difference is one
@@ -290,63 +291,3 @@ def _told(c: Claim, log: Callable[[str], None]) -> Claim:
         else:
             log(note)
     return c
-
-
-def shared_claim(
-    run_dir: Path,
-    resume: str,
-    resolved: Dict[str, Any],
-    is_main: bool,
-    log: Callable[[str], None],
-    unreadable: Optional[Dict[Path, str]] = None,
-) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:
-    """claim() on rank 0, its answer on every rank: (the checkpoint to load, the state rank 0 loaded
-    already (None on the other ranks)). Rank 0's refusal is raised on every rank. Called before the
-    data is prepared, so another run's checkpoint or a bad path stops at once."""
-    from gptlab import distributed
-
-    answer: Tuple[Optional[str], Optional[str]] = (None, None)
-    c = None
-    if is_main:
-        try:
-            c = claim(run_dir, resume, resolved, log, unreadable)
-            answer = (str(c.resume_from) if c.resume_from else None, None)
-        except GptlabError as e:
-            answer = (None, str(e))
-    path, error = distributed.broadcast_object(answer)
-    if error is not None:
-        raise GptlabError(error)
-    return (Path(path) if path else None), (c.state if c is not None else None)
-
-
-def shared_restore(
-    run_dir: Path,
-    resume: str,
-    resolved: Dict[str, Any],
-    is_main: bool,
-    log: Callable[[str], None],
-    objects: Dict[str, Any],
-    claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
-) -> Tuple[Path, checkpoint.TrainingState]:
-    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its
-    state).
-
-    A sharded checkpoint an entry of which does not read back (damaged, or crafted) is claimed past:
-    named with its cause, moved to checkpoints/broken/, and the previous one restored.
-    train.resume=PATH asked for that one: its damage is the error."""
-    path, loaded = claimed
-    unreadable: Dict[Path, str] = {}
-    while True:
-        state = loaded or checkpoint.TrainingState.load(path)
-        try:
-            # restoring is the check (each rank reads its entries once); DCP gives all failures
-            state.restore(objects)
-            return path, state
-        except checkpoint.UnreadableCheckpoint as e:
-            if resume != "auto":
-                raise
-            unreadable[path] = str(e)
-        found, loaded = shared_claim(run_dir, resume, resolved, is_main, log, unreadable)
-        if found is None:  # not reached: a folder whose checkpoints all fail is refused by claim
-            raise GptlabError(unreadable[path])
-        path = found

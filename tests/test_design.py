@@ -96,6 +96,22 @@ def test_no_import_cycle_inside_gptlab():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+@pytest.mark.integration
+def test_no_import_loop_between_packages():
+    """With each package (records, search, data, evaluation, optim) taken as one node beside the
+    top-level modules, imports still only go down."""
+
+    def node(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    graph = {}
+    for module, imported in import_graph().items():
+        graph.setdefault(node(module), set()).update(
+            node(m) for m in imported if node(m) != node(module)
+        )
+    assert find_cycle(graph) is None, find_cycle(graph)
+
+
 def test_records_call_neither_distributed_nor_slurm():
     """records/ reads and writes records: the claim across ranks lives with training (build.py), and
     what ended a SLURM job is read by the caller that ends a sweep (parent.end's job_error)."""

@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from gptlab import fastpath, runtime, slurm
 from gptlab.config import SHARDED
+from gptlab.errors import GptlabError
 
 if TYPE_CHECKING:  # hints only: the config classes are data this module reads
     from gptlab.config import HardwareConfig, ParallelismConfig
@@ -66,8 +67,6 @@ def role(hw: HardwareConfig) -> str:
         return "slurm"
     if expected > 1:
         if hw.nodes > 1:
-            from gptlab.errors import GptlabError
-
             raise GptlabError(
                 f"hardware.nodes={hw.nodes}: a multi-node job must be started by SLURM "
                 "(hydra/launcher=slurm_a100x8, or launch/sbatch_gptlab.sh) or torchrun on "
@@ -84,8 +83,6 @@ def check_gpus(hw: HardwareConfig, needed: int) -> None:
     rank)."""
     if hw.device != "cuda":
         return
-    from gptlab.errors import GptlabError
-
     if not torch.cuda.is_available():
         raise GptlabError(f"hardware={hw.name} needs CUDA, but no GPU is visible; use hardware=cpu")
     visible = torch.cuda.device_count()
@@ -100,8 +97,6 @@ def check_gpus(hw: HardwareConfig, needed: int) -> None:
 
 def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     """Decide who this process is, pick its device, and join the process group if there is one."""
-    from gptlab.errors import GptlabError
-
     if role(hw) == "slurm":
         slurm.export_env()
     rank = int(os.environ.get("RANK", "0"))
@@ -375,8 +370,6 @@ def _kill(workers: list) -> None:
 def _failure(worker, rank: int, asked: Optional[str]) -> BaseException:
     """What a worker's failed exit means here (asked: the stop signal the launcher forwarded, if
     any)."""
-    from gptlab.errors import GptlabError
-
     code = worker.exitcode
     if code == 2:
         return SystemExit(2)

@@ -100,14 +100,16 @@ def build(
     if hellaswag is not None:
         run.hellaswag, run.hellaswag_config = hellaswag, cfg.eval.hellaswag
         run.derived["hellaswag_examples"] = len(hellaswag)
-    run.derived.update({
-        "data_dir": str(data.root),
-        "train_tokens": len(train_tokens),
-        "val_tokens": len(val_tokens),
-        "tokenizer_sha256": data.tokenizer_sha256,
-        "vocab_size": data.vocab_size,
-        **fastpath.derived(choices),
-    })  # fmt: skip
+    run.derived.update(
+        {
+            "data_dir": str(data.root),
+            "train_tokens": len(train_tokens),
+            "val_tokens": len(val_tokens),
+            "tokenizer_sha256": data.tokenizer_sha256,
+            "vocab_size": data.vocab_size,
+            **fastpath.derived(choices),
+        }
+    )
     mlflow_run_id = resume(run, resume_from, loaded)
     run.trial = trial
     if d.is_main:
@@ -118,8 +120,9 @@ def build(
         run.tracker.log_inputs(datasets)
     prof = cfg.train.profile
     if prof.steps or (prof.oom_snapshot and d.device.type == "cuda"):
-        run.profiler = profiling.StepProfiler(prof, run_dir, d.device, d.rank, run.tracker,
-                                              d.is_main)  # fmt: skip
+        run.profiler = profiling.StepProfiler(
+            prof, run_dir, d.device, d.rank, run.tracker, d.is_main
+        )
     run.summary = summary_line(cfg, run.derived)
     return run
 
@@ -212,9 +215,16 @@ def build_loaders(
     """(this rank's training loader, its fixed validation batches)."""
     mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
     loader = build_train_loader(
-        train_tokens, T, t.batch_size, mb, d.rank, d.world_size, t.seed,
-        sampling=cfg.data.sampling, pin_memory=d.device.type == "cuda",
-    )  # fmt: skip
+        train_tokens,
+        T,
+        t.batch_size,
+        mb,
+        d.rank,
+        d.world_size,
+        t.seed,
+        sampling=cfg.data.sampling,
+        pin_memory=d.device.type == "cuda",
+    )
     val = eval_batches(
         val_tokens, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size
     )
@@ -313,8 +323,9 @@ def resume(
     return state.mlflow_run_id
 
 
-def open_tracker(cfg: Config, run: Run, resolved: Dict[str, Any],
-                 mlflow_run_id: Optional[str]) -> Tracker:  # fmt: skip
+def open_tracker(
+    cfg: Config, run: Run, resolved: Dict[str, Any], mlflow_run_id: Optional[str]
+) -> Tracker:
     """Rank 0's records: the run folder and MLflow, with the config and derived figures as
     params."""
     params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
@@ -333,9 +344,14 @@ def write_sample(run: Run) -> Optional[str]:
         return None
     with run.autocast(), run.evaluated_weights():
         text = generate_text(
-            run.raw_model, run.tokenizer, run.train.sample_prompt, run.train.sample_tokens,
-            temperature=0.8, top_k=200, seed=run.train.seed,
-        )[0]  # fmt: skip
+            run.raw_model,
+            run.tokenizer,
+            run.train.sample_prompt,
+            run.train.sample_tokens,
+            temperature=0.8,
+            top_k=200,
+            seed=run.train.seed,
+        )[0]
     if not run.dist.is_main:
         return None
     path = run.run_dir / layout.SAMPLES

@@ -378,8 +378,11 @@ class TrainingState:
         restore_rng(self.rng)
 
     def _saved(self, *leave_out: str) -> Dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.metadata.get("saved", True) and f.name not in leave_out}  # fmt: skip
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.metadata.get("saved", True) and f.name not in leave_out
+        }
 
     def save(self, path: Path) -> Path:
         return save(path, self._saved())

@@ -342,8 +342,10 @@ def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[s
     # the same name in another section (train.precision -> hardware.precision; a Hydra Optuna
     # sweeper's hydra.sweeper.n_trials -> hparams_search.n_trials), outside hydra.* first
     name = word.rpartition(".")[2]
-    across = sorted((k for k in keys if "." in word and k.rpartition(".")[2] == name),
-                    key=lambda k: (k.startswith("hydra."), len(k)))  # fmt: skip
+    across = sorted(
+        (k for k in keys if "." in word and k.rpartition(".")[2] == name),
+        key=lambda k: (k.startswith("hydra."), len(k)),
+    )
     if across:
         return across[:3]
     close = difflib.get_close_matches(word, [*groups, *keys], n=1, cutoff=_CLOSE_KEY)

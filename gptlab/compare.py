@@ -340,8 +340,9 @@ def experiment_runs(client: Any, runs: List[Any]) -> Tuple[List[RunRecord], List
         rec.parent = r.data.tags.get(PARENT_TAG)
         records.append(rec)
     for run_id in nesting - set(parents):  # deleted, or in another experiment
-        parents[run_id] = ParentRecord(run_id, f"run {run_id[:8]} (not in this experiment)",
-                                       "sweep", "-")  # fmt: skip
+        parents[run_id] = ParentRecord(
+            run_id, f"run {run_id[:8]} (not in this experiment)", "sweep", "-"
+        )
     for i, p in enumerate(parents.values()):
         p.letter = string.ascii_uppercase[i % 26] + (str(i // 26) if i >= 26 else "")
     for rec in records:
@@ -429,8 +430,9 @@ def groups(records: List[RunRecord], metric: str, parents: List[ParentRecord]) -
     if not parents:
         return [(None, best_first(records))]
     by_parent = {p.run_id: [r for r in records if r.parent == p.run_id] for p in parents}
-    out: List[Group] = [(p.heading(len(by_parent[p.run_id])), best_first(by_parent[p.run_id]))
-                        for p in parents]  # fmt: skip
+    out: List[Group] = [
+        (p.heading(len(by_parent[p.run_id])), best_first(by_parent[p.run_id])) for p in parents
+    ]
     own = [r for r in records if r.parent not in by_parent]
     if own:
         out.append(("runs of no sweep or search", best_first(own)))
@@ -542,9 +544,15 @@ def table(
         line
         for r in rows
         if r.error
-        for line in textwrap.wrap(f"{r.name}: {r.error}", WIDTH, initial_indent="  ",
-                                  subsequent_indent="    ", max_lines=4, placeholder=" \u2026")
-    ]  # fmt: skip
+        for line in textwrap.wrap(
+            f"{r.name}: {r.error}",
+            WIDTH,
+            initial_indent="  ",
+            subsequent_indent="    ",
+            max_lines=4,
+            placeholder=" \u2026",
+        )
+    ]
     return "\n".join(lines + (["errors:", *errors] if errors else []))
 
 
@@ -585,8 +593,9 @@ def val_figure(records: List[RunRecord], title: str, metric: str = "loss") -> An
         curve = r.bpb_curve if metric == "bpb" else r.val_curve
         if curve:
             curves.append((r, curve))
-    ncol, (_, width) = next((i + 1, lay) for i, lay in enumerate(LEGEND_LAYOUTS)
-                            if len(curves) <= lay[0])  # fmt: skip
+    ncol, (_, width) = next(
+        (i + 1, lay) for i, lay in enumerate(LEGEND_LAYOUTS) if len(curves) <= lay[0]
+    )
     legend_rows = math.ceil(len(curves) / ncol)
     cut = len(shared_prefix([r.name for r, _ in curves]))
     fig = Figure(figsize=(9, 4.8 + 0.2 * legend_rows), dpi=110, layout="constrained")
@@ -594,8 +603,14 @@ def val_figure(records: List[RunRecord], title: str, metric: str = "loss") -> An
     ax = fig.add_subplot()
     for r, curve in curves:
         x, y = zip(*curve)
-        ax.plot(x, y, marker="o", ms=3, lw=1.5,
-                label=legend_label(r, keys, best_of(r, metric), width, cut))  # fmt: skip
+        ax.plot(
+            x,
+            y,
+            marker="o",
+            ms=3,
+            lw=1.5,
+            label=legend_label(r, keys, best_of(r, metric), width, cut),
+        )
     ax.set_xlabel("tokens")
     ax.set_ylabel("val bits per byte" if metric == "bpb" else "val loss")
     ax.grid(alpha=0.3)

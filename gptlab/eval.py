@@ -191,12 +191,15 @@ def summarize(results: Dict[str, Any], tasks: List[str]) -> List[Dict[str, Any]]
             if skip or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(f"{metric}_stderr,{filt}")
-            rows.append({
-                "task": task, "metric": metric if filt in ("none", "") else f"{metric}_{filt}",
-                "value": float(value),
-                "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-                "n": n,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric if filt in ("none", "") else f"{metric}_{filt}",
+                    "value": float(value),
+                    "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                    "n": n,
+                }
+            )
     return rows
 
 
@@ -228,15 +231,38 @@ def load_scored(cfg: EvalConfig, device: Any, source: Optional[Source]) -> tuple
     return model, tokenizer, saved.step, str(path.resolve()), saved.mlflow_run_id
 
 
+def run_harness(lm: Any, tasks: List[Any], cfg: EvalConfig, manager: Any) -> Dict[str, Any]:
+    """lm-eval's simple_evaluate of the tasks on lm, every seed from eval.seed."""
+    from lm_eval import evaluator
+
+    limit = cfg.eval.limit
+    return evaluator.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=cfg.eval.num_fewshot,
+        limit=int(limit) if limit is not None and limit >= 1 else limit,
+        bootstrap_iters=cfg.eval.bootstrap_iters,
+        log_samples=False,
+        task_manager=manager,
+        random_seed=cfg.eval.seed,
+        numpy_random_seed=cfg.eval.seed,
+        torch_random_seed=cfg.eval.seed,
+        fewshot_random_seed=cfg.eval.seed,
+    )
+
+
 def evaluate_checkpoint(
-    cfg: EvalConfig, rank: int, world: int, device: Any, source: Optional[Source] = None,
+    cfg: EvalConfig,
+    rank: int,
+    world: int,
+    device: Any,
+    source: Optional[Source] = None,
     specs: Optional[List[Spec]] = None,
-) -> Optional[Dict]:  # fmt: skip
+) -> Optional[Dict]:
     """Score the checkpoint on every rank (the tasks loaded first, then the model); rank 0 returns
     eval.json's body, the others None. specs: the tasks as task_specs gave them (None: from
     cfg.tasks)."""
     import lm_eval
-    from lm_eval import evaluator
 
     from gptlab.evaluation.harness import GptlabLM
 
@@ -247,15 +273,17 @@ def evaluate_checkpoint(
         task_dict = load_tasks(manager, specs or task_specs(manager, cfg.tasks)[0])
         model, tokenizer, step, scored, run_id = load_scored(cfg, device, source)
         autocast, precision = autocast_for(cfg.eval.precision, device)
-        lm = GptlabLM(model, tokenizer, device, cfg.eval.batch_size, autocast, rank, world,
-                      cfg.eval.rolling_context)  # fmt: skip
-        results = evaluator.simple_evaluate(
-            model=lm, tasks=list(task_dict.values()), num_fewshot=cfg.eval.num_fewshot,
-            limit=int(limit) if limit is not None and limit >= 1 else limit,
-            bootstrap_iters=cfg.eval.bootstrap_iters, log_samples=False, task_manager=manager,
-            random_seed=cfg.eval.seed, numpy_random_seed=cfg.eval.seed,
-            torch_random_seed=cfg.eval.seed, fewshot_random_seed=cfg.eval.seed,
-        )  # fmt: skip
+        lm = GptlabLM(
+            model,
+            tokenizer,
+            device,
+            cfg.eval.batch_size,
+            autocast,
+            rank,
+            world,
+            cfg.eval.rolling_context,
+        )
+        results = run_harness(lm, list(task_dict.values()), cfg, manager)
     if rank != 0:
         return None
     from importlib.metadata import version

@@ -60,9 +60,13 @@ def generate_text(
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(int(seed))
     out = model.generate(
-        idx, int(max_new_tokens), temperature=float(temperature), top_k=top_k or None,
-        generator=gen, stop=stop,
-    )  # fmt: skip
+        idx,
+        int(max_new_tokens),
+        temperature=float(temperature),
+        top_k=top_k or None,
+        generator=gen,
+        stop=stop,
+    )
     return [tokenizer.decode(row) for row in out.tolist()]
 
 

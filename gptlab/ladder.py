@@ -42,8 +42,17 @@ PLAIN = {
     "hardware.threads": None,  # torch's default; the threads rung sets one per physical core
 }
 # a rung's figures kept in the table and the JSON
-FIGURES = ("tokens_per_s", "step_ms", "mfu", "peak_mem_bytes", "precision", "compile",
-           "attention_backend", "micro_batch_size", "threads")  # fmt: skip
+FIGURES = (
+    "tokens_per_s",
+    "step_ms",
+    "mfu",
+    "peak_mem_bytes",
+    "precision",
+    "compile",
+    "attention_backend",
+    "micro_batch_size",
+    "threads",
+)
 
 
 @dataclass
@@ -137,7 +146,7 @@ def plan_rungs(cfg: DictConfig, typed: Callable[[DictConfig], Any]) -> List[Rung
             "+ flash attention" if cuda else "+ fused attention (SDPA)",
             {"hardware.attention_backend": "auto"},
             attention,
-        ),  # fmt: skip
+        ),
         _fused_adamw(plain),
         _chunked_loss(plain),
         _micro_batch(plain),
@@ -174,8 +183,9 @@ def _micro_batch(plain: Any) -> Rung:
         largest, why = 0, str(e)
     else:
         why = f"micro-batch {micro} is already the largest that fits and divides the batch"
-    return Rung("+ larger micro-batch", {"train.micro_batch_size": "auto"},
-                None if largest > micro else why)  # fmt: skip
+    return Rung(
+        "+ larger micro-batch", {"train.micro_batch_size": "auto"}, None if largest > micro else why
+    )
 
 
 def _threads(plain: Any) -> Rung:
@@ -196,15 +206,26 @@ def _threads(plain: Any) -> Rung:
 
 def bench_command(nproc: int) -> List[str]:
     if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                "-m", "gptlab.bench"]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "gptlab.bench",
+        ]
     return [sys.executable, "-m", "gptlab.bench"]
 
 
 def run_one(base: List[str], settings: Dict[str, Any], folder: Path, nproc: int) -> Dict[str, Any]:
     """One rung's benchmark in its own process: its JSON line (GptlabError with its last words)."""
-    args = [*bench_command(nproc), *base, *overrides_of(settings), "bench.ladder=false",
-            f"hydra.run.dir={folder}"]  # fmt: skip
+    args = [
+        *bench_command(nproc),
+        *base,
+        *overrides_of(settings),
+        "bench.ladder=false",
+        f"hydra.run.dir={folder}",
+    ]
     proc = subprocess.run(args, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -268,8 +289,10 @@ def drift(ladder: Ladder) -> Dict[str, Optional[float]]:
     measured = [r for r in ladder.rungs if r.result]
     kept = [r for r in measured if r.kept]
     out: Dict[str, Optional[float]] = {}
-    for label, rung in (("plain", measured[0] if measured else None),
-                        ("best", kept[-1] if kept else None)):  # fmt: skip
+    for label, rung in (
+        ("plain", measured[0] if measured else None),
+        ("best", kept[-1] if kept else None),
+    ):
         again = ladder.repeats.get(label, {}).get("tokens_per_s")
         first = rung.result["tokens_per_s"] if rung else None
         out[label] = round(again / first - 1, 4) if again and first else None
@@ -283,21 +306,27 @@ def table(ladder: Ladder) -> str:
         if r.result:
             res = r.result
             mem = res.get("peak_mem_bytes") or 0
-            rows.append((
-                r.name, f"{res['tokens_per_s']:,.0f}", f"{r.speedup_prev:.2f}",
-                f"{r.speedup_plain:.2f}", f"{mem / 2**30:.2f} GiB", f"{100 * res['mfu']:.1f}%",
-                "yes" if r.kept else "no", _note(res),
-            ))  # fmt: skip
+            rows.append(
+                (
+                    r.name,
+                    f"{res['tokens_per_s']:,.0f}",
+                    f"{r.speedup_prev:.2f}",
+                    f"{r.speedup_plain:.2f}",
+                    f"{mem / 2**30:.2f} GiB",
+                    f"{100 * res['mfu']:.1f}%",
+                    "yes" if r.kept else "no",
+                    _note(res),
+                )
+            )
         else:
             why = f"failed: {r.error}" if r.error else f"skipped: {r.skip}"
             rows.append((r.name, "-", "-", "-", "-", "-", "-", why))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1]
-             for row in rows]  # fmt: skip
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows
+    ]
     d = drift(ladder)
-    spread = ", ".join(
-        f"{k} {100 * v:+.1f}%" for k, v in d.items() if v is not None
-    )  # fmt: skip
+    spread = ", ".join(f"{k} {100 * v:+.1f}%" for k, v in d.items() if v is not None)
     lines.append(f"measured again at the end: {spread or 'n/a'} (the machine's drift)")
     return "\n".join(lines)
 
@@ -316,8 +345,13 @@ def as_json(ladder: Ladder) -> Dict[str, Any]:
         row: Dict[str, Any] = {"rung": r.name, "adds": r.adds}
         if r.result:
             row.update({k: r.result.get(k) for k in FIGURES})
-            row.update({"speedup_prev": round(r.speedup_prev, 4),
-                        "speedup_plain": round(r.speedup_plain, 4), "kept": r.kept})  # fmt: skip
+            row.update(
+                {
+                    "speedup_prev": round(r.speedup_prev, 4),
+                    "speedup_plain": round(r.speedup_plain, 4),
+                    "kept": r.kept,
+                }
+            )
         else:
             row["skipped" if r.skip else "failed"] = r.skip or r.error
         rungs.append(row)

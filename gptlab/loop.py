@@ -121,9 +121,16 @@ def score_hellaswag(run: "Run") -> Dict[str, float]:
     model.eval()
     with run.evaluated_weights():
         figures = hellaswag.score(
-            model, run.hellaswag, run.block_size, d.device, d.rank, d.world_size,
-            run.hellaswag_config.batch_size, run.autocast, distributed.is_sharded(run.raw_model),
-        )  # fmt: skip
+            model,
+            run.hellaswag,
+            run.block_size,
+            d.device,
+            d.rank,
+            d.world_size,
+            run.hellaswag_config.batch_size,
+            run.autocast,
+            distributed.is_sharded(run.raw_model),
+        )
     model.train()
     return figures
 

@@ -48,9 +48,11 @@ MEMORY_ENTRIES = 200_000  # allocator events kept (the newest): a few steps of a
 #   at import, silences it, and every other C++ warning with it).
 NOISE = (
     re.compile(rb"^USDT:.*\] profiler_(start|stop)$"),
-    re.compile(rb"^\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before "
-               rb"the profiling started"),
-)  # fmt: skip
+    re.compile(
+        rb"^\[W.*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before "
+        rb"the profiling started"
+    ),
+)
 # how a held-back line may begin: a write that starts like one waits for the rest of its line
 NOISE_STARTS = (b"USDT:", b"[W")
 PIPE_BYTES = 1 << 20  # the pipe's buffer: a burst of stderr is never waiting on the filter
@@ -60,8 +62,15 @@ class StepProfiler:
     """Records train.profile.steps of the loop; the loop calls begin(step) before a step and
     end(step) after it. Does nothing (one comparison a step) when profiling is off."""
 
-    def __init__(self, cfg: Optional[ProfileConfig], run_dir: Path, device: torch.device,
-                 rank: int, tracker: Any, is_main: bool):  # fmt: skip
+    def __init__(
+        self,
+        cfg: Optional[ProfileConfig],
+        run_dir: Path,
+        device: torch.device,
+        rank: int,
+        tracker: Any,
+        is_main: bool,
+    ):
         self.first, self.last = cfg.steps if cfg is not None and cfg.steps else (0, -1)
         self.rows = cfg.rows if cfg is not None else 0
         self.folder = Path(run_dir) / FOLDER

@@ -42,6 +42,9 @@ def attention_context(backend: str):
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "math": SDPBackend.MATH}  # fmt: skip
+    kinds = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     return sdpa_kernel(kinds[backend])

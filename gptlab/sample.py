@@ -110,9 +110,15 @@ def run_sample(config: Any) -> None:
     from gptlab.inference import generate_text  # torch: off the start-up path of --help
 
     texts = generate_text(
-        model, tok, cfg.prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed,
+        model,
+        tok,
+        cfg.prompt,
+        cfg.max_new_tokens,
+        cfg.temperature,
+        cfg.top_k,
+        cfg.seed,
         cfg.num_samples,
-    )  # fmt: skip
+    )
     for i, text in enumerate(texts):
         if cfg.num_samples > 1:
             print(f"--- sample {i + 1} (step {step}) ---")

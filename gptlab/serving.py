@@ -49,8 +49,9 @@ def load_export(folder: Path) -> Tuple[Any, Any, Dict[str, Any]]:
 
     meta = json.loads((folder / "config.json").read_text())
     model = GPT(GPTConfig(**meta["model"]))
-    missing, unexpected = model.load_state_dict(load_file(str(folder / "model.safetensors")),
-                                                strict=False)  # fmt: skip
+    missing, unexpected = model.load_state_dict(
+        load_file(str(folder / "model.safetensors")), strict=False
+    )
     if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
         raise GptlabError(f"{folder}: not a gptlab export (weights {missing or unexpected} differ)")
     return model.eval(), load_tokenizer(meta["tokenizer"]), meta
@@ -66,12 +67,14 @@ def _number(v: Any) -> bool:
 
 # param -> (the test a given value passes, what it must be)
 RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
-    "max_new_tokens": (lambda v: _whole(v) and 1 <= v <= MAX_NEW_TOKENS,
-                       f"a whole number from 1 to {MAX_NEW_TOKENS}"),
+    "max_new_tokens": (
+        lambda v: _whole(v) and 1 <= v <= MAX_NEW_TOKENS,
+        f"a whole number from 1 to {MAX_NEW_TOKENS}",
+    ),
     "temperature": (lambda v: _number(v) and v >= 0, "a number >= 0 (0: greedy)"),
     "top_k": (lambda v: _whole(v) and v >= 0, "a whole number >= 0 (0: the whole vocabulary)"),
     "seed": (lambda v: _whole(v) and -(2**63) <= v < 2**64, "a whole number"),
-}  # fmt: skip
+}
 
 
 def check_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -151,15 +154,28 @@ class Budget:
             )
 
 
-def generate(model: Any, tokenizer: Any, prompt: str, params: Optional[Dict[str, Any]],
-             stop: Optional[Callable[[Any], bool]] = None) -> str:  # fmt: skip
+def generate(
+    model: Any,
+    tokenizer: Any,
+    prompt: str,
+    params: Optional[Dict[str, Any]],
+    stop: Optional[Callable[[Any], bool]] = None,
+) -> str:
     """The prompt and its continuation for predict's params (check_params'), ending early where
     stop says so."""
     from gptlab.inference import generate_text
 
     p = check_params(params)
-    return generate_text(model, tokenizer, prompt, p["max_new_tokens"], p["temperature"],
-                         int(p["top_k"]), p["seed"], stop=stop)[0]  # fmt: skip
+    return generate_text(
+        model,
+        tokenizer,
+        prompt,
+        p["max_new_tokens"],
+        p["temperature"],
+        int(p["top_k"]),
+        p["seed"],
+        stop=stop,
+    )[0]
 
 
 def _prompts(model_input: Any) -> List[str]:
@@ -204,20 +220,28 @@ def signature() -> Any:
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
-    params = ParamSchema([
-        ParamSpec("max_new_tokens", "long", PARAMS["max_new_tokens"]),
-        ParamSpec("temperature", "double", PARAMS["temperature"]),
-        ParamSpec("top_k", "long", PARAMS["top_k"]),
-        ParamSpec("seed", "long", PARAMS["seed"]),
-    ])  # fmt: skip
+    params = ParamSchema(
+        [
+            ParamSpec("max_new_tokens", "long", PARAMS["max_new_tokens"]),
+            ParamSpec("temperature", "double", PARAMS["temperature"]),
+            ParamSpec("top_k", "long", PARAMS["top_k"]),
+            ParamSpec("seed", "long", PARAMS["seed"]),
+        ]
+    )
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]), outputs=Schema([ColSpec("string")]),
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema([ColSpec("string")]),
         params=params,
-    )  # fmt: skip
+    )
 
 
-def log_model(uri: str, run_id: str, export_dir: Path, step: int,
-              datasets: Optional[List[Dict[str, Any]]] = None) -> Any:  # fmt: skip
+def log_model(
+    uri: str,
+    run_id: str,
+    export_dir: Path,
+    step: int,
+    datasets: Optional[List[Dict[str, Any]]] = None,
+) -> Any:
     """Log the export folder as the run's MLflow model of `step`: linked to the run (its source
     run, and the run's model output at `step`) and to the run's own figures at that step
     (link_figures). The run itself is not touched otherwise: not made active, its status and
@@ -232,9 +256,12 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
     # made here, not by log_model in the active run: that links the run's figures at the step
     # itself, without their dataset, and a figure cannot be linked twice (link_figures)
     model = client.create_logged_model(
-        run.info.experiment_id, name=MODEL_NAME, source_run_id=run_id,
-        tags={STEP_TAG: str(step)}, params=dict(run.data.params),
-    )  # fmt: skip
+        run.info.experiment_id,
+        name=MODEL_NAME,
+        source_run_id=run_id,
+        tags={STEP_TAG: str(step)},
+        params=dict(run.data.params),
+    )
     bar = os.environ.get(PROGRESS_BAR)
     os.environ[PROGRESS_BAR] = "false"  # it copies local files: no bar in the run's output
     try:
@@ -242,12 +269,18 @@ def log_model(uri: str, run_id: str, export_dir: Path, step: int,
             # predict generates text: an input example would make MLflow run it at every logging
             warnings.filterwarnings("ignore", message=".*input example was not provided")
             info = mlflow.pyfunc.log_model(
-                name=MODEL_NAME, python_model=str(Path(__file__).with_name("pyfunc_model.py")),
-                artifacts={ARTIFACT: str(export_dir)}, signature=signature(),
+                name=MODEL_NAME,
+                python_model=str(Path(__file__).with_name("pyfunc_model.py")),
+                artifacts={ARTIFACT: str(export_dir)},
+                signature=signature(),
                 model_id=model.model_id,
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", "safetensors",
-                                  "tiktoken", "gptlab"],
-            )  # fmt: skip
+                pip_requirements=[
+                    f"torch=={torch.__version__.split('+')[0]}",
+                    "safetensors",
+                    "tiktoken",
+                    "gptlab",
+                ],
+            )
     finally:
         if bar is None:
             os.environ.pop(PROGRESS_BAR, None)
@@ -278,10 +311,18 @@ def link_figures(client: Any, run: Any, model_id: str, step: int, validation: An
         for m in client.get_metric_history(run_id, name):
             data = validation if name in ON_VALIDATION else None
             if m.step == step:
-                linked.append(Metric(
-                    name, m.value, m.timestamp, m.step, model_id=model_id, run_id=run_id,
-                    dataset_name=data and data.name, dataset_digest=data and data.digest,
-                ))  # fmt: skip
+                linked.append(
+                    Metric(
+                        name,
+                        m.value,
+                        m.timestamp,
+                        m.step,
+                        model_id=model_id,
+                        run_id=run_id,
+                        dataset_name=data and data.name,
+                        dataset_digest=data and data.digest,
+                    )
+                )
     for i in range(0, len(linked), 1000):
         client.log_batch(run_id, metrics=linked[i : i + 1000])
 
@@ -427,8 +468,9 @@ def export_in(model_uri: str, got: Path) -> Path:
         return folders[0]
     mlmodel = got / "MLmodel"
     flavor = yaml.safe_load(mlmodel.read_text()) if mlmodel.is_file() else {}
-    ours = ARTIFACT in ((flavor or {}).get("flavors", {}).get("python_function", {})
-                        .get("artifacts") or {})  # fmt: skip
+    ours = ARTIFACT in (
+        (flavor or {}).get("flavors", {}).get("python_function", {}).get("artifacts") or {}
+    )
     if folders or ours or not any(got.rglob("*")):
         raise GptlabError(
             f"{model_uri}: the model's files are missing from the store's artifacts (deleted?); "

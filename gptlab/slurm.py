@@ -250,9 +250,20 @@ def job_error(run_dir: Optional[str]) -> Optional[str]:
 
 # What SLURM's controller calls a job that is running, or will run again (a requeued job is PENDING)
 LIVE_STATES = frozenset(
-    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
-     "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT"}
-)  # fmt: skip
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "REQUEUE_FED",
+        "REQUEUE_HOLD",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+    }
+)
 
 
 def controller_state(job_id: str) -> Optional[str]:

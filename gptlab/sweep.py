@@ -106,8 +106,12 @@ class SweepCallback(Callback):
             run = search and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
             self.created = not run
             run = run or parent.create(client, uri, sweep)
-            self.parent = {**sweep, "uri": uri, "parent_run_id": run.info.run_id,
-                           "experiment_id": run.info.experiment_id}  # fmt: skip
+            self.parent = {
+                **sweep,
+                "uri": uri,
+                "parent_run_id": run.info.run_id,
+                "experiment_id": run.info.experiment_id,
+            }
             sweep_dir.mkdir(parents=True, exist_ok=True)
             tmp = sweep_dir / (layout.SWEEP + ".tmp")
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
@@ -171,9 +175,13 @@ class SweepCallback(Callback):
         p = self.parent
         try:
             parent.end(
-                mlflow_client(p["uri"]), p["experiment_id"], p["parent_run_id"], stopped,
-                tolerated_failures=self.tolerated_failures, job_error=slurm.job_error,
-            )  # fmt: skip
+                mlflow_client(p["uri"]),
+                p["experiment_id"],
+                p["parent_run_id"],
+                stopped,
+                tolerated_failures=self.tolerated_failures,
+                job_error=slurm.job_error,
+            )
         except Exception as e:  # noqa: BLE001
             log.warning(
                 f"could not close the sweep's MLflow parent run {p['parent_run_id']}: "

@@ -112,6 +112,17 @@ def test_no_import_loop_between_packages():
     assert find_cycle(graph) is None, find_cycle(graph)
 
 
+def test_the_formatter_runs_on_the_package():
+    """ruff format lays out gptlab/: at most 5 `# fmt: skip/off` escapes."""
+    escapes = [
+        f"{path.relative_to(PKG)}:{n}"
+        for path in sorted(PKG.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert len(escapes) <= 5, escapes
+
+
 def test_records_call_neither_distributed_nor_slurm():
     """records/ reads and writes records: the claim across ranks lives with training (build.py), and
     what ended a SLURM job is read by the caller that ends a sweep (parent.end's job_error)."""

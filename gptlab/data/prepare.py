@@ -537,8 +537,14 @@ def _encode_documents(
         for f in (*flat.values(), *tables.values()):
             f.close()
     seconds = progress.close()
-    return {"written": written, "documents": index, "empty": empty, "duplicates": dropped_dups,
-            "seconds": seconds, "bytes": progress.bytes}  # fmt: skip
+    return {
+        "written": written,
+        "documents": index,
+        "empty": empty,
+        "duplicates": dropped_dups,
+        "seconds": seconds,
+        "bytes": progress.bytes,
+    }
 
 
 def _shard_splits(

@@ -112,9 +112,15 @@ class GptlabLM(TemplateLM):
     def _scores(self, pairs: List[Tuple[List[int], List[int]]], what: str):
         with self._bar(len(pairs), what) as bar:
             return score_pairs(
-                self.model, pairs, self.block_size, self.device, self.batch_size,
-                bucket=0, autocast=self.autocast, progress=bar.update,
-            )  # fmt: skip
+                self.model,
+                pairs,
+                self.block_size,
+                self.device,
+                self.batch_size,
+                bucket=0,
+                autocast=self.autocast,
+                progress=bar.update,
+            )
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         pairs = [(context, continuation) for _, context, continuation in requests]

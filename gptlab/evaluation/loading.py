@@ -27,11 +27,23 @@ log = logging.getLogger(__name__)
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 # exception classes (by name, across requests, httpx, urllib, huggingface_hub, datasets) that mean
 # the network, in an error or what caused it
-NETWORK_ERRORS = frozenset((
-    "ConnectionError", "OfflineModeIsEnabled", "LocalEntryNotFoundError", "Timeout",
-    "TimeoutError", "ConnectTimeout", "ReadTimeout", "ConnectError", "TransportError",
-    "ProxyError", "SSLError", "URLError", "gaierror",
-))  # fmt: skip
+NETWORK_ERRORS = frozenset(
+    (
+        "ConnectionError",
+        "OfflineModeIsEnabled",
+        "LocalEntryNotFoundError",
+        "Timeout",
+        "TimeoutError",
+        "ConnectTimeout",
+        "ReadTimeout",
+        "ConnectError",
+        "TransportError",
+        "ProxyError",
+        "SSLError",
+        "URLError",
+        "gaierror",
+    )
+)
 NOT_FOUND_ERRORS = frozenset(
     ("DatasetNotFoundError", "RepositoryNotFoundError", "FileNotFoundError")
 )
@@ -74,8 +86,11 @@ def offline_mode(reason: Optional[str]) -> Iterator[None]:
     """The Hub's and datasets' offline modes on while the block runs: the variables (for modules
     not yet imported, and for the processes started here) and the flags of those already imported;
     all as they were afterwards. reason: why the Hub is off (None: the user said so)."""
-    flags = [("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE"),
-             ("datasets.config", "HF_DATASETS_OFFLINE")]  # fmt: skip
+    flags = [
+        ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_HUB_OFFLINE"),
+        ("datasets.config", "HF_DATASETS_OFFLINE"),
+    ]
     saved_env = {v: os.environ.get(v) for v in OFFLINE_VARIABLES}
     saved = [(m, f, getattr(sys.modules[m], f)) for m, f in flags if m in sys.modules]
     os.environ.update(dict.fromkeys(OFFLINE_VARIABLES, "1"))
@@ -129,8 +144,11 @@ def failure(task: str, error: BaseException, dataset: Optional[str]) -> str:
         return f"task {task!r}: its YAML reads a field its documents lack ({said})"
     if causes & NETWORK_ERRORS:
         if _unreachable["reason"] or offline_already():
-            why = (f"the Hugging Face Hub does not answer ({_unreachable['reason']})"
-                   if _unreachable["reason"] else "HF_HUB_OFFLINE=1 keeps the Hub off")  # fmt: skip
+            why = (
+                f"the Hugging Face Hub does not answer ({_unreachable['reason']})"
+                if _unreachable["reason"]
+                else "HF_HUB_OFFLINE=1 keeps the Hub off"
+            )
             return f"task {task!r}: {data} are not in the local cache, and {why}; {HOW_OFFLINE}"
         return f"task {task!r}: {data} could not be downloaded ({said}); offline, {HOW_OFFLINE}"
     if causes & NOT_FOUND_ERRORS:

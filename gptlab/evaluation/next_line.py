@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 
-def next_line_examples(text: str, n: int, choices: int = 4, context_lines: int = 2,
-                       length: int = 12, seed: int = 0) -> List[Dict]:  # fmt: skip
+def next_line_examples(
+    text: str, n: int, choices: int = 4, context_lines: int = 2, length: int = 12, seed: int = 0
+) -> List[Dict]:
     """n examples {context, choices, label}: `context_lines` lines and the start of the next line,
     cut inside a word, and among `choices` endings of `length` characters the real next ones, the
     others cut from inside words elsewhere in the text (none equal to it). Equal lengths make the

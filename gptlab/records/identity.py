@@ -97,8 +97,9 @@ def _short(override: str) -> str:
     return f"{key.rsplit('.', 1)[-1]}={value}"
 
 
-def sweep_identity(config: Mapping[str, Any], overrides: List[str], launcher: str,
-                   sweep_dir: Path) -> Dict[str, Any]:  # fmt: skip
+def sweep_identity(
+    config: Mapping[str, Any], overrides: List[str], launcher: str, sweep_dir: Path
+) -> Dict[str, Any]:
     """What sweep.json says of a sweep before its parent run exists: experiment, store, name, and
     which keys it sweeps. config: the sweep's config (the launching process's, or
     multirun.yaml's)."""
@@ -142,8 +143,9 @@ def find_sweep(config: Mapping[str, Any], run_dir: Path) -> Optional[Dict[str, A
 def git_commit() -> Optional[str]:
     try:
         here = Path(__file__).parent
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                             timeout=5)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -168,8 +170,12 @@ def recorded_origin(run_dir: Path) -> Dict[str, str]:
     return {"host": str(nodes[0])} if isinstance(nodes, list) and nodes else {}
 
 
-def identify(config: Mapping[str, Any], run_dir: Path, origin: Dict[str, str],
-             overrides: Optional[List[str]] = None) -> RunIdentity:  # fmt: skip
+def identify(
+    config: Mapping[str, Any],
+    run_dir: Path,
+    origin: Dict[str, str],
+    overrides: Optional[List[str]] = None,
+) -> RunIdentity:
     """The run's experiment, name and tags, from its resolved config, its folder (the sweep it is
     in, and Hydra's overrides unless given) and its origin (this_process() live, recorded_origin()
     later)."""

@@ -32,8 +32,22 @@ SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
 
 # What a run folder holds besides Hydra's .hydra/ and the log file (a new attempt owns those)
-RECORDS = (CHECKPOINTS, METRICS, RESULTS, SAMPLES, LOSS_PLOT, CONFIG, DERIVED, IDENTITY,
-           TENSORBOARD, SLURM, BENCH, EXPORT, EVAL, DATASETS)  # fmt: skip
+RECORDS = (
+    CHECKPOINTS,
+    METRICS,
+    RESULTS,
+    SAMPLES,
+    LOSS_PLOT,
+    CONFIG,
+    DERIVED,
+    IDENTITY,
+    TENSORBOARD,
+    SLURM,
+    BENCH,
+    EXPORT,
+    EVAL,
+    DATASETS,
+)
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of
 STARTED = (METRICS, CONFIG)  # a run folder whose run began recording
 

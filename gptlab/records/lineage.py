@@ -52,8 +52,11 @@ def shard_sha256(side: Path) -> str:
 def source_of(data: Any, meta: Dict[str, Any]) -> Dict[str, Any]:
     """Where the text came from, in the data config's words, and how it was tokenized."""
     if data.source == "hf":
-        where: Dict[str, Any] = {"hf_dataset": data.hf_dataset, "hf_config": data.hf_config,
-                                 "hf_split": data.hf_split}  # fmt: skip
+        where: Dict[str, Any] = {
+            "hf_dataset": data.hf_dataset,
+            "hf_config": data.hf_config,
+            "hf_split": data.hf_split,
+        }
         if data.path:
             where["path"] = str(data.path)
     elif data.path:
@@ -79,14 +82,16 @@ def describe(root: Path, meta: Dict[str, Any], data: Any) -> List[Dict[str, Any]
             "dtype": meta.get("dtype"),
             "prepared": str(root),
         }
-        out.append({
-            "name": f"{data.name}-{split}",
-            "digest": split_digest(root / split, meta),
-            "context": context,
-            "source_type": kind,
-            "source": json.dumps(source, sort_keys=True),
-            "profile": json.dumps(profile, sort_keys=True),
-        })  # fmt: skip
+        out.append(
+            {
+                "name": f"{data.name}-{split}",
+                "digest": split_digest(root / split, meta),
+                "context": context,
+                "source_type": kind,
+                "source": json.dumps(source, sort_keys=True),
+                "profile": json.dumps(profile, sort_keys=True),
+            }
+        )
     return out
 
 

@@ -43,8 +43,13 @@ def params(overrides: list) -> Dict[str, str]:
     return {k.lstrip("+~")[:250]: v for k, _, v in pairs}
 
 
-def create(client: Any, uri: str, sweep: Dict[str, Any], tags: Optional[Dict[str, str]] = None,
-           start_time: Optional[int] = None) -> Any:  # fmt: skip
+def create(
+    client: Any,
+    uri: str,
+    sweep: Dict[str, Any],
+    tags: Optional[Dict[str, str]] = None,
+    start_time: Optional[int] = None,
+) -> Any:
     """Create the parent run of sweep (identity.sweep_identity's dict) in the store; the run.
 
     tags: more tags (gptlab.sync marks the runs it made); start_time: in ms (now when None)."""
@@ -58,8 +63,9 @@ def create(client: Any, uri: str, sweep: Dict[str, Any], tags: Optional[Dict[str
         "overrides": " ".join(sweep.get("overrides") or []),
         **(tags or {}),
     }
-    run = client.create_run(experiment_id, run_name=sweep.get("run_name"), tags=all_tags,
-                            start_time=start_time)  # fmt: skip
+    run = client.create_run(
+        experiment_id, run_name=sweep.get("run_name"), tags=all_tags, start_time=start_time
+    )
     store.log_params(client, run.info.run_id, params(sweep.get("overrides") or []))
     return run
 

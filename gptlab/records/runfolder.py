@@ -186,8 +186,13 @@ def unlock(run_dir: Path) -> None:
         f.close()
 
 
-def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None],
-          unreadable: Optional[Dict[Path, str]] = None) -> Claim:  # fmt: skip
+def claim(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    log: Callable[[str], None],
+    unreadable: Optional[Dict[Path, str]] = None,
+) -> Claim:
     """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another
     run.
 
@@ -201,8 +206,13 @@ def claim(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[s
         raise
 
 
-def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[[str], None],
-            unreadable: Dict[Path, str]) -> Claim:  # fmt: skip
+def _decide(
+    run_dir: Path,
+    resume: str,
+    resolved: Dict[str, Any],
+    log: Callable[[str], None],
+    unreadable: Dict[Path, str],
+) -> Claim:
     notes: List[str] = []
     say = notes.append
     if resume == "never":
@@ -217,9 +227,14 @@ def _decide(run_dir: Path, resume: str, resolved: Dict[str, Any], log: Callable[
         if checkpoint.list_checkpoints(folder):
             first = next((n for n in notes if n.startswith(WARNING)), "")
             why = first[len(WARNING) :].split("; trying the previous")[0]
-            raise GptlabError(_another_run(run_dir, f"none of its checkpoints "
-                                                    f"loads: {why}" if why else
-                                           "none of its checkpoints loads"))  # fmt: skip
+            raise GptlabError(
+                _another_run(
+                    run_dir,
+                    f"none of its checkpoints loads: {why}"
+                    if why
+                    else "none of its checkpoints loads",
+                )
+            )
         if has_records(run_dir):  # an attempt that ended before its first checkpoint: the same run?
             diff = differences(_saved_config(run_dir), resolved)
             if diff:

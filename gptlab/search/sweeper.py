@@ -159,9 +159,12 @@ class Search:
             "fixed": sorted(self.fixed),
             "metric": hs.metric,
         }
-        made = dict(study_name=str(hs.study_name), storage=self.storage,
-                    sampler=studies.make_sampler(hs.sampler, hs.seed, hs.n_trials),
-                    pruner=studies.make_pruner(hs))  # fmt: skip
+        made = dict(
+            study_name=str(hs.study_name),
+            storage=self.storage,
+            sampler=studies.make_sampler(hs.sampler, hs.seed, hs.n_trials),
+            pruner=studies.make_pruner(hs),
+        )
         try:
             study, loaded = optuna.create_study(direction=self.direction, **made), False
         except optuna.exceptions.DuplicatedStudyError:
@@ -252,8 +255,10 @@ class Search:
         done = [t for t in self.study.get_trials(deepcopy=False) if t.state.is_finished()]
         at_once = f"{n_jobs} at a time"
         if self.basic and hs.n_jobs > 1:
-            at_once += (f" (hparams_search.n_jobs={hs.n_jobs} needs another launcher, "
-                        f"hydra/launcher=slurm_* or local)")  # fmt: skip
+            at_once += (
+                f" (hparams_search.n_jobs={hs.n_jobs} needs another launcher, "
+                f"hydra/launcher=slurm_* or local)"
+            )
         log.info(
             f"search {hs.study_name!r}: {hs.n_trials} trials ({len(done)} done), {at_once}, "
             f"{self.direction} {hs.metric}; study in {studies.redact(self.url)}; trials in "
@@ -530,8 +535,9 @@ class Search:
         from gptlab.records import store
 
         folder = str(self.sweep_dir / str(number))
-        kids = store.children(self._client(), self.parent["experiment_id"],
-                              self.parent["parent_run_id"])  # fmt: skip
+        kids = store.children(
+            self._client(), self.parent["experiment_id"], self.parent["parent_run_id"]
+        )
         return [r.info.run_id for r in kids if r.data.tags.get("run_dir") == folder]
 
     def _child_of(self, number: int) -> Optional[str]:

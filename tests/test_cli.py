@@ -365,7 +365,8 @@ def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, frag
         ("config", "model=gpt_tiny",
          "model=gpt_tiny: no such choice; choose one of gpt1b, gpt2_124m, gpt2_1558m, "
          "gpt2_350m, gpt2_774m, gpt_char, gpt_nano"),
-        ("config", "optimizer=adam", "optimizer=adam: no such choice; choose one of adamw, muon"),
+        ("config", "optimizer=adam",
+         "optimizer=adam: no such choice; choose one of adamw, lion, muon"),
         # optional groups: Hydra would say nothing and run the default job
         ("config", "experiment=shakespeare_char_bby",
          "experiment=shakespeare_char_bby: no such choice; did you mean "

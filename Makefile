@@ -16,9 +16,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 MUTANTS ?=
 # pytest-xdist workers for make test: more than the cores, since many tests wait on subprocesses
-# and servers (docs/testing.md: the measured times). The services tests then run after the others,
-# their two groups side by side (the SLURM cluster's, the team server's): their jobs' and servers'
-# deadlines assume a machine not saturated, and both groups mostly wait.
+# and servers (docs/testing.md: the measured times). The services tests (SLURM, the team server)
+# then run in one process, after the others: their jobs' deadlines assume a machine not saturated.
 WORKERS ?= 4
 
 .PHONY: setup train test unit lint bytecode mutation clean
@@ -58,8 +57,7 @@ train: setup
 test: setup lint bytecode
 	@$(BIN)/python tests/conftest.py >/dev/null
 	bash .ci/with_services.sh sh -c '$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup \
-		-m "not services" $(PYTEST_ARGS); a=$$?; $(BIN)/python -m pytest -n 2 --dist loadgroup \
-		-m services $(PYTEST_ARGS); \
+		-m "not services" $(PYTEST_ARGS); a=$$?; $(BIN)/python -m pytest -m services $(PYTEST_ARGS); \
 		b=$$?; [ $$a = 0 ] && { [ $$b = 0 ] || [ $$b = 5 ]; }'
 
 # gptlab's own bytecode too, for the processes the tests start (PYTHONDONTWRITEBYTECODE may be set)

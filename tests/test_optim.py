@@ -587,7 +587,7 @@ def test_lion_steps_each_coordinate_by_lr_in_the_sign_of_its_momentum():
         if step == 0:  # no decay on b: every coordinate moved by exactly lr
             assert torch.allclose((b.detach() - before).abs(), torch.full_like(b, lr))
         for name, decay in (("w", 0.5), ("b", 0.0)):
-            ref[name] = lion_reference(*ref[name][:1], grads[name], ref[name][1], lr, betas, decay)
+            ref[name] = lion_reference(ref[name][0], grads[name], ref[name][1], lr, betas, decay)
         assert torch.allclose(w, ref["w"][0], atol=1e-6) and torch.allclose(
             b, ref["b"][0], atol=1e-6
         )

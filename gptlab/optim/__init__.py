@@ -8,7 +8,7 @@ with a `build` function, one row here and one file in conf/optimizer/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, List
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,12 @@ OPTIMIZERS: Dict[str, OptimizerKind] = {
     ),
     "lion": OptimizerKind("lion", "Lion", lambda params, matrices: 1.0 * params),
 }
+
+
+def decay_groups(decay: List[Any], no_decay: List[Any], weight_decay: float) -> List[Dict]:
+    """The two parameter groups of a kind that treats every parameter alike: weight decay on the
+    matrices and embeddings, none on biases and gains."""
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]

@@ -7,6 +7,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
+from gptlab.optim import decay_groups
 from gptlab.sections import OptimizerConfig
 
 
@@ -19,8 +20,5 @@ def build(
     fused: bool,
 ) -> torch.optim.Optimizer:
     """torch's AdamW (fused: its one-kernel step)."""
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = decay_groups(decay, no_decay, cfg.weight_decay)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

@@ -7,6 +7,7 @@ from typing import List
 import torch
 import torch.nn as nn
 
+from gptlab.optim import decay_groups
 from gptlab.sections import OptimizerConfig
 
 
@@ -56,8 +57,5 @@ def build(
 ) -> torch.optim.Optimizer:
     """Lion on every parameter, with weight decay on the matrices and embeddings (no fused kernel:
     `fused` is not used)."""
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = decay_groups(decay, no_decay, cfg.weight_decay)
     return Lion(groups, lr=lr, betas=tuple(cfg.betas))

@@ -17,6 +17,7 @@ device, and ``step_estimate`` the step time at a stated MFU. ``resolve_micro_bat
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -229,6 +230,8 @@ class Shape:
     flash: bool = True  # attention keeps no T x T matrix (SDPA flash / memory-efficient kernels)
     device: str = "cuda"  # cuda keeps dropout masks as bytes; the CPU as the tensor's own dtype
     world_size: int = 1
+    # parallelism=ddp as a world of one under torchrun: DDP wraps the model (and keeps its buckets)
+    ddp_alone: bool = False
     sharded: bool = False  # fsdp / hsdp: weights, gradients, optimizer state over `shards` ranks
     shards: int = 1  # ranks each parameter is split over (fsdp: the world; hsdp: a node's ranks)
     reshard: bool = True  # sharded: blocks free their gathered weights after forward (ZeRO-3)
@@ -271,9 +274,9 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
 
     Static: weights (fp32 master weights), optimizer (optimizer_floats fp32 numbers per parameter:
     AdamW's two moments, fewer with Muon, one more for a weight average), ddp (DDP's gradient
-    buckets, a second gradient copy, when world_size > 1). Then the step's peak (``_step_peak``)
-    over grads, autocast (half-precision weight copies), gathered, activations and transient (the
-    LM head's logits, log-softmax and their gradient, or the recomputed block).
+    buckets, a second gradient copy, when world_size > 1 or ddp_alone). Then the step's peak
+    (``_step_peak``) over grads, autocast (half-precision weight copies), gathered, activations and
+    transient (the LM head's logits, log-softmax and their gradient, or the recomputed block).
 
     Chunked loss (loss_chunk > 0): the logits and their gradients exist for one chunk of tokens at
     a time; forward keeps the head input's gradient (4 bytes per token and channel) and the head
@@ -312,7 +315,7 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
     parts = {
         "weights": 4.0 * s.params / shards,
         "optimizer": 4.0 * s.optimizer_floats * s.params / shards,
-        "ddp": 4.0 * s.params if s.world_size > 1 and not s.sharded else 0.0,
+        "ddp": 4.0 * s.params if (s.world_size > 1 or s.ddp_alone) and not s.sharded else 0.0,
         "grads": 4.0 * s.params / shards + sharded["grads_in_flight"],
         "autocast": float(c * s.matmul_params) if c < 4 and not s.sharded else 0.0,
         "gathered": sharded["gathered"],
@@ -449,6 +452,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         flash=fused,
         device=hw.device,
         world_size=cfg.world_size,
+        ddp_alone=cfg.parallelism.strategy == "ddp" and under_torchrun(),
         sharded=cfg.parallelism.strategy in SHARDED,
         shards=cfg.world_size // hw.nodes if cfg.parallelism.strategy == "hsdp" else cfg.world_size,
         reshard=cfg.parallelism.reshard_after_forward,
@@ -459,6 +463,12 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
         ns_bytes=ns_dtype(cfg.optimizer.muon_ns_dtype, torch.device(hw.device)).itemsize,
     )
     return shape, params, assumed
+
+
+def under_torchrun() -> bool:
+    """This process was started by torchrun (or as gptlab's own worker): parallelism=ddp then
+    wraps the model in DDP even in a world of one (gptlab.distributed.role)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def device_memory_bytes(cfg: Config) -> float:

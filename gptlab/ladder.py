@@ -5,10 +5,11 @@ From the plainest setting (fp32, no TF32, eager, the math attention path, the fo
 whole loss at once) each rung adds one speed lever to the best setting so far: TF32 (GPU), bf16
 autocast, torch.compile, fused attention (SDPA's flash kernel), fused AdamW, the chunked loss, the
 largest micro-batch that fits, threads per process (CPU). A lever that does not apply here is
-skipped with the reason; one that makes the step slower is measured, shown and not kept. Each rung
-is its own benchmark process (python -m gptlab.bench: no state carries from one rung to the next),
-and the first and the last setting are measured again at the end, so a drift of the machine's speed
-shows as a spread instead of as a speed-up.
+skipped with the reason; one that makes the step slower is measured, shown and not kept, and tried
+once more at the end on the best setting (levers interact: a lever may lose alone and win beside a
+later one). Each rung is its own benchmark process (python -m gptlab.bench: no state carries from
+one rung to the next), and the first and the last setting are measured again at the end, so a drift
+of the machine's speed shows as a spread instead of as a speed-up.
 
 The table goes to the console, ladder.json to the ladder's folder, and one JSON line to stdout.
 """
@@ -241,23 +242,24 @@ def climb(
     folder: Path,
     say: Callable[[str], None] = print,
 ) -> Ladder:
-    """Measure every rung that applies, keeping each lever that makes the step faster."""
+    """Measure every rung that applies, keeping each lever that makes the step faster; then try
+    each dropped lever once more on the best setting, since levers interact (compile can lose on
+    the math attention path and win on the flash kernel)."""
     rungs = plan_rungs(cfg, typed)
     nproc = int(cfg.hardware.nproc_per_node)
     best: Dict[str, Any] = {}
     best_tok = plain_tok = None
-    for i, rung in enumerate(rungs):
-        if rung.skip:
-            say(f"{rung.name}: skipped ({rung.skip})")
-            continue
+
+    def measure(rung: Rung, name: str) -> None:
+        nonlocal best, best_tok, plain_tok
         settings = {**best, **rung.adds}
         say(f"{rung.name}: measuring ...")
         try:
-            rung.result = run_one(base, settings, folder / f"{i:02d}", nproc)
+            rung.result = run_one(base, settings, folder / name, nproc)
         except GptlabError as e:
             rung.error = str(e)
             say(f"{rung.name}: failed ({rung.error})")
-            continue
+            return
         tok = rung.result["tokens_per_s"]
         if plain_tok is None:
             plain_tok = best_tok = tok
@@ -268,20 +270,44 @@ def climb(
             best, best_tok = settings, tok
         kept = "" if rung.kept else " (slower: not kept)"
         say(f"{rung.name}: {tok:,.0f} tok/s, x{rung.speedup_prev:.2f} the previous{kept}")
+
+    dropped: List[tuple] = []  # (index, rung, the best setting it was measured against)
+    for i, rung in enumerate(rungs):
+        if rung.skip:
+            say(f"{rung.name}: skipped ({rung.skip})")
+            continue
+        before = best
+        measure(rung, f"{i:02d}")
+        if rung.result and not rung.kept:
+            dropped.append((i, rung, before))
+    for i, rung, before in dropped:
+        if best == before:  # nothing kept since: the same setting, already measured
+            continue
+        again = Rung(f"{rung.name} (again, on the best)", dict(rung.adds))
+        rungs.append(again)
+        measure(again, f"{i:02d}-again")
     ladder = Ladder(rungs)
     measured = [r for r in rungs if r.result]
-    if not measured:
-        return ladder
-    say("measuring the plainest and the best setting again (the machine's drift) ...")
-    for label, settings in (("plain", measured[0].adds), ("best", best)):
-        try:
-            ladder.repeats[label] = run_one(base, settings, folder / f"again-{label}", nproc)
-        except GptlabError as e:
-            ladder.repeats[label] = {"error": str(e)}
-        if label == "plain" and best == measured[0].adds:
-            ladder.repeats["best"] = ladder.repeats["plain"]
-            break
+    if measured:
+        say("measuring the plainest and the best setting again (the machine's drift) ...")
+        ladder.repeats = _again(base, measured[0].adds, best, folder, nproc)
     return ladder
+
+
+def _again(
+    base: List[str], plain: Dict[str, Any], best: Dict[str, Any], folder: Path, nproc: int
+) -> Dict[str, Dict[str, Any]]:
+    """The plainest and the best setting measured once more (one run when they are the same)."""
+    repeats: Dict[str, Dict[str, Any]] = {}
+    for label, settings in (("plain", plain), ("best", best)):
+        try:
+            repeats[label] = run_one(base, settings, folder / f"again-{label}", nproc)
+        except GptlabError as e:
+            repeats[label] = {"error": str(e)}
+        if label == "plain" and best == plain:
+            repeats["best"] = repeats["plain"]
+            break
+    return repeats
 
 
 def drift(ladder: Ladder) -> Dict[str, Optional[float]]:

@@ -90,6 +90,8 @@ def test_a_lever_that_slows_the_step_is_shown_and_not_kept_and_the_repeats_give_
             return {"tokens_per_s": 104.0, "mfu": 0.1}
         if folder.name == "again-best":
             return {"tokens_per_s": 160.0, "mfu": 0.1}
+        if folder.name.endswith("-again"):  # bf16 tried once more, on the best setting
+            return {"tokens_per_s": 176.0, "mfu": 0.1, "precision": "bf16"}
         rung = ladder.plan_rungs(compose(shakespeare, "model=gpt_nano"), typed)[int(folder.name)]
         return {"tokens_per_s": speeds[rung.name], "mfu": 0.1, "precision": "fp32"}
 
@@ -103,13 +105,42 @@ def test_a_lever_that_slows_the_step_is_shown_and_not_kept_and_the_repeats_give_
     assert rows["+ fused attention (SDPA)"].speedup_prev == 1.5
     assert rows["+ fused AdamW"].speedup_prev == pytest.approx(1.1)
     assert rows["+ fused AdamW"].speedup_plain == pytest.approx(1.65)
-    assert calls[-1] == {**ladder.PLAIN, "hardware.attention_backend": "auto",
-                         "optimizer.fused": True}  # fmt: skip
-    assert ladder.drift(result) == {"plain": 0.04, "best": pytest.approx(-0.0303, abs=1e-4)}
+    best = {**ladder.PLAIN, "hardware.attention_backend": "auto", "optimizer.fused": True}
+    # the dropped lever is measured again on the best setting, and kept now that it wins there
+    again = rows["+ bf16 autocast (again, on the best)"]
+    assert calls[-3] == {**best, "hardware.precision": "bf16"}
+    assert again.kept and again.speedup_prev == pytest.approx(176 / 165)
+    assert calls[-1] == {**best, "hardware.precision": "bf16"}  # the best, measured again
+    assert ladder.drift(result) == {"plain": 0.04, "best": pytest.approx(-0.0909, abs=1e-4)}
     text = ladder.table(result)
     assert "slower" in " ".join(said)
     assert "skipped: inductor needs a C++ compiler" in text and "plain +4.0%" in text
     json.dumps(ladder.as_json(result))
+
+
+@pytest.mark.integration
+def test_a_dropped_lever_is_not_measured_again_when_nothing_was_kept_after_it(
+    shakespeare, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(fastpath, "cpu_bf16_units", lambda: False)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setattr(ladder, "physical_cores", torch.get_num_threads)
+    # the last lever measured is the slower one: the best setting never moves past it
+    speeds = {"plain fp32": 100.0, "+ fused attention (SDPA)": 150.0, "+ fused AdamW": 140.0}
+    folders = []
+
+    def fake_run(base, settings, folder, nproc):
+        folders.append(folder.name)
+        if folder.name.startswith("again-"):
+            return {"tokens_per_s": 150.0, "mfu": 0.1}
+        rung = ladder.plan_rungs(compose(shakespeare, "model=gpt_nano"), typed)[int(folder.name)]
+        return {"tokens_per_s": speeds[rung.name], "mfu": 0.1}
+
+    monkeypatch.setattr(ladder, "run_one", fake_run)
+    result = ladder.climb(compose(shakespeare, "model=gpt_nano"), typed, [], tmp_path, print)
+    assert not any("again, on the best" in r.name for r in result.rungs)
+    assert not any(f.endswith("-again") for f in folders)
+    assert [r.name for r in result.rungs if r.kept][-1] == "+ fused attention (SDPA)"
 
 
 @pytest.mark.slow

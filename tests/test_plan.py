@@ -957,3 +957,28 @@ def test_newton_schulz_estimate_against_the_resident_peak_of_a_step(tmp_path, mo
             # measured (glibc, torch 2.13): alone and sharded -6% to +2%; replicated +10% to +23%:
             # this rank's results' buffer is counted whole, resident only as it fills
             assert 0.9 * measured < predicted < 1.3 * measured, (key, rank)
+
+
+def test_ddp_in_a_world_of_one_under_torchrun_counts_the_buckets_ddp_keeps(monkeypatch):
+    """parallelism=ddp started by torchrun with one process is wrapped in DDP all the same
+    (gptlab.distributed.role), whose gradient buckets are a second gradient copy: the H200 check's
+    gpt1b step measured 22.2 GB against a plan of 18.4 GB without them."""
+    overrides = (
+        "model=gpt1b",
+        "hardware=h200",
+        "parallelism=ddp",
+        "train.batch_size=8",
+        "train.micro_batch_size=8",
+        "parallelism.activation_checkpointing=true",
+    )
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    alone = make_plan(cfg_for(*overrides)).memory
+    assert alone["ddp"] == 0  # a plain process: no DDP wrapper
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    wrapped = make_plan(cfg_for(*overrides)).memory
+    assert wrapped["ddp"] == 4 * 1_011_496_960
+    assert wrapped["total"] == alone["total"] + wrapped["ddp"]
+    # single is never wrapped, torchrun or not
+    assert make_plan(cfg_for(*overrides[:2], "train.batch_size=8")).memory["ddp"] == 0

@@ -26,9 +26,9 @@ from hydra import compose, initialize_config_dir
 # the checkout's gptlab, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gptlab.config import to_config  # noqa: E402
-from gptlab.costs import make_plan  # noqa: E402
-from gptlab.metrics import cpu_peak_bytes  # noqa: E402
-from gptlab.model import GPT  # noqa: E402
+from gptlab.model.gpt import GPT  # noqa: E402
+from gptlab.perf.costs import make_plan  # noqa: E402
+from gptlab.perf.measure import cpu_peak_bytes  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -93,7 +93,7 @@ def main(argv):
         }
     out = {"model": model, "batch": batch, "block_size": cfg[0].model.block_size, "vocab": vocab,
            "chunk": chunk, "device": str(device), "precision": precision}  # fmt: skip
-    from gptlab import costs
+    from gptlab.perf import costs
 
     costs.vocab_for = lambda c: (vocab, False)  # the planner sees the same vocabulary
     for name, c in (("whole", 0), ("chunked", chunk)):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import typed  # noqa: E402
 
 from gptlab.evaluation.scoring import score_pairs  # noqa: E402
-from gptlab.model import GPT  # noqa: E402
+from gptlab.model.gpt import GPT  # noqa: E402
 
 
 def main() -> None:

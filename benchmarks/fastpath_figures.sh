@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # benchmarks/fastpath_figures.sh width|compile|attention [DATA]: the measurements behind
-# gptlab/fastpath.py's rules (docs/measurements/2026-12-03-fastpath.md). One line per benchmark:
+# gptlab/perf/fastpath.py's rules (docs/measurements/2026-12-03-fastpath.md). One line per benchmark:
 # the setting, tokens/s and the median step in ms (plus the process's wall time for `compile`).
 #   width      bf16 against fp32 by model width (6 layers, 256 context, batch 8), alternating
 #   compile    compile's cost (a new process each, cold then warm inductor cache) and its saving

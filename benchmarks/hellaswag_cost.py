@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from test_hellaswag import hellaswag_file  # noqa: E402
 
 from gptlab.evaluation import hellaswag  # noqa: E402
-from gptlab.inference import load_model  # noqa: E402
+from gptlab.model.inference import load_model  # noqa: E402
 
 
 def main() -> None:

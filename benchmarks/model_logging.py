@@ -21,10 +21,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from gptlab import config as _schema  # noqa: F401 - registers conf/config.yaml's schema
-from gptlab import serving
-from gptlab.checkpoint import TrainingState, save_state
+from gptlab.checkpoint.state import TrainingState, save_state
 from gptlab.data.tokenizers import CharTokenizer
-from gptlab.model import GPT, GPTConfig
+from gptlab.model.gpt import GPT, GPTConfig
+from gptlab.registry import serving
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

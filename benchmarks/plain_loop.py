@@ -4,7 +4,7 @@
                                     [precision=fp32|bf16] [compile=0|1] [warmup=3 steps=10]
                                     [data=PATH]
 
-gptlab's own GPT (gptlab/model.py) and nothing else of gptlab: the text is read and encoded by
+gptlab's own GPT (gptlab/model/gpt.py) and nothing else of gptlab: the text is read and encoded by
 characters here, batches are random windows drawn with torch.randint, and each step is forward,
 backward, gradient clipping at 1.0 and AdamW (the default foreach implementation, weight decay on
 matrices as gptlab does). Prints one JSON line with the median step time and tokens/s over the
@@ -24,7 +24,7 @@ import torch
 
 # the checkout's gptlab, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gptlab.model import GPT, GPTConfig  # noqa: E402
+from gptlab.model.gpt import GPT, GPTConfig  # noqa: E402
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 

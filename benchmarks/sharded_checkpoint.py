@@ -24,9 +24,10 @@ from hydra import compose, initialize_config_dir
 
 # the checkout's gptlab, installed or not
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gptlab import checkpoint, distributed  # noqa: E402
+from gptlab.checkpoint import state as checkpoint  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
-from gptlab.model import GPT  # noqa: E402
+from gptlab.distributed import world as distributed
+from gptlab.model.gpt import GPT  # noqa: E402
 from gptlab.optim.factory import build_optimizer  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

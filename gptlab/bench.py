@@ -43,7 +43,7 @@ class BenchSettings:
     steps: int  # timed steps (train.max_steps = warmup + steps)
     mlflow: bool  # also record an MLflow run (conf/bench.yaml: tracking.mlflow follows it)
     profile: bool  # record the timed steps with torch.profiler (train.profile) in the bench folder
-    ladder: bool  # the tuning ladder: one benchmark per speed lever (gptlab/ladder.py)
+    ladder: bool  # the tuning ladder: one benchmark per speed lever (gptlab/perf/ladder.py)
 
 
 @dataclass
@@ -86,7 +86,9 @@ def summarise(
     cfg,
 ) -> Dict[str, Any]:
     """The benchmark's figures from the loop's per-step timings (the warm-up steps dropped)."""
-    from gptlab import metrics  # torch: off the start-up path of --help and config errors
+    from gptlab.perf import (
+        measure,  # torch: off the start-up path of --help and config errors
+    )
 
     timed = [(s, sec, tok) for s, sec, tok in timings if s > warmup]
     seconds = sum(sec for _, sec, _ in timed)
@@ -97,8 +99,8 @@ def summarise(
     return {
         "tokens_per_s": round(tok_s, 1),
         "step_ms": round(statistics.median(step_ms), 2) if step_ms else None,
-        "mfu": round(metrics.mfu(tok_s, fpt, peak), 4),
-        "hfu": round(metrics.mfu(tok_s, hfpt, peak), 4),
+        "mfu": round(measure.mfu(tok_s, fpt, peak), 4),
+        "hfu": round(measure.mfu(tok_s, hfpt, peak), 4),
         "peak_mem_bytes": peak_mem,
         "peak_mem_source": mem_source,
         "peak_mem_step_bytes": peak_mem - base_mem,  # above the memory held when the loop started
@@ -154,7 +156,7 @@ def _setting(run, cfg) -> Dict[str, Any]:
 
 def _peak_source(device: str, hw) -> str:
     """Where the peak FLOP/s came from: the preset's figures, else (the CPU) measured."""
-    from gptlab.costs import peak_tflops_for  # torch: off the start-up path of --help
+    from gptlab.perf.costs import peak_tflops_for  # torch: off the start-up path of --help
 
     figures = hw.precision, hw.tf32, hw.peak_tflops, hw.peak_tflops_tf32, hw.peak_tflops_fp32
     return "measured" if device == "cpu" and not peak_tflops_for(*figures) else "config"
@@ -164,7 +166,7 @@ def _prediction(config: BenchConfig, stands_for: int) -> Tuple[BenchConfig, Dict
     """The config as the planner resolves it (compile=auto, micro_batch_size=auto) and the
     planner's figures for it (memory, tokens/s, MFU), to print beside the measured ones."""
     # torch: off the start-up path of --help and config errors
-    from gptlab.costs import (
+    from gptlab.perf.costs import (
         DEFAULT_MFU,
         make_plan,
         plan_json,
@@ -187,9 +189,10 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
     import torch
 
-    from gptlab import distributed, metrics
-    from gptlab.build import build
-    from gptlab.loop import train
+    from gptlab.distributed import world as distributed
+    from gptlab.perf import measure
+    from gptlab.training.build import build
+    from gptlab.training.loop import train
 
     flags = dataclasses.asdict(config.bench)  # warmup, steps, mlflow
     if distributed.role(config.hardware) == "parent":
@@ -211,14 +214,14 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
             torch.cuda.reset_peak_memory_stats(run.dist.device)
             base = torch.cuda.memory_allocated(run.dist.device)
         else:
-            metrics.reset_peak_rss()
-            base = metrics.current_rss_bytes()
+            measure.reset_peak_rss()
+            base = measure.current_rss_bytes()
         with console.quiet():
             train(run)  # the loop's progress lines are not the benchmark's output
         if cuda:
             peak, source = torch.cuda.max_memory_allocated(run.dist.device), "cuda_max_allocated"
         else:
-            peak, source = metrics.peak_rss_bytes(), "peak_rss"
+            peak, source = measure.peak_rss_bytes(), "peak_rss"
         result = summarise(run, run.timings, flags["warmup"], peak, source, base, predicted, config)
         if run.dist.is_main:
             (Path(run.run_dir) / layout.BENCH).write_text(json.dumps(result, indent=1) + "\n")
@@ -249,8 +252,13 @@ def _job(cfg: DictConfig) -> Dict[str, Any]:
             return to_config(bench_config(c), BenchConfig)
 
         typed(cfg)  # a config error is one line before the ladder imports torch
-        from gptlab import ladder  # torch: off the start-up path of --help and config errors
+        from gptlab.distributed import world  # torch: off the start-up path of --help and errors
+        from gptlab.perf import ladder
 
+        if world.role(typed(cfg).hardware) in ("torchrun", "slurm"):
+            raise GptlabError(
+                "bench.ladder=true starts each rung's processes itself: run it without torchrun"
+            )
         return ladder.run(cfg, typed, list(hc.overrides.task), Path(hc.runtime.output_dir))
     return run_bench(cfg, Path(hc.runtime.output_dir))
 

@@ -4,11 +4,11 @@ Hydra.
 The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
 here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
 exactly one YAML file and a key that no file sets is a one-line error naming it;
-tests/test_config_schema.py keeps it so. The sections of modules that import torch live in the
-torch-free sections.py (``GPTConfig`` of model.py, ``OptimizerConfig`` of optim.py,
-``ProfileConfig`` of profiling.py), ``DataConfig`` in data/config.py; the run-wide sections (train,
-hardware, parallelism, tracking, paths) live here. Nothing this module imports pulls in torch or
-MLflow, so a command's --help and config errors answer at once (tests/test_startup.py).
+tests/test_config_schema.py keeps it so. A package's own section lives in its torch-free config.py
+(``GPTConfig`` in model/, ``OptimizerConfig`` in optim/, ``DataConfig`` in data/); the run-wide
+sections (train and its profile, hardware, parallelism, tracking, paths) live here. Nothing this
+module imports pulls in torch or MLflow, so a command's --help and config errors answer at once
+(tests/test_startup.py).
 
 ``to_config`` is the one DictConfig -> dataclass conversion. Past it, code reads typed objects.
 It re-validates the composed config against the schema (a ``+key=value`` override slips past
@@ -26,14 +26,42 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gptlab.data.config import DataConfig
 from gptlab.errors import GptlabError
+from gptlab.model.config import GPTConfig
 from gptlab.optim import OPTIMIZERS
+from gptlab.optim.config import OptimizerConfig
 from gptlab.records.store import check_uri
-from gptlab.sections import GPTConfig, OptimizerConfig, ProfileConfig, check_profile
 
 # parallelism.strategy (distributed.wrap_model reads it)
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
 # strategies whose weights, gradients and optimizer state are split over ranks
 SHARDED = ("fsdp", "hsdp")
+
+
+@dataclass
+class ProfileConfig:
+    steps: Optional[List[int]]  # [first, last] step recorded (1-based, inclusive); null: off
+    rows: int  # operators in the table
+    oom_snapshot: bool  # CUDA: record the allocator's history so an out-of-memory step leaves one
+
+
+def check_profile(cfg: ProfileConfig, max_steps: int) -> None:
+    """train.profile's settings: one line naming what is wrong."""
+    if cfg.steps is None:
+        return
+    steps = list(cfg.steps)
+    if len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        raise GptlabError(
+            f"train.profile.steps={steps}: give the first and last step to record, e.g. [5,7]"
+        )
+    first, last = steps
+    if not 1 <= first <= last:
+        raise GptlabError(f"train.profile.steps=[{first},{last}]: need 1 <= first <= last")
+    if first > max_steps:
+        raise GptlabError(
+            f"train.profile.steps=[{first},{last}]: the run ends at step {max_steps} first"
+        )
+    if cfg.rows < 1:
+        raise GptlabError(f"train.profile.rows={cfg.rows}: must be at least 1")
 
 
 @dataclass
@@ -66,7 +94,7 @@ class TrainConfig:
     sample_tokens: int  # text generated at the end into samples.txt (0: none)
     sample_prompt: str
     save_checkpoints: bool  # false: no checkpoints at all (benchmarks)
-    profile: ProfileConfig  # torch.profiler over chosen steps (gptlab/profiling.py)
+    profile: ProfileConfig  # torch.profiler over chosen steps (gptlab/training/profiling.py)
 
 
 @dataclass
@@ -75,7 +103,9 @@ class HardwareConfig:
     device: str  # cpu | cuda
     nproc_per_node: int
     nodes: int
-    precision: str  # auto | fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler); gptlab.fastpath
+    precision: (
+        str  # auto | fp32 | bf16 | fp16 (fp16 uses a dynamic GradScaler); gptlab.perf.fastpath
+    )
     # per-process sequences per forward; null: as large as the batch allows
     micro_batch_size: Optional[int]
     # per device, bf16/fp16, for MFU; null: measure the CPU's matmul rate

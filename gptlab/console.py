@@ -88,7 +88,7 @@ def next_start(folder: Path, resume: str) -> str:
     command names it (hydra.run.dir, or hydra.sweep.dir for a job of a sweep: Hydra's multirun.yaml
     is in the sweep's folder, and the sweep run again continues each job in its own folder).
     """
-    from gptlab.checkpoint import latest, step_of
+    from gptlab.checkpoint.state import latest, step_of
     from gptlab.records import layout
 
     found = latest(Path(folder))

@@ -3,17 +3,17 @@ tasks.
 
 PATH is a run folder (its newest checkpoint, or the best with which=best; whole or sharded) or a
 checkpoint file. The model and tokenizer are gptlab's own, rebuilt from the checkpoint
-(``gptlab.inference.load_model``) and wrapped as an lm_eval model (gptlab/evaluation/harness.py).
-Tasks come from lm_eval's registry, from gptlab's own conf/eval_tasks/ (always; its example task
-works by name), or from another folder of task YAMLs (eval.include=DIR). A local task's data files
-are checked before any model work (gptlab/evaluation/taskdata.py); a task whose data live on the
-Hugging Face Hub, when the Hub does not answer, loads from the local cache or fails at once
-(gptlab/evaluation/loading.py). The results go to the console as a table, to eval.json in the run
-folder, and to the run's own MLflow run as eval/<task>/<metric> at the checkpoint's step.
-PATH may also be a logged or registered model (models:/NAME/1, models:/NAME@champion,
-runs:/<id>/model): it is downloaded from tracking_uri's store (else $MLFLOW_TRACKING_URI, else
-outputs/mlflow.db), its figures go to the MLflow run the model came from, and eval.json beside
-the downloaded model.
+(``gptlab.model.inference.load_model``) and wrapped as an lm_eval model
+(gptlab/evaluation/harness.py). Tasks come from lm_eval's registry, from gptlab's own
+conf/eval_tasks/ (always; its example task works by name), or from another folder of task YAMLs
+(eval.include=DIR). A local task's data files are checked before any model work
+(gptlab/evaluation/taskdata.py); a task whose data live on the Hugging Face Hub, when the Hub does
+not answer, loads from the local cache or fails at once (gptlab/evaluation/loading.py). The results
+go to the console as a table, to eval.json in the run folder, and to the run's own MLflow run as
+eval/<task>/<metric> at the checkpoint's step. PATH may also be a logged or registered model
+(models:/NAME/1, models:/NAME@champion, runs:/<id>/model): it is downloaded from tracking_uri's
+store (else $MLFLOW_TRACKING_URI, else outputs/mlflow.db), its figures go to the MLflow run the
+model came from, and eval.json beside the downloaded model.
 
 With hardware.nproc_per_node > 1 (or under torchrun / SLURM), each rank scores a stride of every
 task's documents and rank 0 gathers the per-document results: the figures equal one process's.
@@ -171,8 +171,8 @@ def load_tasks(manager: Any, specs: Sequence[Spec]) -> Dict[str, Any]:
 def autocast_for(precision: str, device: Any):
     """(the autocast context, the precision): auto is training's rule on a GPU (bf16 from Ampere
     on; torch.cuda.is_bf16_supported() also counts emulated bf16) and fp32 on the CPU."""
-    from gptlab import fastpath
-    from gptlab.build import autocast_factory
+    from gptlab.perf import fastpath
+    from gptlab.training.build import autocast_factory
 
     if precision == "auto":
         cuda = device.type == "cuda"
@@ -208,8 +208,8 @@ Source = Dict[str, Optional[str]]  # a downloaded model: its folder, store and s
 
 def fetch_model(cfg: EvalConfig) -> Source:
     """run=<model URI>: the model downloaded (once, before any rank starts), where it came from."""
-    from gptlab import serving
     from gptlab.records.store import default_uri
+    from gptlab.registry import serving
 
     uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
     folder = serving.download(uri, cfg.run, Path(tempfile.mkdtemp(prefix="gptlab-eval-")))
@@ -219,12 +219,12 @@ def fetch_model(cfg: EvalConfig) -> Source:
 def load_scored(cfg: EvalConfig, device: Any, source: Optional[Source]) -> tuple:
     """(model, tokenizer, step, what it is, its MLflow run id) of run=."""
     if source is not None:
-        from gptlab import serving
+        from gptlab.registry import serving
 
         model, tokenizer, meta = serving.load_export(Path(source["folder"]))
         return model.to(device), tokenizer, int(meta.get("step") or 0), cfg.run, source["run_id"]
-    from gptlab import checkpoint
-    from gptlab.inference import load_model
+    from gptlab.checkpoint import state as checkpoint
+    from gptlab.model.inference import load_model
 
     path = checkpoint.find(cfg.run, cfg.which)
     model, tokenizer, saved = load_model(str(path), "latest", str(device))
@@ -355,7 +355,9 @@ def _evaluate(
     resolved: Dict[str, Any], source: Optional[Source], specs: Optional[List[Spec]] = None
 ) -> Optional[Path]:
     """This process's share: join the group, score, and on rank 0 write the records."""
-    from gptlab import distributed  # torch: off the start-up path of --help and config errors
+    from gptlab.distributed import (
+        world as distributed,  # torch: off the start-up path of --help and config errors
+    )
 
     cfg = to_config(OmegaConf.create(resolved), EvalConfig)
     d = distributed.setup(cfg.hardware, REPLICAS)
@@ -401,7 +403,9 @@ def run_eval(config: Any) -> Optional[Path]:
             "gptlab.eval needs lm-evaluation-harness: pip install -e '.[eval]'"
         ) from None
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
-    from gptlab import checkpoint, distributed, serving
+    from gptlab.checkpoint import state as checkpoint
+    from gptlab.distributed import world as distributed
+    from gptlab.registry import serving
 
     source = None
     if serving.is_model_uri(cfg.run):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # hints only: torch stays off the start-up path of --help and
     import torch
 
     from gptlab.data import Tokenizer
-    from gptlab.model import GPT
+    from gptlab.model.gpt import GPT
 
 
 @dataclass
@@ -129,7 +129,7 @@ def run_export(config: Any) -> Path:
 
         check_names(cfg.export.register, cfg.export.alias)
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
-    from gptlab.inference import load_model, save_weights, write_model_files
+    from gptlab.model.inference import load_model, save_weights, write_model_files
 
     model, tokenizer, saved = load_model(cfg.run, cfg.which)
     run_path = Path(cfg.run)
@@ -180,9 +180,9 @@ def mlflow_target(cfg: ExportConfig, run_path: Path) -> Target:
 def log_to_mlflow(cfg: ExportConfig, target: Target, out: Path, step: int) -> None:
     """export.mlflow / export.register: the export as the run's MLflow model (the one the run
     logged already, where its files are in the store), then a version of it."""
-    from gptlab import serving
     from gptlab.records import lineage
     from gptlab.records.store import error_text
+    from gptlab.registry import serving
 
     uri, run_id = target
     name, alias = cfg.export.register, cfg.export.alias

@@ -9,7 +9,7 @@ config is conf/plan.yaml: the training config and the planner's own keys (``Plan
 
 This module is the command only: the arithmetic (parameters, FLOPs, the memory model, the plan
 and ``resolve_micro_batch``, which resolves ``train.micro_batch_size=auto`` when a run is built)
-is in gptlab/costs.py.
+is in gptlab/perf/costs.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gptlab.errors import GptlabError
 from gptlab.optim import OPTIMIZERS
 
 if TYPE_CHECKING:  # hints only: costs imports torch, kept off the start-up path of --help
-    from gptlab.costs import Plan
+    from gptlab.perf.costs import Plan
 
 
 def optimizer_label(cfg: Config) -> str:
@@ -39,7 +39,7 @@ def _steps(n: int) -> str:
 
 
 def _gb(x: float) -> str:
-    from gptlab.costs import GiB  # torch: off the start-up path of --help and config errors
+    from gptlab.perf.costs import GiB  # torch: off the start-up path of --help and config errors
 
     return f"{x / GiB:8.2f} GiB"
 
@@ -55,7 +55,7 @@ def _duration(s: float) -> str:
 def _memory_rows(cfg: Config, plan: Plan) -> List[str]:
     """The report's memory table: each part with and without checkpointing, then the device's."""
     # torch: off the start-up path of --help and config errors
-    from gptlab.costs import USABLE_FRACTION, GiB
+    from gptlab.perf.costs import USABLE_FRACTION, GiB
 
     s, rows = plan.shape, []
     split = f", 1/{s.shards} each" if s.sharded else ""
@@ -168,8 +168,8 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
 
     config = to_config(cfg_dict, PlanConfig)
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
-    from gptlab import fastpath
-    from gptlab.costs import (
+    from gptlab.perf import fastpath
+    from gptlab.perf.costs import (
         DEFAULT_MFU,
         make_plan,
         plan_json,

@@ -3,12 +3,12 @@
 PATH is a run folder (its newest checkpoint, or the best by validation loss with which=best), a
 checkpoint file, or an MLflow model URI (models:/NAME/3, models:/NAME@champion, runs:/<id>/model,
 from ``tracking_uri``'s store). The model and tokenizer are rebuilt from the checkpoint alone
-(``gptlab.inference.load_model``): the root config, conf/sample.yaml, holds only the settings
+(``gptlab.model.inference.load_model``): the root config, conf/sample.yaml, holds only the settings
 below (``SampleConfig``), as top-level keys. Text keys take their value as typed:
 ``prompt="ROMEO:"`` is the text ``ROMEO:``.
 
 ``attention.out=FILE.png`` also draws the prompt's attention weights, every layer and head (or
-``attention.layers`` / ``attention.heads``), as a grid of heatmaps (``gptlab.attention``); the
+``attention.layers`` / ``attention.heads``), as a grid of heatmaps (``gptlab.model.attention``); the
 text is still generated unless ``max_new_tokens=0``.
 """
 
@@ -27,7 +27,7 @@ from gptlab.config import to_config
 
 if TYPE_CHECKING:  # hints only: torch stays off the start-up path of --help and config errors
     from gptlab.data import Tokenizer
-    from gptlab.model import GPT
+    from gptlab.model.gpt import GPT
 
 
 @dataclass
@@ -65,7 +65,7 @@ def draw_attention(
     cfg: SampleConfig, model: GPT, tok: Tokenizer, prompt: List[int], step: int
 ) -> None:
     """Write attention.out: the prompt's attention maps, each token labelled with its own text."""
-    from gptlab.attention import write_attention  # torch: off the start-up path of --help
+    from gptlab.model.attention import write_attention  # torch: off the start-up path of --help
 
     settings = cfg.attention
     out = Path(settings.out)
@@ -80,11 +80,11 @@ def draw_attention(
 def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
     """(model, tokenizer, step) from a run folder, a checkpoint file, or an MLflow model URI
     (models:/NAME/3, models:/NAME@champion, runs:/<id>/model: downloaded into tmp)."""
-    from gptlab import serving
+    from gptlab.registry import serving
 
     if not serving.is_model_uri(cfg.run):
         # torch: off the start-up path of --help and config errors
-        from gptlab.inference import load_model
+        from gptlab.model.inference import load_model
 
         model, tok, saved = load_model(cfg.run, cfg.which, cfg.device)
         return model, tok, saved.step
@@ -107,7 +107,7 @@ def run_sample(config: Any) -> None:
         draw_attention(cfg, model, tok, prompt, step)
         if cfg.max_new_tokens == 0:
             return
-    from gptlab.inference import generate_text  # torch: off the start-up path of --help
+    from gptlab.model.inference import generate_text  # torch: off the start-up path of --help
 
     texts = generate_text(
         model,

@@ -32,8 +32,9 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab import console, slurm
+from gptlab import console
 from gptlab.cli import fail
+from gptlab.distributed import slurm
 from gptlab.errors import GptlabError
 from gptlab.records import identity, layout, parent
 from gptlab.records.store import (

@@ -346,7 +346,7 @@ class Store:
     def close(self) -> None:
         """End the parent runs sync made whose children it recorded, as the sweep's end would have
         (FINISHED, or FAILED when a job failed; the best summary/best_val_loss)."""
-        from gptlab import slurm  # submitit: off the command's start-up
+        from gptlab.distributed import slurm  # submitit: off the command's start-up
 
         for sweep_dir, (run_id, experiment_id) in self.parents.items():
             if run_id in self.ours and run_id in self.touched:
@@ -450,7 +450,8 @@ def send_model(store: Store, run_id: str, folder: RunFolder) -> Optional[str]:
     results = folder.results
     if not (results and results.get("stopped_by") is None and tracking.get("log_model")):
         return None
-    from gptlab import checkpoint, serving
+    from gptlab.checkpoint import state as checkpoint
+    from gptlab.registry import serving
 
     if not train.get("save_checkpoints", True):
         return None

@@ -34,9 +34,9 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     console.setup_logging()  # under Hydra: its job logging (conf/hydra/job_logging/gptlab.yaml)
     config = to_config(cfg)
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
-    from gptlab import distributed
-    from gptlab.build import build, log_model, record_expectation, write_sample
-    from gptlab.loop import train
+    from gptlab.distributed import world as distributed
+    from gptlab.training.build import build, log_model, record_expectation, write_sample
+    from gptlab.training.loop import train
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
     done = finished_before(Path(run_dir), resolved)

@@ -5,7 +5,7 @@
 # That machine has Python 3.12, torch, numpy, PyYAML, packaging, cloudpickle, typing_extensions,
 # psutil, matplotlib and safetensors (/work/.library/device/KINDS.md) but not Hydra: gptlab.bench,
 # .plan, .train and .sample need hydra-core, omegaconf and antlr4-python3-runtime (their
-# dependencies beyond that list), and gptlab.slurm and Hydra's launcher plugin need submitit and
+# dependencies beyond that list), and gptlab.distributed.slurm and Hydra's launcher plugin need submitit and
 # hydra-submitit-launcher. All are pure Python (py3-none-any); antlr4-python3-runtime 4.9.3 exists
 # only as a source archive, so pip builds its wheel here. Run it where pip reaches the registry:
 #     bash launch/gpu_wheels.sh        # then: the device run with carry=[".whl"]

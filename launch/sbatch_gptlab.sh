@@ -12,7 +12,7 @@
 #   hydra.run.dir=outputs/runs/slurm-<job id>
 #       (one run folder per job, the same on every node and after a requeue: train.resume=auto
 #       continues there), under the job's working folder (sbatch --chdir, default: where you submit)
-# Each task then works out who it is as it does under submitit (gptlab/distributed.py): its rank and
+# Each task then works out who it is as it does under submitit (gptlab/distributed/world.py): its rank and
 # local rank from SLURM, the master from the first node of the step, and the rendezvous port from the
 # job id (outside the node's ephemeral ports, the same on every node and after a requeue). One task
 # that dies ends the whole job at once (--kill-on-bad-exit), and the job fails.

@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import compose_config  # noqa: E402
 from test_plan import measured_peak_bytes  # noqa: E402
 
-from gptlab import distributed  # noqa: E402
 from gptlab.config import to_config  # noqa: E402
-from gptlab.costs import resolve_auto, resolve_micro_batch  # noqa: E402
+from gptlab.distributed import world as distributed  # noqa: E402
+from gptlab.perf.costs import resolve_auto, resolve_micro_batch  # noqa: E402
 
 
 def measure(overrides):

@@ -104,7 +104,7 @@ def overwrite_entry(folder: Path, prefix: str, content: Optional[bytes] = None) 
     """In a sharded checkpoint, overwrite the saved entry first by name of those starting with
     prefix, in place, keeping every file's size (random bytes: a bad disk block; or content, padded
     with zeros): (the entry's name, the shard file holding it)."""
-    from gptlab.safe_dcp import read_metadata
+    from gptlab.checkpoint.safe_dcp import read_metadata
 
     # storage_data: where each entry's bytes are (file, offset, length)
     stored = read_metadata(folder).storage_data.items()

@@ -1,6 +1,6 @@
-"""gptlab.attention: the attention maps are the model's own attention weights, written out (causal,
-rows of one, softmax(q k^T / sqrt(d)) by hand, the same block outputs and logits as the fused
-path), for every kind of positions; `gptlab.sample attention.out=...` draws them as a PNG."""
+"""gptlab.model.attention: the attention maps are the model's own attention weights, written out
+(causal, rows of one, softmax(q k^T / sqrt(d)) by hand, the same block outputs and logits as the
+fused path), for every kind of positions; `gptlab.sample attention.out=...` draws them as a PNG."""
 
 import math
 import struct
@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from helpers import model_config
 from test_sample import trained  # noqa: F401 - a short run's folder, trained once per module
 
-from gptlab.attention import (
+from gptlab.errors import GptlabError
+from gptlab.model.attention import (
     attention_figure,
     attention_maps,
     explicit_attention,
     layer_inputs,
     token_label,
 )
-from gptlab.errors import GptlabError
-from gptlab.model import GPT, rotate_pairs
+from gptlab.model.gpt import GPT, rotate_pairs
 
 POSITIONS = ["learned", "sinusoidal", "rotary"]
 T = 12

@@ -1,5 +1,5 @@
-"""gptlab.build: what building a run adds to the loop's results, e.g. a recipe's expected result,
-checked and recorded as an MLflow tag."""
+"""gptlab.training.build: what building a run adds to the loop's results, e.g. a recipe's expected
+result, checked and recorded as an MLflow tag."""
 
 import pytest
 from helpers import compose_config, nano_overrides

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import REPO, compose_config, nano_overrides, overwrite_entry, run_cli, start_cli
 
-from gptlab import checkpoint
+from gptlab.checkpoint import state as checkpoint
 from gptlab.errors import GptlabError
 from gptlab.records.layout import read_metrics
 from gptlab.train import run_training
@@ -358,7 +358,7 @@ KILL_DURING_SAVE = textwrap.dedent("""
     import sys, time, pathlib, torch
     sys.path.insert(0, {tests!r})
     from helpers import compose_config
-    from gptlab import checkpoint
+    from gptlab.checkpoint import state as checkpoint
     from gptlab.train import run_training
     real_save, calls = torch.save, []
     def slow_save(obj, f, *a, **k):  # the second save writes part of its bytes, then hangs
@@ -621,7 +621,7 @@ def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mis
 
 
 def test_torchs_refusal_is_told_in_a_few_words_without_its_advice_to_load_unsafely():
-    from gptlab.safe_dcp import load_error
+    from gptlab.checkpoint.safe_dcp import load_error
 
     def refusal(data):
         with pytest.raises(Exception) as e:
@@ -751,10 +751,12 @@ def test_an_unfinished_sharded_save_is_named_only_when_newer_than_the_checkpoint
 ):
     def notes():
         caplog.clear()
-        with caplog.at_level("WARNING", logger="gptlab.checkpoint"):
-            # warnings go to gptlab.checkpoint's logger
+        with caplog.at_level("WARNING", logger="gptlab.checkpoint.state"):
+            # warnings go to gptlab.checkpoint.state's logger
             found = checkpoint.load_latest_good(tmp_path)
-        return found, [r.getMessage() for r in caplog.records if r.name == "gptlab.checkpoint"]
+        return found, [
+            r.getMessage() for r in caplog.records if r.name == "gptlab.checkpoint.state"
+        ]
 
     (tmp_path / ".ckpt_00000001.partial").mkdir()
     assert notes() == (None, [f"warning: {tmp_path}/.ckpt_00000001.partial is a sharded save that "

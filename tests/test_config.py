@@ -8,7 +8,7 @@ from helpers import CONF, compose_config, run_cli
 
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
 
 GROUPS = ["model", "data", "optimizer", "parallelism", "hardware"]
 EXPECTED = {
@@ -146,7 +146,7 @@ def test_every_gpu_preset_trains_in_fp32_too(preset):
 
 def test_flash_with_precision_auto_choosing_fp32_is_refused_in_one_line(monkeypatch):
     """A GPU without bf16 tensor cores: auto picks fp32, which flash cannot run."""
-    from gptlab import costs, fastpath
+    from gptlab.perf import costs, fastpath
 
     monkeypatch.setattr(fastpath, "gpu_capability", lambda: (7, 0))
     c = to_config(compose_config(["hardware=a100x8", "hardware.attention_backend=flash"]))

@@ -5,7 +5,7 @@ it."""
 def test_the_stop_line_names_the_checkpoint_the_next_start_resumes_and_the_command(tmp_path):
     """A run folder is named by its start time: the command names it (a sweep's job: the
     sweep's)."""
-    from gptlab.checkpoint import checkpoint_path
+    from gptlab.checkpoint.state import checkpoint_path
     from gptlab.console import next_start
 
     folder = tmp_path / "run" / "checkpoints"

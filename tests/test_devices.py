@@ -14,12 +14,13 @@ import torch
 from device_guard import DeviceGuard, DeviceMix
 from helpers import compose_config, nano_overrides
 
-from gptlab import checkpoint, loop
-from gptlab.build import build
+from gptlab.checkpoint import state as checkpoint
 from gptlab.config import to_config
 from gptlab.evaluation import hellaswag
 from gptlab.optim import OPTIMIZERS
 from gptlab.optim.average import AVERAGE, UPDATES, WeightAverage, averaged_weights
+from gptlab.training import loop
+from gptlab.training.build import build
 
 META = torch.device("meta")
 

@@ -1,5 +1,5 @@
-"""gptlab.distributed: every decision it makes in one process, with its exact messages, then real
-multi-process data parallelism (gloo on the CPU, started by gptlab itself or by torchrun).
+"""gptlab.distributed.world: every decision it makes in one process, with its exact messages, then
+real multi-process data parallelism (gloo on the CPU, started by gptlab itself or by torchrun).
 
 In one process, what needs other processes (a second rank, SLURM, CUDA) is stood in for by fakes
 of torch's and the OS's calls; the real multi-process runs are the slow tests below, of test_fsdp
@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 from helpers import model_config, run_cli, typed
 
-from gptlab import distributed, fastpath, runtime, slurm
+from gptlab.distributed import slurm
+from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
+from gptlab.perf import fastpath, runtime
 
 LAUNCH_VARS = (
     "RANK",
@@ -829,7 +831,7 @@ def test_no_sync_on_a_sharded_model_returns_an_empty_context():
 
 
 def tiny_gpt():
-    from gptlab.model import GPT
+    from gptlab.model.gpt import GPT
 
     torch.manual_seed(0)
     return GPT(
@@ -1040,7 +1042,7 @@ def test_a_crashed_worker_prints_its_traceback_and_exits_with_its_own_code(worke
 
 FOLLOWER = """
 import os, signal, sys
-from gptlab import distributed
+from gptlab.distributed import world as distributed
 distributed.follow_launcher(int(sys.argv[1]))
 default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
 print(os.getpid(), os.getsid(0), default, flush=True)
@@ -1486,7 +1488,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
     its own would leave the other in a collective until parallelism.timeout_s."""
     from helpers import start_cli
 
-    from gptlab import checkpoint
+    from gptlab.checkpoint import state as checkpoint
 
     run_dir = tmp_path / "run"
     args = [
@@ -1570,7 +1572,7 @@ def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_p
 
     from helpers import cli_env
 
-    from gptlab import checkpoint
+    from gptlab.checkpoint import state as checkpoint
 
     run_dir = tmp_path / "run"
     cmd = _long_run(shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5")
@@ -1700,7 +1702,7 @@ def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning
 
 HANG_RANK1 = """
 import os, runpy, sys, time
-import gptlab.loop as loop
+import gptlab.training.loop as loop
 real = loop.optimizer_step
 def optimizer_step(run, lr, loss_sum):  # rank 1 hangs (alive, not dead) in its 4th step
     if os.environ["RANK"] == "1" and run.train_loader.step == 3:
@@ -1756,7 +1758,7 @@ def test_no_sync_skips_ddps_reduction_except_when_syncing(one_rank_group):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gptlab import distributed
+    from gptlab.distributed import world as distributed
 
     ddp = DDP(torch.nn.Linear(4, 2))
     reduced = []
@@ -1778,7 +1780,7 @@ def test_no_sync_skips_ddps_reduction_except_when_syncing(one_rank_group):
 def test_no_sync_tells_a_sharded_model_and_leaves_a_plain_one_alone():
     import torch
 
-    from gptlab import distributed
+    from gptlab.distributed import world as distributed
 
     class Sharded(torch.nn.Linear):
         told = []
@@ -1801,7 +1803,7 @@ def test_no_sync_tells_a_sharded_model_and_leaves_a_plain_one_alone():
 def test_collectives_are_identities_without_a_group():
     import torch
 
-    from gptlab import distributed
+    from gptlab.distributed import world as distributed
 
     t = torch.tensor([3.0])
     assert distributed.all_reduce_mean(t) is t and t.item() == 3.0
@@ -1815,8 +1817,8 @@ def test_collectives_are_identities_without_a_group():
 def test_wrap_model_order_single_process():
     """Checkpointing is switched on, then torch.compile wraps the model (lazily: nothing compiles
     until the first forward); one process needs no DDP."""
-    from gptlab import distributed
-    from gptlab.model import GPT
+    from gptlab.distributed import world as distributed
+    from gptlab.model.gpt import GPT
 
     hw, par = typed("hardware"), typed("parallelism", "parallelism.activation_checkpointing=true")
     d = distributed.Dist()
@@ -1838,8 +1840,8 @@ def test_fsdp_order_is_checkpointing_then_per_block_compile_then_sharding():
     from helpers import typed
     from torch.distributed.fsdp import FSDPModule
 
-    from gptlab import distributed
-    from gptlab.model import GPT
+    from gptlab.distributed import world as distributed
+    from gptlab.model.gpt import GPT
 
     par = typed("parallelism", "parallelism=fsdp")
     hw = typed("hardware", "hardware=cpu", precision="fp32")  # what auto picks for gpt_nano

@@ -22,10 +22,11 @@ import pytest
 import torch
 from helpers import compose_config, data_config, find_shakespeare, nano_overrides, run_cli, typed
 
-from gptlab import checkpoint, distributed
+from gptlab.checkpoint import state as checkpoint
 from gptlab.cli import os_error_message, run_entry
 from gptlab.config import to_config
 from gptlab.data import prepare_data
+from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
 
 

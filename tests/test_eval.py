@@ -48,7 +48,7 @@ def tiny_lm(block_size=16, **changes):
 
     from gptlab.data import CharTokenizer
     from gptlab.evaluation.harness import GptlabLM
-    from gptlab.model import GPT
+    from gptlab.model.gpt import GPT
 
     tok = CharTokenizer("\n abcdefgh")
     torch.manual_seed(0)
@@ -198,7 +198,7 @@ def test_gptlab_eval_equals_lm_evals_hf_model_on_the_export(tmp_path, shakespear
     from gptlab.eval import task_manager
     from gptlab.evaluation.harness import GptlabLM
     from gptlab.export import main as export
-    from gptlab.inference import load_model
+    from gptlab.model.inference import load_model
 
     run_dir = tmp_path / "run"
     overrides = nano_overrides(
@@ -494,7 +494,7 @@ def test_eval_precision_auto_follows_trainings_rule_on_a_gpu(monkeypatch, capabi
     there, as training chooses; bf16 from Ampere on."""
 
     from gptlab import eval as eval_command
-    from gptlab import fastpath
+    from gptlab.perf import fastpath
 
     monkeypatch.setattr(fastpath, "gpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

@@ -10,7 +10,7 @@ from helpers import CONF, compose_config
 from omegaconf import OmegaConf
 
 from gptlab.config import to_config
-from gptlab.costs import resolve_auto
+from gptlab.perf.costs import resolve_auto
 
 RECIPES = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 BASE = "base/reference"  # not a recipe: what the recipes share

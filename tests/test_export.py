@@ -18,7 +18,7 @@ def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained,
     from safetensors.torch import load_file
 
     from gptlab.export import main as export
-    from gptlab.inference import load_model
+    from gptlab.model.inference import load_model
 
     out = export([f"run={trained}", f"out={tmp_path / 'export'}"])
     ours, tokenizer, _ = load_model(str(trained))
@@ -52,7 +52,7 @@ def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained,
 def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path, shakespeare):
     """From the command line: which=best exports the best checkpoint, not the newest; a SwiGLU model
     gets its safetensors and one line saying why there is no Hugging Face folder."""
-    from gptlab import checkpoint
+    from gptlab.checkpoint import state as checkpoint
 
     run_dir = tmp_path / "run"
     overrides = nano_overrides(
@@ -93,7 +93,7 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
     """The path lm_eval's hf model takes: AutoTokenizer and GPT2LMHeadModel on the folder give
     gptlab's ids and logits, and the config names the tokenizer's special tokens."""
     transformers = pytest.importorskip("transformers")
-    from gptlab.inference import load_model
+    from gptlab.model.inference import load_model
 
     run_dir = tmp_path / "run"
     overrides = nano_overrides(

@@ -1,5 +1,5 @@
-"""gptlab.fastpath: hardware.precision=auto and hardware.compile=auto decide as measured, say why,
-and a set value is kept; train.profile leaves a trace Perfetto opens and the operator table."""
+"""gptlab.perf.fastpath: hardware.precision=auto and hardware.compile=auto decide as measured, say
+why, and a set value is kept; train.profile leaves a trace Perfetto opens and the operator table."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import compose_config, nano_overrides
 
-from gptlab import costs, fastpath
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
+from gptlab.perf import costs, fastpath
 
 BABY = ["model.n_layer=6", "model.n_embd=384", "model.n_head=6", "model.block_size=256"]
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 from helpers import REPO, cli_env, nano_overrides, overwrite_entry, run_cli
 
-from gptlab import checkpoint
-from gptlab.inference import load_model
+from gptlab.checkpoint import state as checkpoint
+from gptlab.model.inference import load_model
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
@@ -410,7 +410,7 @@ def test_sample_and_export_read_a_sharded_checkpoint_in_one_process(
 ):
     """Consolidated on load: the same logits and the same export files as the unsharded model."""
     from gptlab.export import main as export
-    from gptlab.inference import load_model
+    from gptlab.model.inference import load_model
 
     sharded, _, saved = load_model(str(straight_fsdp))
     assert saved.shards is not None and saved.step == 20

@@ -15,7 +15,7 @@ from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
 from gptlab.evaluation.next_line import next_line_examples, write_jsonl
 from gptlab.evaluation.scoring import score_pairs
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
 from gptlab.records.layout import read_metrics
 from gptlab.train import run_training
 

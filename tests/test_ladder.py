@@ -1,4 +1,5 @@
-"""The tuning ladder (gptlab/ladder.py): which levers apply where, what is kept, a real ladder."""
+"""The tuning ladder (gptlab/perf/ladder.py): which levers apply where, what is kept, a real
+ladder."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 from helpers import cli_env
 
-from gptlab import cli, fastpath, ladder
+from gptlab import cli
 from gptlab.bench import BenchConfig, bench_config
 from gptlab.config import to_config
+from gptlab.perf import fastpath, ladder
 
 
 def compose(shakespeare, *extra):

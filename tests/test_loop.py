@@ -9,11 +9,11 @@ import pytest
 import torch
 from helpers import compose_config, nano_overrides
 
-from gptlab.build import build
 from gptlab.config import to_config
-from gptlab.loop import train
 from gptlab.records.layout import read_metrics
 from gptlab.train import run_training
+from gptlab.training.build import build
+from gptlab.training.loop import train
 
 GOLDEN = Path(__file__).parent / "golden" / "nano_loss_curve.json"
 
@@ -67,7 +67,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
 def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare, monkeypatch):
     """DDP / FSDP are told to skip the reduction on every micro-step but the last of each step (the
     2-process equivalence test in test_distributed.py checks the losses that depend on it)."""
-    from gptlab import distributed
+    from gptlab.distributed import world as distributed
 
     calls, real = [], distributed.no_sync
     monkeypatch.setattr(
@@ -176,7 +176,7 @@ def test_nan_loss_stops_with_a_clear_error(tmp_path, shakespeare):
 def test_what_each_step_does_logs_evaluates_and_saves_on_its_cadence():
     from types import SimpleNamespace
 
-    from gptlab.loop import Progress, due
+    from gptlab.training.loop import Progress, due
 
     t = SimpleNamespace(
         max_steps=20, log_every=5, eval_every=10, checkpoint_every=4, save_checkpoints=True
@@ -205,7 +205,7 @@ def test_each_steps_random_stream_is_fixed_by_seed_step_and_rank():
     """The seed formula is part of what resumes exactly: a checkpoint written by an earlier version
     continues with the same dropout draws only while (seed * 1_000_003 + step) * 4099 + rank
     stays."""
-    from gptlab.loop import seed_step
+    from gptlab.training.loop import seed_step
 
     seed_step(1337, 25, 3)
     assert torch.initial_seed() == (1337 * 1_000_003 + 25) * 4099 + 3 == 5_480_379_543_567
@@ -219,7 +219,7 @@ def test_each_steps_random_stream_is_fixed_by_seed_step_and_rank():
 def test_results_count_this_sessions_tokens_and_time_only():
     from types import SimpleNamespace
 
-    from gptlab.loop import Progress, results
+    from gptlab.training.loop import Progress, results
 
     def run(start_tokens, train_time):
         return SimpleNamespace(
@@ -307,7 +307,7 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
     import signal
     import time
 
-    from gptlab import checkpoint
+    from gptlab.checkpoint import state as checkpoint
 
     overrides = nano_overrides(
         shakespeare,
@@ -431,8 +431,8 @@ def test_a_second_sigint_or_sigterm_ends_at_once_but_not_the_same_one_delivered_
     import os
     import signal
 
-    from gptlab import distributed
-    from gptlab.loop import StopOnSignal
+    from gptlab.distributed import world as distributed
+    from gptlab.training.loop import StopOnSignal
 
     stop = StopOnSignal()
     try:
@@ -452,8 +452,8 @@ def test_after_a_schedulers_sigusr2_its_sigterm_does_not_cut_the_save_short(monk
     import os
     import signal
 
-    from gptlab import distributed
-    from gptlab.loop import StopOnSignal
+    from gptlab.distributed import world as distributed
+    from gptlab.training.loop import StopOnSignal
 
     monkeypatch.setattr(distributed, "SAME_STOP_S", -1.0)
     stop = StopOnSignal()
@@ -470,7 +470,7 @@ def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
     it."""
     import signal
 
-    from gptlab.loop import StopOnSignal
+    from gptlab.training.loop import StopOnSignal
 
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -487,7 +487,7 @@ def test_stop_on_signal_leaves_an_ignored_sigint_ignored():
 def test_stop_on_signal_outside_the_main_thread_installs_nothing():
     import threading
 
-    from gptlab.loop import StopOnSignal
+    from gptlab.training.loop import StopOnSignal
 
     got = []
     worker = threading.Thread(target=lambda: got.append(StopOnSignal()))
@@ -572,8 +572,8 @@ def test_with_a_weight_average_val_loss_samples_and_checkpoints_are_the_averages
     """optimizer.ema_decay > 0: evaluation sees the average (not the training weights, which come
     back unchanged), and a checkpoint's reader (sample, export) rebuilds the model with the
     average."""
-    from gptlab.inference import load_model
-    from gptlab.model import GPT
+    from gptlab.model.gpt import GPT
+    from gptlab.model.inference import load_model
 
     overrides = nano_overrides(
         shakespeare,
@@ -609,7 +609,7 @@ def test_dropout_draws_depend_on_seed_step_and_rank_only():
     resumed run draws what it would have drawn, and each rank draws its own masks."""
     import torch
 
-    from gptlab.loop import seed_step
+    from gptlab.training.loop import seed_step
 
     def draw(seed, step, rank):
         torch.rand(7)  # history that must not matter
@@ -648,9 +648,9 @@ def test_val_bpb_counts_utf8_bytes_and_leaves_out_special_tokens():
     from helpers import model_config
 
     from gptlab.data import CharTokenizer
-    from gptlab.distributed import Dist
-    from gptlab.loop import evaluate
-    from gptlab.model import GPT
+    from gptlab.distributed.world import Dist
+    from gptlab.model.gpt import GPT
+    from gptlab.training.loop import evaluate
 
     tok = CharTokenizer("ab\u00e9", specials=["<|eos|>"])
     assert tok.token_bytes().tolist() == [1, 1, 2, 0]

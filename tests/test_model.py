@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from helpers import model_config
 
-from gptlab.model import GPT, GPTConfig
+from gptlab.model.gpt import GPT, GPTConfig
 
 
 def tiny(**kw) -> GPTConfig:
@@ -159,7 +159,7 @@ def test_gpt2_124m_parameter_count():
 def test_rotary_in_complex_and_in_real_arithmetic_agree():
     """apply_rotary (eager: complex multiply) and rotate_pairs (what torch.compile runs) are one
     rotation."""
-    from gptlab.model import apply_rotary, rotary_tables, rotate_pairs
+    from gptlab.model.gpt import apply_rotary, rotary_tables, rotate_pairs
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 8, dtype=torch.float64).float()
@@ -255,7 +255,7 @@ def test_activation_checkpointing_same_gradients_and_recomputes_only_when_traini
 
 
 def test_attention_dropout_applies_in_training_only():
-    from gptlab.model import CausalSelfAttention
+    from gptlab.model.gpt import CausalSelfAttention
 
     torch.manual_seed(0)
     attn = CausalSelfAttention(tiny(dropout=0.5))
@@ -307,7 +307,7 @@ def test_chunked_head_and_loss_on_bf16_weights_keep_dtypes_and_sum_gradients_in_
     to the weight's dtype for the matmuls, and the weight's gradient sums its chunks in fp32.
     Against fp64 over the whole logits, 512 chunks of one token: max relative error of the weight's
     gradient measured 6.9e-3 (one bf16 rounding of each product); summed in bf16 it is 2.0e-2."""
-    from gptlab.model import ChunkedHeadLoss
+    from gptlab.model.gpt import ChunkedHeadLoss
 
     torch.manual_seed(0)
     N, C, V = 512, 32, 300
@@ -330,7 +330,7 @@ def test_position_tables_are_the_formulas():
     """The sinusoidal table: sin at even channels, cos at odd ones, of p / 10000^(2i/d); the rotary
     tables: cos and sin of p * base^(-2i/hs). Against fp64; measured 7e-5 apart at position 63 (fp32
     angles), 1e-4 allowed; a wrong sign, base, channel or exponent is O(1) somewhere."""
-    from gptlab.model import rotary_tables, sinusoidal_table
+    from gptlab.model.gpt import rotary_tables, sinusoidal_table
 
     p = torch.arange(64, dtype=torch.float64)[:, None]
     i = torch.arange(0, 16, 2, dtype=torch.float64)
@@ -352,7 +352,7 @@ def test_under_torch_compile_the_rotation_is_done_in_real_arithmetic_in_the_inpu
     """What apply_rotary runs when torch.compile traces it (is_compiling): rotate_pairs on the same
     arguments, whose result keeps a bf16 input's dtype (measured: the same values as eager, 0
     apart)."""
-    from gptlab.model import apply_rotary, rotary_tables, rotate_pairs
+    from gptlab.model.gpt import apply_rotary, rotary_tables, rotate_pairs
 
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 8)
@@ -365,7 +365,7 @@ def test_under_torch_compile_the_rotation_is_done_in_real_arithmetic_in_the_inpu
 
 
 def test_swiglu_is_silu_of_the_gate_times_the_up_projection():
-    from gptlab.model import MLP
+    from gptlab.model.gpt import MLP
 
     torch.manual_seed(0)
     mlp = MLP(tiny(mlp="swiglu", ffn_dim=48))

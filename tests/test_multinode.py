@@ -28,8 +28,13 @@ import pytest
 from helpers import REPO, cli_env, start_cli
 from test_slurm import PARTITION, _cluster_problem, assert_resumed_in_one_run
 
+from gptlab.distributed.slurm import (
+    check_rendezvous_port,
+    ephemeral_ports,
+    rendezvous_port,
+    srun_failures,
+)
 from gptlab.errors import GptlabError
-from gptlab.slurm import check_rendezvous_port, ephemeral_ports, rendezvous_port, srun_failures
 
 SCRIPT = REPO / "launch" / "local_slurm.sh"
 SBATCH_SCRIPT = REPO / "launch" / "sbatch_gptlab.sh"
@@ -271,7 +276,7 @@ def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
     from omegaconf import OmegaConf
     from submitit.slurm.slurm import SlurmJob
 
-    from gptlab.slurm import ControllerCheckedWatcher
+    from gptlab.distributed.slurm import ControllerCheckedWatcher
     from gptlab.sweep import SubmissionReporter
 
     stock = SlurmJob.watcher

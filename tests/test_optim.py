@@ -7,7 +7,7 @@ from helpers import compose_config, model_config, nano_overrides, typed
 
 from gptlab.config import to_config
 from gptlab.errors import GptlabError
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
 from gptlab.optim import OPTIMIZERS
 from gptlab.optim.average import averaged_weights, load_average
 from gptlab.optim.factory import build_optimizer
@@ -633,8 +633,8 @@ def test_every_optimizer_of_the_table_is_planned_trains_and_resumes_exactly(
 ):
     """compose -> plan -> steps -> resume: the plan's optimizer memory is what the optimizer holds,
     and a run stopped and resumed ends with the uninterrupted run's weights, bit for bit."""
-    from gptlab import checkpoint
-    from gptlab.costs import make_plan, resolve_auto, resolve_micro_batch
+    from gptlab.checkpoint import state as checkpoint
+    from gptlab.perf.costs import make_plan, resolve_auto, resolve_micro_batch
     from gptlab.train import run_training
 
     def overrides(steps):

@@ -1,4 +1,5 @@
-"""gptlab.costs and gptlab.plan: parameter count, the memory model against measured peaks, fits."""
+"""gptlab.perf.costs and gptlab.plan: parameter count, the memory model against measured peaks,
+fits."""
 
 import dataclasses
 import json
@@ -7,12 +8,12 @@ import pytest
 import torch
 from helpers import REPO, compose_config, run_cli
 
-from gptlab import costs, metrics
 from gptlab.config import to_config
-from gptlab.costs import make_plan, param_count, resolve_auto, resolve_micro_batch, shape_for
 from gptlab.errors import GptlabError
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
 from gptlab.optim.factory import build_optimizer
+from gptlab.perf import costs, measure
+from gptlab.perf.costs import make_plan, param_count, resolve_auto, resolve_micro_batch, shape_for
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +79,7 @@ def measured_peak_bytes(
         opt.zero_grad(set_to_none=True)
 
     step()  # creates the optimizer state
-    peak = metrics.cpu_peak_bytes(step)
+    peak = measure.cpu_peak_bytes(step)
 
     def local_bytes(t: torch.Tensor) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t  # a shard's own bytes
@@ -792,9 +793,9 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's
     second forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP
     (4 x n_embd)."""
-    from test_metrics import counted_flops_per_token
+    from test_measure import counted_flops_per_token
 
-    from gptlab.costs import flops_for, loss_chunk
+    from gptlab.perf.costs import flops_for, loss_chunk
 
     cfg = cfg_for("model=gpt_nano", f"model.mlp={mlp}")
     torch.manual_seed(0)
@@ -906,10 +907,10 @@ def muon_step_held(mode, ns):
     opt.step()
     if mode != "single":
         dist.barrier()
-    before = metrics.current_rss_bytes()
-    metrics.reset_peak_rss()
+    before = measure.current_rss_bytes()
+    measure.reset_peak_rss()
     opt.step()
-    return metrics.peak_rss_bytes() - before
+    return measure.peak_rss_bytes() - before
 
 
 def newton_schulz_worker(rank, out):
@@ -935,7 +936,7 @@ def test_newton_schulz_estimate_against_the_resident_peak_of_a_step(tmp_path, mo
     gloo ranks replicated and sharded by fully_shard, in fp32 and bf16."""
     import torch.multiprocessing as mp
 
-    if not metrics.reset_peak_rss():
+    if not measure.reset_peak_rss():
         pytest.skip("no /proc/self/clear_refs here: the peak cannot be reset")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by the spawned processes' glibc
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
@@ -961,8 +962,8 @@ def test_newton_schulz_estimate_against_the_resident_peak_of_a_step(tmp_path, mo
 
 def test_ddp_in_a_world_of_one_under_torchrun_counts_the_buckets_ddp_keeps(monkeypatch):
     """parallelism=ddp started by torchrun with one process is wrapped in DDP all the same
-    (gptlab.distributed.role), whose gradient buckets are a second gradient copy: the H200 check's
-    gpt1b step measured 22.2 GB against a plan of 18.4 GB without them."""
+    (gptlab.distributed.world.role), whose gradient buckets are a second gradient copy: the H200
+    check's gpt1b step measured 22.2 GB against a plan of 18.4 GB without them."""
     overrides = (
         "model=gpt1b",
         "hardware=h200",

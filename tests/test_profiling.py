@@ -1,6 +1,6 @@
-"""gptlab.profiling: a profiled run's stderr holds no profiler chatter (kineto's USDT markers, c10's
-note on memory allocated before the profile began), and every other line still gets through.
-tests/test_fastpath.py checks what a profile writes."""
+"""gptlab.training.profiling: a profiled run's stderr holds no profiler chatter (kineto's USDT
+markers, c10's note on memory allocated before the profile began), and every other line still gets
+through. tests/test_fastpath.py checks what a profile writes."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import nano_overrides, run_cli
 
-from gptlab.profiling import ProfileConfig, StderrFilter, StepProfiler
+from gptlab.training.profiling import ProfileConfig, StderrFilter, StepProfiler
 
 # as torch 2.13 printed them during `train.profile.steps=[2,3]` (issue 42)
 USDT_START = (
@@ -150,7 +150,7 @@ def test_a_run_ending_inside_its_profile_writes_what_was_recorded_and_other_rank
 
 
 def test_the_noise_is_the_profilers_exact_lines():
-    from gptlab.profiling import NOISE
+    from gptlab.training.profiling import NOISE
 
     def noise(line):
         return any(p.search(line.encode()) for p in NOISE)

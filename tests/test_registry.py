@@ -1,6 +1,6 @@
-"""From run to model (gptlab/serving.py, gptlab.export's mlflow/register keys, gptlab.sample's model
-URIs): a trained run logged as an MLflow model, registered with an alias, loaded back by URI, and
-served by `mlflow models serve` with the text gptlab.sample gives."""
+"""From run to model (gptlab/registry/serving.py, gptlab.export's mlflow/register keys,
+gptlab.sample's model URIs): a trained run logged as an MLflow model, registered with an alias,
+loaded back by URI, and served by `mlflow models serve` with the text gptlab.sample gives."""
 
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ from helpers import cli_env, compose_config, nano_overrides, run_cli
 from mlflow import MlflowClient
 from test_slurm import tracking_server  # noqa: F401 - the team server (PostgreSQL in CI)
 
-from gptlab import build, export, sample, serving
+from gptlab import export, sample
 from gptlab.errors import GptlabError
+from gptlab.registry import serving
 from gptlab.train import run_training
+from gptlab.training import build
 
 GREEDY = ["temperature=0", "max_new_tokens=24", "prompt=ROMEO:", "seed=3"]
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import compose_config, nano_overrides, run_cli, start_cli
 
-from gptlab import checkpoint
+from gptlab.checkpoint import state as checkpoint
 from gptlab.errors import GptlabError
 from gptlab.train import run_training
 

@@ -1,5 +1,5 @@
-"""gptlab.runtime: the CPU allocator setting (keep_freed_memory: a step's freed memory is reused,
-not faulted in again) and the choice of SDPA kernel."""
+"""gptlab.perf.runtime: the CPU allocator setting (keep_freed_memory: a step's freed memory is
+reused, not faulted in again) and the choice of SDPA kernel."""
 
 import os
 import resource
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gptlab import runtime
+from gptlab.perf import runtime
 
 PROBE = r"""
 import resource, sys, torch
-from gptlab import runtime
+from gptlab.perf import runtime
 tune = sys.argv[1] == "1"
 if tune:
     assert runtime.keep_freed_memory()

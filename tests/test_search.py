@@ -411,7 +411,7 @@ def test_a_local_search_records_failed_and_pruned_trials_and_completes(shakespea
             assert results["stopped_by"] == "pruned" and results["steps"] < 60
             steps = sorted(t.intermediate_values)
             assert steps[-1] == results["steps"]
-            from gptlab import checkpoint
+            from gptlab.checkpoint import state as checkpoint
 
             ckpt = checkpoint.latest(folder / "checkpoints")
             assert checkpoint.step_of(ckpt) == results["steps"]
@@ -704,7 +704,7 @@ def test_each_way_a_trial_ends_is_told_to_the_study(tmp_path, monkeypatch):
 
     from hydra.core.utils import JobReturn, JobStatus
 
-    from gptlab import slurm
+    from gptlab.distributed import slurm
     from gptlab.search.sweeper import _fmt
 
     s = ended_search(tmp_path)

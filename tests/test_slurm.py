@@ -146,7 +146,7 @@ def test_the_sweep_waits_for_a_job_that_accounting_calls_ended_while_the_control
     (ControllerCheckedWatcher) asks the controller first."""
     from submitit.slurm.slurm import SlurmInfoWatcher
 
-    from gptlab.slurm import ControllerCheckedWatcher, controller_state
+    from gptlab.distributed.slurm import ControllerCheckedWatcher, controller_state
 
     r = _run(
         [

@@ -1,6 +1,6 @@
 """Every command answers at once: --help and config errors import none of torch, MLflow or Optuna.
 
-The schema is torch-free (gptlab/config.py, gptlab/sections.py) and each command imports its heavy
+The schema is torch-free (gptlab/config/) and each command imports its heavy
 modules inside the function that first needs them, after the config is validated. One subprocess
 runs every command's main in process on --help, a mistyped key and a bad value, then looks at
 sys.modules; one runs the real `python -X importtime -m gptlab.train --help`.

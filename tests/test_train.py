@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_env, run_cli
 
-from gptlab import checkpoint
+from gptlab.checkpoint import state as checkpoint
 
 
 @pytest.mark.slow
@@ -140,7 +140,7 @@ def test_ctrl_c_saves_at_the_stop_step_and_says_where_the_next_start_resumes(
 
 SLOW_STOP = """
 import sys, time
-import gptlab.loop as loop
+import gptlab.training.loop as loop
 real = loop.save_checkpoint
 def save_checkpoint(run, p, val):  # a slow save, as a big model's: time for a 2nd Ctrl-C
     if p.stopped_by is not None:

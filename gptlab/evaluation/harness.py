@@ -23,7 +23,7 @@ from gptlab.data import Tokenizer
 from gptlab.errors import GptlabError
 from gptlab.evaluation.loading import terminal
 from gptlab.evaluation.scoring import score_pairs
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
 
 log = logging.getLogger(__name__)
 

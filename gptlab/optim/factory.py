@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from gptlab.optim import OPTIMIZERS
 from gptlab.optim.average import WeightAverage, drop_average
-from gptlab.sections import OptimizerConfig
+from gptlab.optim.config import OptimizerConfig
 
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
 

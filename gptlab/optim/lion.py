@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from gptlab.optim import decay_groups
-from gptlab.sections import OptimizerConfig
+from gptlab.optim.config import OptimizerConfig
 
 
 class Lion(torch.optim.Optimizer):

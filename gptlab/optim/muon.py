@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
-from gptlab.sections import OptimizerConfig
+from gptlab.optim.config import OptimizerConfig
 
 # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
 NS_COEFFS = (3.4445, -4.7750, 2.0315)

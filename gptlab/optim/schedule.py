@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from gptlab.sections import OptimizerConfig
+from gptlab.optim.config import OptimizerConfig
 
 
 def scaled_lr(cfg: OptimizerConfig, world_size: int) -> float:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from gptlab import checkpoint
+from gptlab.checkpoint import state as checkpoint
 from gptlab.errors import GptlabError
 from gptlab.records import layout
 from gptlab.records.layout import LOCK, PREVIOUS, RECORDS, read_results

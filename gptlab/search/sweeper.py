@@ -338,7 +338,7 @@ class Search:
         """A taken-over trial with no checkpoint starts afresh (its folder's records moved aside):
         the MLflow run its cancelled job had begun holds nothing to continue, and is deleted, so the
         trial stays one child of the search (MLflow keeps deleted runs restorable)."""
-        from gptlab import checkpoint
+        from gptlab.checkpoint import state as checkpoint
 
         folder = self.sweep_dir / str(number)
         if not self.parent or checkpoint.latest(folder / layout.CHECKPOINTS) is not None:
@@ -381,7 +381,7 @@ class Search:
         state, value, why = TrialState.FAIL, None, None
         if isinstance(outcome, BaseException):
             why = error_text(outcome)
-            from gptlab import slurm
+            from gptlab.distributed import slurm
 
             why = slurm.job_error(str(folder)) or why
         elif outcome.status == JobStatus.FAILED:

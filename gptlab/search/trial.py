@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any, Dict, Optional
 
-from gptlab import distributed
+from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
 from gptlab.search import study as studies
 

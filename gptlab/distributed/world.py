@@ -1,14 +1,13 @@
 """Who am I, and how the model is wrapped.
 
 ``setup`` decides what this process is (a plain process, a torchrun-style worker with RANK /
-WORLD_SIZE in its environment, or a SLURM task, whose variables gptlab.slurm exports), picks the
-device and backend, and starts the process group with a timeout so that a dead rank ends the job
-instead of hanging it. ``spawn`` starts gptlab's own local workers and forwards stop signals to
-them; the process-group helpers (broadcast, mean, the agreed stop signal) and ``teardown`` serve
+WORLD_SIZE in its environment, or a SLURM task, whose variables gptlab.distributed.slurm exports),
+picks the device and backend, and starts the process group with a timeout so that a dead rank ends
+the job instead of hanging it. ``spawn`` starts gptlab's own local workers and forwards stop signals
+to them; the process-group helpers (broadcast, mean, the agreed stop signal) and ``teardown`` serve
 the ranks once started. ``wrap_model`` applies activation checkpointing, then torch.compile, then
 DDP or FSDP (DDP must see the compiled module so its gradient hooks fire on the compiled graph's
-parameters). Process-wide tuning (malloc, the SDPA kernel) is gptlab.runtime's.
-"""
+parameters). Process-wide tuning (malloc, the SDPA kernel) is gptlab.perf.runtime's."""
 
 from __future__ import annotations
 
@@ -28,9 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gptlab import fastpath, runtime, slurm
 from gptlab.config import SHARDED
+from gptlab.distributed import slurm
 from gptlab.errors import GptlabError
+from gptlab.perf import fastpath, runtime
 
 if TYPE_CHECKING:  # hints only: the config classes are data this module reads
     from gptlab.config import HardwareConfig, ParallelismConfig

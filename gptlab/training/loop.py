@@ -16,14 +16,15 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
-from gptlab import checkpoint, distributed
+from gptlab.checkpoint import state as checkpoint
+from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
-from gptlab.metrics import mfu
+from gptlab.perf.measure import mfu
 from gptlab.records.layout import PRUNED
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
-    from gptlab.run import Run
+    from gptlab.training.run import Run
 
 
 class StopOnSignal:

@@ -1,4 +1,4 @@
-"""Run: everything the training loop needs, already built (gptlab/build.py makes it)."""
+"""Run: everything the training loop needs, already built (gptlab/training/build.py makes it)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from gptlab import distributed
 from gptlab.console import Reporter
 from gptlab.data import RandomWindowLoader, Tokenizer
-from gptlab.distributed import Dist
-from gptlab.model import GPT
+from gptlab.distributed import world as distributed
+from gptlab.distributed.world import Dist
+from gptlab.model.gpt import GPT
 from gptlab.optim.average import averaged_weights
 from gptlab.records import runfolder
 

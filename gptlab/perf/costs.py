@@ -1,10 +1,10 @@
 """What a config costs, without building it: parameters, FLOPs, memory, and the plan that fits it.
 
 Parameters are counted from the config alone (``param_count``, ``block_params``), as the model in
-gptlab/model.py has them. Model FLOPs (MFU) count the work the model needs: every matmul of every
-layer and the LM head, plus attention's T x T products, forward once and backward twice. Hardware
-FLOPs (HFU) add what activation checkpointing recomputes (one more forward of every block). Both
-are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_metrics.py.
+gptlab/model/gpt.py has them. Model FLOPs (MFU) count the work the model needs: every matmul of
+every layer and the LM head, plus attention's T x T products, forward once and backward twice.
+Hardware FLOPs (HFU) add what activation checkpointing recomputes (one more forward of every block).
+Both are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_measure.py.
 
 Memory per device (``memory_estimate``) is counted by part for one training step: weights,
 gradients, optimizer state, DDP buckets, autocast copies, gathered shards and activations, with
@@ -21,19 +21,19 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from gptlab import fastpath
 from gptlab.config import SHARDED, Config, HardwareConfig
 from gptlab.errors import GptlabError
-from gptlab.metrics import (
+from gptlab.model.gpt import GPTConfig, padded_vocab
+from gptlab.optim import OPTIMIZERS
+from gptlab.optim.muon import muon_owners, ns_dtype
+from gptlab.perf import fastpath
+from gptlab.perf.measure import (
     gpu_peak_tflops,
     machine_memory_bytes,
     matmul_rate_at,
     measured_cpu_peak,
     measured_gpu_peak,
 )
-from gptlab.model import GPTConfig, padded_vocab
-from gptlab.optim import OPTIMIZERS
-from gptlab.optim.muon import muon_owners, ns_dtype
 
 GiB = 2**30
 
@@ -71,7 +71,7 @@ def block_params(m: GPTConfig) -> int:
 
 
 def param_count(cfg: Config, vocab: int) -> int:
-    """Parameters of gptlab.model.GPT for this config, without building it."""
+    """Parameters of gptlab.model.gpt.GPT for this config, without building it."""
     m = cfg.model
     d, V, b = m.n_embd, padded_vocab(vocab, m.vocab_multiple), 1 if m.bias else 0
     total = V * d + m.n_layer * block_params(m) + (d + b * d)  # wte, blocks, ln_f
@@ -467,7 +467,7 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
 
 def under_torchrun() -> bool:
     """This process was started by torchrun (or as gptlab's own worker): parallelism=ddp then
-    wraps the model in DDP even in a world of one (gptlab.distributed.role)."""
+    wraps the model in DDP even in a world of one (gptlab.distributed.world.role)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
@@ -578,7 +578,8 @@ def eager_step_s(cfg: Any) -> Optional[float]:
 
 
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
-    """hardware.precision=auto and hardware.compile=auto decided (gptlab/fastpath.py's rules, the
+    """hardware.precision=auto and hardware.compile=auto decided (gptlab/perf/fastpath.py's rules,
+    the
     compile rule fed this planner's step time): (the config, the choices with their reasons)."""
     resolved, choices = fastpath.resolve(cfg, eager_step_s, steps, matmul_rate_at)
     hw = resolved.hardware

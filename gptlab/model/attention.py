@@ -20,7 +20,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from gptlab.errors import GptlabError
-from gptlab.model import GPT, CausalSelfAttention, apply_rotary
+from gptlab.model.gpt import GPT, CausalSelfAttention, apply_rotary
 
 Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 

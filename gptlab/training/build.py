@@ -16,25 +16,30 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from gptlab import checkpoint, console, distributed, fastpath, profiling, runtime, slurm
+from gptlab import console
+from gptlab.checkpoint import state as checkpoint
 from gptlab.config import SHARDED, Config
 from gptlab.console import Reporter
-from gptlab.costs import device_peak, flops_for, loss_chunk, resolve_auto, resolve_micro_batch
 from gptlab.data import build_train_loader, eval_batches, prepare_data
-from gptlab.distributed import Dist
+from gptlab.distributed import slurm
+from gptlab.distributed import world as distributed
+from gptlab.distributed.world import Dist
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
-from gptlab.inference import generate_text
-from gptlab.metrics import expectation_met
-from gptlab.model import GPT, GPTConfig
+from gptlab.model.gpt import GPT, GPTConfig
+from gptlab.model.inference import generate_text
 from gptlab.optim.factory import build_optimizer
 from gptlab.optim.schedule import lr_at, scaled_lr
+from gptlab.perf import fastpath, runtime
+from gptlab.perf.costs import device_peak, flops_for, loss_chunk, resolve_auto, resolve_micro_batch
+from gptlab.perf.measure import expectation_met
 from gptlab.records import identity, layout, lineage, runfolder
 from gptlab.records.layout import last_logged_step
 from gptlab.records.store import flatten, local_uri
 from gptlab.records.tracker import NullTracker, Tracker
-from gptlab.run import Run
 from gptlab.search import trial as search_trial
+from gptlab.training import profiling
+from gptlab.training.run import Run
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +375,7 @@ def log_model(config: Any, tracker: Any, run_dir: Path, results: Dict[str, Any])
         log.info("no MLflow model logged: train.save_checkpoints=false left no checkpoint")
         return
     from gptlab.records.store import check_reachable, error_text, sync_command
-    from gptlab.serving import log_checkpoint
+    from gptlab.registry.serving import log_checkpoint
 
     later = f"python -m gptlab.export run={run_dir} export.mlflow=true"
     if tracker.mlflow.unsent:  # the store went away: the run's own records come first

@@ -45,7 +45,7 @@ def load_export(folder: Path) -> Tuple[Any, Any, Dict[str, Any]]:
     from safetensors.torch import load_file
 
     from gptlab.data import load_tokenizer
-    from gptlab.model import GPT, GPTConfig
+    from gptlab.model.gpt import GPT, GPTConfig
 
     meta = json.loads((folder / "config.json").read_text())
     model = GPT(GPTConfig(**meta["model"]))
@@ -163,7 +163,7 @@ def generate(
 ) -> str:
     """The prompt and its continuation for predict's params (check_params'), ending early where
     stop says so."""
-    from gptlab.inference import generate_text
+    from gptlab.model.inference import generate_text
 
     p = check_params(params)
     return generate_text(
@@ -341,7 +341,7 @@ def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]
     results: the run's results.json; the model's figures are the run's points (link_figures)."""
     import tempfile
 
-    from gptlab.inference import load_model, write_model_files
+    from gptlab.model.inference import load_model, write_model_files
     from gptlab.records import lineage
 
     model, tokenizer, saved = load_model(str(run_dir), "latest")

@@ -18,8 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-# the section lives in torch-free sections.py (the schema imports it); importable from here too
-from gptlab.sections import GPTConfig, padded_vocab  # noqa: F401
+# the section lives in torch-free model/config.py (the schema imports it); importable from here too
+from gptlab.model.config import GPTConfig, padded_vocab  # noqa: F401
 
 KVCache = List[Tuple[torch.Tensor, torch.Tensor]]
 

@@ -32,8 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from gptlab.errors import GptlabError
-from gptlab.safe_dcp import (
+from gptlab.checkpoint.safe_dcp import (
     METADATA,
     UnreadableEntry,
     load_into,
@@ -42,6 +41,7 @@ from gptlab.safe_dcp import (
     read_metadata,
     would_run,
 )
+from gptlab.errors import GptlabError
 
 # v2: model and optimizer keyed by parameter name (v1 keyed the optimizer's state by position)
 FORMAT_VERSION = 2

@@ -1,10 +1,9 @@
 """Runtime measurement: MFU of a measured rate, the CPU's matmul peak, memory as the process and
 the allocator hold it, and whether a run's results meet its recipe's expected figures.
 
-What a config should cost (parameters, FLOPs per token, the memory model) is in gptlab/costs.py;
-this module measures what a run does. Only torch and the standard library are imported here (a
-leaf module).
-"""
+What a config should cost (parameters, FLOPs per token, the memory model) is in
+gptlab/perf/costs.py; this module measures what a run does. Only torch and the standard library are
+imported here (a leaf module)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab import fastpath
 from gptlab.errors import GptlabError
+from gptlab.perf import fastpath
 
 # the plainest setting: every lever off (the keys each rung turns on)
 PLAIN = {
@@ -164,7 +164,7 @@ def _fused_adamw(plain: Any) -> Rung:
 
 
 def _chunked_loss(plain: Any) -> Rung:
-    from gptlab import costs
+    from gptlab.perf import costs
 
     vocab, _ = costs.vocab_for(plain)
     rule = dataclasses.replace(plain.parallelism, loss_chunk=None)
@@ -175,7 +175,7 @@ def _chunked_loss(plain: Any) -> Rung:
 
 
 def _micro_batch(plain: Any) -> Rung:
-    from gptlab import costs
+    from gptlab.perf import costs
 
     micro = plain.micro_batch_size
     try:
@@ -390,13 +390,8 @@ def run(
 ) -> Dict[str, Any]:
     """The ladder for the benchmark `cfg` (conf/bench.yaml): its table, ladder.json, a JSON line.
 
-    typed: the benchmark's DictConfig as gptlab.config.Config (gptlab.bench gives it)."""
-    from gptlab import distributed
-
-    if distributed.role(typed(cfg).hardware) in ("torchrun", "slurm"):
-        raise GptlabError(
-            "bench.ladder=true starts each rung's processes itself: run it without torchrun"
-        )
+    typed: the benchmark's DictConfig as gptlab.config.Config (gptlab.bench gives it, after
+    checking that this process is not one of torchrun's)."""
     folder.mkdir(parents=True, exist_ok=True)
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout is the JSON
     ladder = climb(cfg, typed, own_overrides(task_overrides), folder, say)

@@ -1,5 +1,5 @@
-"""gptlab.costs' FLOPs against PyTorch's FLOP counter and memory model; gptlab.metrics: MFU,
-peaks."""
+"""gptlab.perf.costs' FLOPs against PyTorch's FLOP counter and memory model; gptlab.perf.measure:
+MFU, peaks."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ from helpers import model_config, typed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from gptlab import costs, metrics
-from gptlab.model import GPT
+from gptlab.model.gpt import GPT
+from gptlab.perf import costs, measure
 
 
 def counted_flops_per_token(model: GPT, B: int, T: int) -> float:
@@ -74,10 +74,10 @@ def test_flops_per_token_matches_flop_counter(kw):
 
 
 def test_mfu_and_hfu():
-    assert metrics.mfu(1000.0, 6e6, 6e9) == pytest.approx(1.0)
-    assert metrics.mfu(500.0, 6e6, 12e9) == pytest.approx(0.25)
-    assert metrics.mfu(1000.0, 6e6, 0.0) == 0.0 and metrics.mfu(1000.0, 6e6, -1.0) == 0.0
-    assert metrics.mfu(0.5, 1.0, 1.0) == 0.5  # any positive peak is a peak, however small
+    assert measure.mfu(1000.0, 6e6, 6e9) == pytest.approx(1.0)
+    assert measure.mfu(500.0, 6e6, 12e9) == pytest.approx(0.25)
+    assert measure.mfu(1000.0, 6e6, 0.0) == 0.0 and measure.mfu(1000.0, 6e6, -1.0) == 0.0
+    assert measure.mfu(0.5, 1.0, 1.0) == 0.5  # any positive peak is a peak, however small
     # HFU: the same rate over hardware FLOPs, which add checkpointing's second forward of the blocks
     n_layer, d, hidden, vocab, T = 2, 64, 256, 128, 64
     fpt = costs.flops_per_token(n_layer, d, T, costs.matmul_params(n_layer, d, hidden, vocab))
@@ -86,7 +86,7 @@ def test_mfu_and_hfu():
     )
     assert fpt == 3 * (2 * (2 * (4 * d * d + 2 * d * hidden) + vocab * d) + 4 * n_layer * T * d)
     assert recompute == 2 * 2 * (4 * d * d + d * hidden) + 4 * n_layer * T * d
-    mfu, hfu = metrics.mfu(1000.0, fpt, 1e9), metrics.mfu(1000.0, fpt + recompute, 1e9)
+    mfu, hfu = measure.mfu(1000.0, fpt, 1e9), measure.mfu(1000.0, fpt + recompute, 1e9)
     assert hfu == pytest.approx(mfu * (fpt + recompute) / fpt) and hfu > mfu
     swiglu = costs.recomputed_matmul_params(n_layer, d, hidden, swiglu=True)
     assert swiglu == n_layer * (4 * d * d + 2 * d * hidden)
@@ -107,7 +107,7 @@ def test_peak_per_precision():
 
 
 def test_measured_cpu_peak_is_positive():
-    assert metrics.measured_cpu_peak("float32", n=256, seconds=0.05) > 1e8
+    assert measure.measured_cpu_peak("float32", n=256, seconds=0.05) > 1e8
 
 
 def test_measured_cpu_peak_is_the_best_trials_rate(monkeypatch):
@@ -124,22 +124,22 @@ def test_measured_cpu_peak_is_the_best_trials_rate(monkeypatch):
 
     clock = readings()
     perf_counter = lambda: next(clock)  # noqa: E731
-    monkeypatch.setattr(metrics.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(measure.time, "perf_counter", perf_counter)
     n = 8
-    rate = metrics.measured_cpu_peak.__wrapped__("float32", n=n, seconds=5 * 10 / 1024, trials=5)
+    rate = measure.measured_cpu_peak.__wrapped__("float32", n=n, seconds=5 * 10 / 1024, trials=5)
     assert rate == 2 * n**3 * 9 / (10 / 1024)
 
 
 def test_rss_helpers():
-    assert metrics.current_rss_bytes() > 0
-    assert metrics.reset_peak_rss()
-    before = metrics.current_rss_bytes()
+    assert measure.current_rss_bytes() > 0
+    assert measure.reset_peak_rss()
+    before = measure.current_rss_bytes()
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, every page touched
-    assert metrics.current_rss_bytes() >= before + 60 * 2**20
+    assert measure.current_rss_bytes() >= before + 60 * 2**20
     del block
-    assert metrics.peak_rss_bytes() >= before + 60 * 2**20  # the peak remembers what was freed
-    assert metrics.peak_rss_bytes() >= metrics.current_rss_bytes()
-    assert metrics.machine_memory_bytes() > 2**30
+    assert measure.peak_rss_bytes() >= before + 60 * 2**20  # the peak remembers what was freed
+    assert measure.peak_rss_bytes() >= measure.current_rss_bytes()
+    assert measure.machine_memory_bytes() > 2**30
 
 
 def test_cpu_peak_bytes_counts_what_fn_holds_at_once():
@@ -150,22 +150,22 @@ def test_cpu_peak_bytes_counts_what_fn_holds_at_once():
         c = torch.ones(2**19)  # then 2 MiB
         del c
 
-    assert metrics.cpu_peak_bytes(step) == 8 * 2**20
+    assert measure.cpu_peak_bytes(step) == 8 * 2**20
 
 
 def test_expectation_met():
     exp = {"best_val_loss": 1.47, "val_loss_tolerance": 0.03, "tokens_per_s": 1000, "source": "x"}
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 2000}) is True
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.55, "tokens_per_s": 2000}) is False
-    assert metrics.expectation_met({"source": "x"}, {"best_val_loss": 1.0}) is None
+    assert measure.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 2000}) is True
+    assert measure.expectation_met(exp, {"best_val_loss": 1.55, "tokens_per_s": 2000}) is False
+    assert measure.expectation_met({"source": "x"}, {"best_val_loss": 1.0}) is None
     # both at the edge
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.50, "tokens_per_s": 1000}) is True
+    assert measure.expectation_met(exp, {"best_val_loss": 1.50, "tokens_per_s": 1000}) is True
     # too slow
-    assert metrics.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 999}) is False
+    assert measure.expectation_met(exp, {"best_val_loss": 1.49, "tokens_per_s": 999}) is False
     # the default tolerance: 0.05
-    assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.05}) is True
-    assert metrics.expectation_met({"val_loss": 2.0}, {"val_loss": 2.06}) is False
-    assert metrics.expectation_met({"val_loss": 2.0, "tokens_per_s": 5}, {"val_loss": 1.0}) is True
+    assert measure.expectation_met({"val_loss": 2.0}, {"val_loss": 2.05}) is True
+    assert measure.expectation_met({"val_loss": 2.0}, {"val_loss": 2.06}) is False
+    assert measure.expectation_met({"val_loss": 2.0, "tokens_per_s": 5}, {"val_loss": 1.0}) is True
 
 
 def _shape(**kw) -> costs.Shape:
@@ -198,7 +198,7 @@ def test_memory_estimate_counts_ids_targets_and_the_embedding_dropout_mask_per_t
 def test_rss_readings_are_whole_pages_in_bytes_and_agree_with_psutil():
     import psutil
 
-    rss, peak = metrics.current_rss_bytes(), metrics.peak_rss_bytes()
+    rss, peak = measure.current_rss_bytes(), measure.peak_rss_bytes()
     assert rss % 4096 == 0 and peak % 4096 == 0  # /proc reports kB of 4 KiB pages
     assert rss == pytest.approx(psutil.Process().memory_info().rss, rel=0.01)
     assert peak >= rss
@@ -207,43 +207,43 @@ def test_rss_readings_are_whole_pages_in_bytes_and_agree_with_psutil():
 def test_peak_rss_falls_back_to_getrusage_without_proc(monkeypatch):
     import resource
 
-    monkeypatch.setattr(metrics, "_proc_status_kb", lambda key: 0)
+    monkeypatch.setattr(measure, "_proc_status_kb", lambda key: 0)
     # Linux: kB
-    assert metrics.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert measure.peak_rss_bytes() == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def test_memory_helpers_say_unavailable_when_the_os_refuses(monkeypatch):
-    assert metrics._proc_status_kb("NoSuchKey") == 0
+    assert measure._proc_status_kb("NoSuchKey") == 0
 
     def refuse(*args, **kwargs):
         raise OSError("not here")
 
-    monkeypatch.setattr(metrics, "open", refuse, raising=False)  # shadows the builtin in the module
-    assert metrics.reset_peak_rss() is False
-    assert metrics._proc_status_kb("VmRSS") == 0
+    monkeypatch.setattr(measure, "open", refuse, raising=False)  # shadows the builtin in the module
+    assert measure.reset_peak_rss() is False
+    assert measure._proc_status_kb("VmRSS") == 0
 
     def no_sysconf(name):
         raise ValueError(name)
 
-    monkeypatch.setattr(metrics.os, "sysconf", no_sysconf)
-    assert metrics.machine_memory_bytes() == 0
+    monkeypatch.setattr(measure.os, "sysconf", no_sysconf)
+    assert measure.machine_memory_bytes() == 0
 
 
 def test_expectation_met_reads_the_recipes_own_tolerance():
     exp = {"val_loss": 2.0, "val_loss_tolerance": 0.0}
-    assert metrics.expectation_met(exp, {"val_loss": 2.0}) is True
+    assert measure.expectation_met(exp, {"val_loss": 2.0}) is True
     # within the default 0.05, not within 0
-    assert metrics.expectation_met(exp, {"val_loss": 2.01}) is False
+    assert measure.expectation_met(exp, {"val_loss": 2.01}) is False
 
 
 def test_peak_rss_follows_the_kernels_mark_after_a_reset():
     """reset_peak_rss moves the kernel's mark down to the current RSS: a peak freed before it is
     forgotten (what lets gptlab.bench report the timed steps' peak rather than the start-up's)."""
     block = torch.ones(256 * 2**20 // 4)  # 256 MiB, its own mapping (above malloc's mmap threshold)
-    high = metrics.peak_rss_bytes()
+    high = measure.peak_rss_bytes()
     del block
-    assert metrics.reset_peak_rss()
-    assert metrics.peak_rss_bytes() < high - 128 * 2**20
+    assert measure.reset_peak_rss()
+    assert measure.peak_rss_bytes() < high - 128 * 2**20
 
 
 def test_memory_estimate_static_parts_by_world_and_precision():

@@ -30,9 +30,9 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-# the section and its check live in torch-free sections.py (the schema imports them)
-from gptlab.sections import ProfileConfig
-from gptlab.sections import check_profile as check  # noqa: F401
+# the section and its check live in the schema (gptlab/config.py), free of torch
+from gptlab.config import ProfileConfig
+from gptlab.config import check_profile as check  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,6 @@ model it serves, instead of unpickling a Python object. The model itself is serv
 
 from mlflow.models import set_model
 
-from gptlab.serving import GptlabModel
+from gptlab.registry.serving import GptlabModel
 
 set_model(GptlabModel())

@@ -15,11 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from gptlab import checkpoint
+from gptlab.checkpoint import state as checkpoint
 from gptlab.data import Tokenizer, load_tokenizer
 from gptlab.data.hf_tokenizer import write_hf_tokenizer
 from gptlab.errors import GptlabError
-from gptlab.model import GPT, GPTConfig
+from gptlab.model.gpt import GPT, GPTConfig
 from gptlab.optim.average import AVERAGE, load_average
 
 

@@ -1,0 +1,48 @@
+"""The model's config section, free of torch: the schema (gptlab/config.py) is built from it, so
+--help and config errors answer without importing torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class GPTConfig:
+    """Shape and flavour of the model; ``vocab_size`` is filled in from the tokenizer when null."""
+
+    name: str
+    vocab_size: Optional[int]
+    vocab_multiple: int  # pad the embedding/LM head to a multiple of this (64 for tensor cores)
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    ffn_dim: Optional[int]  # null: 4 * n_embd (GELU) or the usual 8/3 * n_embd rounded (SwiGLU)
+    dropout: float
+    bias: bool
+    pos_emb: str  # learned | sinusoidal | rotary
+    mlp: str  # gelu | swiglu
+    tie_weights: bool
+    rope_base: float
+
+    @property
+    def padded_vocab_size(self) -> int:
+        assert self.vocab_size is not None, "vocab_size must be set before building the model"
+        return padded_vocab(self.vocab_size, self.vocab_multiple)
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        if self.mlp == "swiglu":
+            # 2/3 of 4d keeps the parameter count of a GELU MLP; rounded up to a multiple of 64
+            return (int(8 * self.n_embd / 3) + 63) // 64 * 64
+        return 4 * self.n_embd
+
+
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls
+    fast)."""
+    k = max(1, multiple)
+    return (vocab + k - 1) // k * k

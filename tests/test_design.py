@@ -477,3 +477,37 @@ def test_a_module_that_moved_into_a_package_still_imports_by_its_old_path():
     from gptlab.model import attention  # a submodule is imported as such, not looked up
 
     assert attention.__name__ == "gptlab.model.attention"
+
+
+def test_every_module_and_package_is_named_in_the_architecture_map():
+    """docs/ARCHITECTURE.md names each module as its path under gptlab/ (`perf/costs.py`) and each
+    package as `name/`: a new module is placed on the map, a moved one moves there too."""
+    text = (PKG.parent / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", text))
+    missing = [
+        str(path.relative_to(PKG))
+        for path in sorted(PKG.rglob("*.py"))
+        if path.name != "__init__.py" and str(path.relative_to(PKG)) not in named
+    ]
+    missing += [
+        f"{path.relative_to(PKG)}/"
+        for path in sorted(PKG.iterdir())
+        if (path / "__init__.py").is_file() and f"{path.relative_to(PKG)}/" not in named
+    ]
+    assert not missing, f"not in docs/ARCHITECTURE.md: {missing}"
+    # and nothing it names is gone
+    gone = [
+        n
+        for n in named
+        if n.endswith(".py")
+        and not n.startswith(("tests/", "hydra_plugins/"))
+        and "/" in n
+        and not (PKG / n).exists()
+    ]
+    assert not gone, f"docs/ARCHITECTURE.md names modules that do not exist: {gone}"
+
+
+def test_the_top_level_keeps_the_commands_and_what_they_share():
+    """At most 16 modules beside the packages: the commands, cli, console, config, errors, sweep."""
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 16, top

@@ -26,7 +26,9 @@ from gptlab.errors import GptlabError
 
 log = logging.getLogger(__name__)
 
-METRIC_NAMES = {  # flat run-folder key -> MLflow name, grouped by prefix so runs overlay in the UI
+# flat run-folder key -> MLflow name, grouped by prefix so runs overlay in the UI; a key not here is
+# recorded under its own name
+METRIC_NAMES = {
     "train_loss": "train/loss",
     "val_loss": "val/loss",
     "val_bpb": "val/bpb",
@@ -338,21 +340,13 @@ def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
 
 
 def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
-    """The run-folder metrics under their MLflow (and TensorBoard) names, None values left out; a
-    key without a name is said once, not dropped in silence."""
-    for key in metrics.keys() - METRIC_NAMES.keys() - NOT_METRICS:
-        _unnamed(key)
+    """The run-folder metrics under their MLflow (and TensorBoard) names, None values left out: a
+    key METRIC_NAMES does not rename keeps its own name, so every metric logged is recorded."""
     return {
-        METRIC_NAMES[k]: float(v) for k, v in metrics.items() if k in METRIC_NAMES and v is not None
+        METRIC_NAMES.get(k, k): float(v)
+        for k, v in metrics.items()
+        if k not in NOT_METRICS and v is not None
     }
-
-
-@functools.lru_cache(maxsize=None)
-def _unnamed(key: str) -> None:
-    log.warning(
-        f"metric {key!r} is recorded in metrics.jsonl only: give it a name in "
-        "gptlab/records/store.py METRIC_NAMES for MLflow and TensorBoard"
-    )
 
 
 def _hydra_value(value: str) -> str:

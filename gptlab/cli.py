@@ -293,7 +293,9 @@ def config_keys(
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     import gptlab.config  # noqa: F401 - registers the training schema
 
@@ -312,7 +314,8 @@ def config_keys(
                 groups = [g for g in cfg.hydra.runtime.choices if not str(g).startswith("hydra/")]
                 options = {str(g): loader.get_group_options(str(g)) for g in groups}
                 return _leaves(OmegaConf.to_container(cfg, resolve=False)), options
-        except Exception:  # noqa: BLE001 - another mistake among the overrides: the keys of the defaults
+        # another mistake among the overrides: the keys of the defaults
+        except (HydraException, OmegaConfBaseException):
             if not attempt:
                 raise
     return [], {}

@@ -34,7 +34,7 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, never_fatal, or_none
 from gptlab.records import layout
 from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
 from gptlab.records.store import (
@@ -200,12 +200,15 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         return
-    try:
+    runs = None
+    # the folders alone still make the table
+    with never_fatal(
+        lambda e: log.warning(f"statuses from the run folders only: MLflow {store_failure(uri, e)}")
+    ):
         check_reachable(uri)  # a server that is down: one look, not MLflow's retries
         client = mlflow_client(uri)
         runs = children(client, sweep["experiment_id"], sweep["parent_run_id"])
-    except Exception as e:  # noqa: BLE001 - the folders alone still make the table
-        log.warning(f"statuses from the run folders only: MLflow {store_failure(uri, e)}")
+    if runs is None:
         return
     by_dir = {r.data.tags.get("run_dir"): r for r in runs}
     for rec in records:
@@ -297,10 +300,7 @@ def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str, List[Paren
         raise GptlabError(f"{target}: not a folder, and MLflow {e}") from None
     client = mlflow_client(uri)
     if re.fullmatch(r"[0-9a-f]{32}", target):
-        try:
-            run = client.get_run(target)
-        except Exception:  # noqa: BLE001 - not a run id: maybe an experiment named like one
-            run = None
+        run = or_none(client.get_run, target)  # None: maybe an experiment named like a run id
         if run is not None:
             kids = children(client, run.info.experiment_id, target)
             records = [_record_from_run(client, r, bool(kids)) for r in kids or [run]]

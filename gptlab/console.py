@@ -39,7 +39,7 @@ class ConsoleHandler(logging.Handler):
                 stream = sys.stdout
             stream.write(text + "\n")
             stream.flush()
-        except Exception:  # noqa: BLE001 - logging must never fail the run
+        except (OSError, ValueError, TypeError):  # a closed or broken stream, a bad format
             self.handleError(record)
 
 

@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 
 from gptlab.cli import CONF, command, require, text_keys
 from gptlab.config import HardwareConfig, ParallelismConfig, to_config
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error, never_fatal
 from gptlab.evaluation import loading, taskdata
 from gptlab.evaluation.taskdata import Spec
 from gptlab.records import layout
@@ -156,15 +156,15 @@ def load_tasks(manager: Any, specs: Sequence[Spec]) -> Dict[str, Any]:
     loaded: Dict[str, Any] = {}
     for spec in specs:
         name = spec if isinstance(spec, str) else spec["task"]
-        try:
-            with warnings.catch_warnings():  # lm_eval 0.4.13 deprecates it for TaskManager.load
-                warnings.simplefilter("ignore", DeprecationWarning)
-                loaded.update(get_task_dict([spec], manager))
-        except GptlabError:
-            raise
-        except Exception as e:  # noqa: BLE001 - datasets / hub / connection errors of every kind
-            dataset = taskdata.dataset_of(manager, name)
-            raise GptlabError(loading.failure(name, e, dataset)) from None
+
+        # datasets / hub / connection errors of every kind, as one line naming the cause
+        def failure(e: BaseException, name: str = name) -> str:
+            return loading.failure(name, e, taskdata.dataset_of(manager, name))
+
+        # lm_eval 0.4.13 deprecates get_task_dict for TaskManager.load
+        with as_user_error(failure), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            loaded.update(get_task_dict([spec], manager))
     return loaded
 
 
@@ -330,7 +330,11 @@ def log_to_mlflow(
         log.warning("eval: the run has no MLflow run to record into; eval.json holds the results")
         return
     db = store.sqlite_path(uri)
-    try:
+
+    def unrecorded(e: BaseException) -> None:  # eval.json is written; the store is a copy
+        log.warning(f"eval: MLflow {store.store_failure(uri, e)}; eval.json holds the results")
+
+    with never_fatal(unrecorded):
         if db is not None and not db.is_file():
             raise store.Unreachable(f"store {db} does not exist")
         store.check_reachable(uri)
@@ -347,8 +351,6 @@ def log_to_mlflow(
         client.log_batch(run_id, metrics=points)
         client.log_artifact(run_id, str(path))
         log.info(f"eval: recorded in MLflow run {run_id} ({store.store_name(uri)})")
-    except Exception as e:  # noqa: BLE001 - eval.json is written; the store is a copy
-        log.warning(f"eval: MLflow {store.store_failure(uri, e)}; eval.json holds the results")
 
 
 def _evaluate(

@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import to_config
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 from gptlab.records import layout
 
 if TYPE_CHECKING:  # hints only: torch stays off the start-up path of --help and config errors
@@ -60,7 +60,7 @@ def gpt2_shaped(model: GPT) -> bool:
     c = model.config
     return (
         c.pos_emb == "learned"
-        and c.mlp == "gelu"
+        and c.mlp in ("gelu", "gelu_tanh")
         and c.bias
         and c.tie_weights
         and c.hidden_dim == 4 * c.n_embd
@@ -107,7 +107,8 @@ def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:
         "n_layer": c.n_layer,
         "n_head": c.n_head,
         "n_inner": None,
-        "activation_function": "gelu",  # exact GELU, as trained
+        # the GELU as trained: exact, or GPT-2's tanh form (a model fine-tuned from GPT-2)
+        "activation_function": "gelu_new" if c.mlp == "gelu_tanh" else "gelu",
         "resid_pdrop": c.dropout,
         "embd_pdrop": c.dropout,
         "attn_pdrop": 0.0,
@@ -186,7 +187,7 @@ def log_to_mlflow(cfg: ExportConfig, target: Target, out: Path, step: int) -> No
 
     uri, run_id = target
     name, alias = cfg.export.register, cfg.export.alias
-    try:
+    with as_user_error(lambda e: f"MLflow at {uri}: {error_text(e)}"):  # the store's errors
         model_uri, lost = serving.logged_at(uri, run_id, step)
         for gone in lost:
             print(f"the run's MLflow model {gone} (step {step}) has lost its files: not that one")
@@ -200,10 +201,6 @@ def log_to_mlflow(cfg: ExportConfig, target: Target, out: Path, step: int) -> No
             v = serving.register(uri, model_uri, name, alias)
             told = f", alias @{alias}" if alias else ""
             print(f"registered as models:/{name}/{v.version}{told}")
-    except GptlabError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store's errors: one line
-        raise GptlabError(f"MLflow at {uri}: {error_text(e)}") from None
 
 
 def main(argv: Optional[List[str]] = None) -> Optional[Path]:

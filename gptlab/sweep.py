@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab import console
 from gptlab.cli import fail
 from gptlab.distributed import slurm
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, never_fatal
 from gptlab.records import identity, layout, parent
 from gptlab.records.store import (
     check_reachable,
@@ -92,7 +92,16 @@ class SweepCallback(Callback):
         """The sweep's MLflow parent run, its id in sweep.json; one line when the store fails."""
         t = config.tracking
         uri = t.uri or local_uri(Path(str(config.paths.mlflow_db)))
-        try:
+
+        def unrecorded(e: BaseException) -> None:  # the jobs still run and record their own runs
+            log.warning(
+                f"no MLflow parent run for this sweep: {store_failure(uri, e)}; the sweep goes on "
+                f"unrecorded in MLflow (each run folder keeps everything); record it later with: "
+                f"{sync_command(sweep_dir)}"
+            )
+            self.parent = None
+
+        with never_fatal(unrecorded):
             # a server that is down: one look, not MLflow's retries of each call
             check_reachable(uri)
             overrides = [str(o) for o in config.hydra.overrides.task]
@@ -118,14 +127,6 @@ class SweepCallback(Callback):
             tmp.write_text(json.dumps(self.parent, indent=2) + "\n")
             os.replace(tmp, sweep_dir / layout.SWEEP)
             log.info(f"MLflow sweep run {run.info.run_id} ({sweep['run_name']}) in {uri}")
-        except Exception as e:  # noqa: BLE001 - the jobs still run and record their own runs
-            log.warning(
-                f"no MLflow parent run for this sweep: {store_failure(uri, e)}; the sweep goes on "
-                f"unrecorded in "
-                f"MLflow (each run folder keeps everything); record it later with: "
-                f"{sync_command(sweep_dir)}"
-            )
-            self.parent = None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._end(stopped=False)
@@ -150,13 +151,15 @@ class SweepCallback(Callback):
         assert self.sweep_dir is not None and self.existed is not None
         if self.parent is not None and self.created:
             p, self.ended = self.parent, True
-            try:
+            with never_fatal(
+                lambda e: log.warning(
+                    f"could not delete the sweep's MLflow parent run: {error_text(e)}"
+                )
+            ):
                 parent.discard(mlflow_client(p["uri"]), p["parent_run_id"])
                 log.info(
                     f"no job of this sweep began: MLflow sweep run {p['parent_run_id']} deleted"
                 )
-            except Exception as e:  # noqa: BLE001
-                log.warning(f"could not delete the sweep's MLflow parent run: {error_text(e)}")
         for name in (layout.SWEEP, layout.MULTIRUN):
             (self.sweep_dir / name).unlink(missing_ok=True)
         for folder in [self.sweep_dir, *self.sweep_dir.parents]:
@@ -174,7 +177,12 @@ class SweepCallback(Callback):
             return
         self.ended = True
         p = self.parent
-        try:
+        with never_fatal(
+            lambda e: log.warning(
+                f"could not close the sweep's MLflow parent run {p['parent_run_id']}: "
+                f"{error_text(e)}"
+            )
+        ):
             parent.end(
                 mlflow_client(p["uri"]),
                 p["experiment_id"],
@@ -183,18 +191,15 @@ class SweepCallback(Callback):
                 tolerated_failures=self.tolerated_failures,
                 job_error=slurm.job_error,
             )
-        except Exception as e:  # noqa: BLE001
-            log.warning(
-                f"could not close the sweep's MLflow parent run {p['parent_run_id']}: "
-                f"{error_text(e)}"
-            )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         """A job that failed before its tracker made a run still shows up, FAILED, under the
         parent."""
         if job_return.status != JobStatus.FAILED or not slurm.first_task():
             return
-        try:
+        with never_fatal(
+            lambda e: log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
+        ):
             run_dir = Path(str(config.hydra.runtime.output_dir)).resolve()
             sweep = layout.read_sweep(run_dir)
             if sweep is None or not config.tracking.mlflow:
@@ -204,8 +209,6 @@ class SweepCallback(Callback):
             ident = identity.identify(config_dict, run_dir, identity.this_process(), overrides)
             error = error_text(job_return._return_value)
             parent.record_failed_job(mlflow_client(sweep["uri"]), sweep, ident, error)
-        except Exception as e:  # noqa: BLE001
-            log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
 
 
 SEARCH_SWEEPER = "hydra_plugins.gptlab_search.optuna_search.GptlabOptunaSweeper"

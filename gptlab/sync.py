@@ -55,7 +55,7 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import VALUE_OPTIONS, command, fail, hydra_quote
 from gptlab.config import Config, to_config
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 from gptlab.records import identity, layout, lineage, parent
 from gptlab.records.layout import PREVIOUS, read_metrics, read_results
 from gptlab.records.store import (
@@ -288,9 +288,11 @@ class Store:
         """The run, or None when this store has no such run."""
         if not run_id:
             return None
+        from mlflow.exceptions import MlflowException
+
         try:
             return self.client.get_run(run_id)
-        except Exception as e:  # noqa: BLE001
+        except MlflowException as e:
             if _not_found(e):
                 return None
             raise
@@ -544,12 +546,9 @@ def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
             stores[target] = e
     if isinstance(stores[target], GptlabError):
         raise stores[target]
-    try:
+    # the store failed midway: one line, and sync again later
+    with as_user_error(lambda e: f"MLflow {store_failure(target, e)} (it failed midway); {AGAIN}"):
         return sync_folder(stores[target], folder)
-    except Exception as e:  # noqa: BLE001 - the store failed midway: one line, and sync again later
-        raise GptlabError(
-            f"MLflow {store_failure(target, e)} (it failed midway); {AGAIN}"
-        ) from None
 
 
 def run_sync(cfg: Any) -> List[str]:

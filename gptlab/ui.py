@@ -38,7 +38,7 @@ from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, text_keys
 from gptlab.config import Config, to_config
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 from gptlab.records.store import (
     DEFAULT_OUTPUTS,
     artifact_root,
@@ -311,12 +311,9 @@ def open_store(tracking: Any, default_db: Path) -> Tuple[str, str, str]:
             raise GptlabError(
                 f"tracking.uri={uri}: the tracking server does not answer ({short_reason(e)})"
             ) from None
-    try:
+    # a store that cannot be read (not a database, a failing server)
+    with as_user_error(lambda e: f"MLflow {store_failure(uri, e)}"):
         exp_id, exp_name = find_experiment(uri, tracking.experiment)
-    except GptlabError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a store that cannot be read (not a database, a failing server)
-        raise GptlabError(f"MLflow {store_failure(uri, e)}") from None
     return uri, exp_id, exp_name
 
 

@@ -511,3 +511,24 @@ def test_the_top_level_keeps_the_commands_and_what_they_share():
     """At most 16 modules beside the packages: the commands, cli, console, config, errors, sweep."""
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 16, top
+
+
+def test_blind_excepts_are_few_and_each_says_why():
+    """A handler of every exception (`except Exception`, `BaseException` or bare) that does not
+    raise again: at most 10 in the package, errors.py's helpers (never_fatal, as_user_error,
+    or_none) and the few places that give their reason in place."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(node, ast.ExceptHandler):
+                continue
+            blind = node.type is None or (
+                isinstance(node.type, ast.Name) and node.type.id in ("Exception", "BaseException")
+            )
+            reraises = isinstance(node.body[-1], ast.Raise)  # cleans up or translates, then raises
+            if blind and not reraises:
+                found.append((f"{path.relative_to(PKG)}:{node.lineno}", lines[node.lineno - 1]))
+    assert len(found) <= 10, [f for f, _ in found]
+    unexplained = [f for f, line in found if "#" not in line]
+    assert not unexplained, f"a blind except without its reason: {unexplained}"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 
 
 def sha256_file(path: Path) -> str:
@@ -280,15 +280,15 @@ def _check_hub(dataset: str) -> None:
     import huggingface_hub
     from huggingface_hub import constants
 
-    try:
-        huggingface_hub.get_session().head(constants.ENDPOINT, timeout=HUB_CHECK_S)
-    except Exception as e:  # noqa: BLE001 - requests' or httpx's connection errors, whichever is installed
+    def unreachable(e: BaseException) -> str:  # requests' or httpx's errors, whichever is installed
         reason = str(e).splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise GptlabError(
+        return (
             f"data.hf_dataset={dataset}: the Hugging Face Hub ({constants.ENDPOINT}) cannot be "
-            f"reached "
-            f"({reason}); offline? {_LOCAL_COPY}"
-        ) from None
+            f"reached ({reason}); offline? {_LOCAL_COPY}"
+        )
+
+    with as_user_error(unreachable):
+        huggingface_hub.get_session().head(constants.ENDPOINT, timeout=HUB_CHECK_S)
 
 
 def _hub_docs(cfg) -> Iterator[str]:
@@ -302,7 +302,13 @@ def _hub_docs(cfg) -> Iterator[str]:
 
     _quiet_hub()
     _check_hub(cfg.hf_dataset)
-    try:
+    # the Hub is unreachable, the name is wrong, or the stream broke
+    with as_user_error(
+        lambda e: (
+            f"data.hf_dataset={cfg.hf_dataset}: could not stream it from the Hugging Face "
+            f"Hub ({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? {_LOCAL_COPY}"
+        )
+    ):
         ds = datasets.load_dataset(
             cfg.hf_dataset, name=cfg.hf_config, split=cfg.hf_split, streaming=True
         )
@@ -315,13 +321,6 @@ def _hub_docs(cfg) -> Iterator[str]:
                 )
             if text is not None:
                 yield text
-    except GptlabError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the Hub is unreachable, the name is wrong, or the stream broke
-        raise GptlabError(
-            f"data.hf_dataset={cfg.hf_dataset}: could not stream it from the Hugging Face Hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}); offline? {_LOCAL_COPY}"
-        ) from None
 
 
 def hf_source(cfg) -> Source:

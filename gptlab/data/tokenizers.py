@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol
 
 import numpy as np
 
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")
 # GPT-2's pre-tokenisation pattern: the one Hugging Face's ByteLevel pre-tokenizer applies while
@@ -276,19 +276,20 @@ def gpt2_tokenizer() -> TiktokenTokenizer:
             f"TIKTOKEN_CACHE_DIR again"
         )
     if data is None:
-        try:
-            import tiktoken.load
-
-            data = tiktoken.load.read_file_cached(GPT2_RANKS_URL, GPT2_RANKS_SHA256)
-        except Exception as e:  # noqa: BLE001 - offline: requests' connection error, or a proxy's
-            raise GptlabError(
+        # offline: requests' connection error, or a proxy's
+        with as_user_error(
+            lambda e: (
                 f"data.tokenizer.kind=gpt2: tiktoken's GPT-2 file is not in TIKTOKEN_CACHE_DIR="
                 f"{_tiktoken_cache_dir()} and could not be downloaded ({type(e).__name__}); on a "
                 f"machine "
                 f'with internet run `TIKTOKEN_CACHE_DIR=DIR python -c "import tiktoken; '
                 f"tiktoken.get_encoding('r50k_base')\"`, copy DIR here and set "
                 f"TIKTOKEN_CACHE_DIR=DIR"
-            ) from None
+            )
+        ):
+            import tiktoken.load
+
+            data = tiktoken.load.read_file_cached(GPT2_RANKS_URL, GPT2_RANKS_SHA256)
     ranks_text = data.decode()
     return TiktokenTokenizer(
         "gpt2",

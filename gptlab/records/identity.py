@@ -19,6 +19,7 @@ from gptlab.records import layout, store
 
 NAME_TAGS = ("model", "data", "hardware")  # the tags a run's default name is made of
 ORIGIN_TAGS = ("host", "git_commit")  # where the run ran, as only the running process knows
+INIT_FROM_TAG = "gptlab.init_from"  # the weights a run started from (model.init_from)
 
 
 @dataclass
@@ -59,11 +60,12 @@ def base_name(config: Mapping[str, Any]) -> str:
 def swept(overrides: List[str]) -> List[str]:
     """The overrides that sweep (`optimizer.lr=1e-3,3e-3`, `range(...)`, ...), as typed."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         return [o.input_line for o in parsed if o.is_sweep_override()]
-    except Exception:  # noqa: BLE001 - a name is not worth failing a sweep for
+    except HydraException:  # a name is not worth failing a sweep for
         return [o for o in overrides if "," in o]
 
 
@@ -185,6 +187,9 @@ def identify(
     experiment = tracking.get("experiment") or experiment_name(m, d)
     name = base_name(config)
     tags = {"hardware": hw, "model": m, "data": d, "run_dir": str(run_dir)}
+    init_from = (config.get("model") or {}).get("init_from")
+    if init_from:
+        tags[INIT_FROM_TAG] = str(init_from)
     if "bench" in config:
         tags["kind"] = "bench"
     overrides = layout.read_overrides(run_dir) if overrides is None else overrides

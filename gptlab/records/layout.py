@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from gptlab.errors import or_none
+
 METRICS = "metrics.jsonl"  # one JSON row per logged step (train, val, lr, throughput)
 # results.json's stopped_by of a search trial that its pruner stopped (gptlab/search/trial.py)
 PRUNED = "pruned"
@@ -102,13 +104,14 @@ def read_yaml(path: Path) -> Optional[Dict[str, Any]]:
 
     if not Path(path).is_file():
         return None
-    try:
-        cfg = OmegaConf.load(path)
-    except Exception:  # noqa: BLE001 - a file cut short, or not YAML
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = or_none(OmegaConf.load, path)  # None: a file cut short, or not YAML
+    if cfg is None:
         return None
     try:
         data = OmegaConf.to_container(cfg, resolve=True)
-    except Exception:  # noqa: BLE001 - an interpolation only Hydra could resolve (${now:...})
+    except OmegaConfBaseException:  # an interpolation only Hydra could resolve (${now:...})
         data = OmegaConf.to_container(cfg)
     return data if isinstance(data, dict) else None
 

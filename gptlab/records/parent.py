@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Dict, Optional
 
+from gptlab.errors import or_none
 from gptlab.records import store
 from gptlab.records.identity import RunIdentity
 
@@ -75,9 +76,8 @@ def reopen(client: Any, uri: str, recorded: Optional[Dict[str, Any]]) -> Any:
     in this store (another store, deleted): a search started again keeps its one parent."""
     if not recorded or recorded.get("uri") != uri or not recorded.get("parent_run_id"):
         return None
-    try:
-        run = client.get_run(recorded["parent_run_id"])
-    except Exception:  # noqa: BLE001 - not in this store any more: a new parent
+    run = or_none(client.get_run, recorded["parent_run_id"])
+    if run is None:  # not in this store any more: a new parent
         return None
     if run.info.lifecycle_stage != "active":
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import logging
 import os
 import random
@@ -22,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +181,13 @@ def retry_locked(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     SQLite waits for a busy database, but gives up at once when two writers would deadlock; the
     transaction is rolled back then, so trying it again records it once.
     """
+    from mlflow.exceptions import MlflowException
+    from sqlalchemy.exc import SQLAlchemyError
+
     for attempt in range(LOCKED_RETRIES):
         try:
             return call(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - MLflow wraps SQLAlchemy's OperationalError
+        except (MlflowException, SQLAlchemyError) as e:  # MLflow wraps SQLAlchemy's, or not
             if "database is locked" not in str(e) or attempt == LOCKED_RETRIES - 1:
                 raise
             time.sleep(min(0.1 * 2**attempt, 3.0) * random.uniform(0.5, 1.5))
@@ -253,13 +257,12 @@ def open_store(uri: str, advice: str, create: bool = True) -> Any:
     db = sqlite_path(uri)
     if not create and db is not None and not db.is_file():
         raise GptlabError(f"MLflow {store_name(uri)}: no such store (no file {db}); {advice}")
-    try:
+    # a store that does not answer is the user's to fix
+    with as_user_error(lambda e: f"MLflow {store_failure(uri, e)}; {advice}"):
         check_reachable(uri)
         # a SQLite store is created here (under its lock) when it is new
         client = mlflow_client(uri)
         client.search_experiments(max_results=1)
-    except Exception as e:  # noqa: BLE001 - a store that does not answer is the user's to fix
-        raise GptlabError(f"MLflow {store_failure(uri, e)}; {advice}") from None
     return client
 
 
@@ -311,7 +314,8 @@ def check_reachable(uri: str) -> None:
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=10).read()
             return
-        except Exception as e:  # noqa: BLE001
+        # refused, reset, timed out, an HTTP error status, a reply that is not HTTP, a bad URL
+        except (OSError, http.client.HTTPException, ValueError) as e:
             if attempt == REACHABLE_TRIES - 1:
                 raise Unreachable(f"{store_name(uri)} unreachable ({short_reason(e)})") from None
             time.sleep(2)
@@ -407,11 +411,13 @@ def get_or_create_experiment(client: Any, name: str, artifacts: Optional[Path]) 
     exp = client.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
+    from mlflow.exceptions import MlflowException
+
     try:
         return client.create_experiment(
             name, artifact_location=(artifacts / name).as_uri() if artifacts else None
         )
-    except Exception:  # noqa: BLE001 - another job created it a moment ago
+    except MlflowException:  # another job created it a moment ago
         exp = client.get_experiment_by_name(name)
         if exp is None:
             raise

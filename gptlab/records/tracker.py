@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+from gptlab.errors import never_fatal, or_none
 from gptlab.records import identity as ids
 from gptlab.records import layout, parent
 from gptlab.records.identity import RunIdentity
@@ -303,7 +304,7 @@ class MLflowRun:
         self._monitor = None
         self.resumed = False
         self.unsent: List[Call] = []  # what the store had not taken when the run ended
-        try:
+        with never_fatal(self._fail):  # any tracking failure must not stop training
             self._check_reachable(uri)
             client = mlflow_client(uri)
             mlflow_run = self._reopen(client, resume_run_id)
@@ -325,20 +326,17 @@ class MLflowRun:
             self._client = client
             self.experiment_id = exp_id
             self._sender = Sender(store_name(uri))
-        except Exception as e:  # noqa: BLE001 - any tracking failure must not stop training
-            self._fail(e)
 
     @staticmethod
     def _reopen(client: Any, run_id: Optional[str]) -> Any:
         if not run_id:
             return None
-        try:
-            return client.get_run(run_id)
-        except Exception:  # noqa: BLE001 - e.g. a checkpoint copied from another store: start a new run
+        run = or_none(client.get_run, run_id)
+        if run is None:  # e.g. a checkpoint copied from another store: start a new run
             log.warning(
                 f"MLflow run {run_id} of the checkpoint is not in this store: recording a new run"
             )
-            return None
+        return run
 
     _check_reachable = staticmethod(check_reachable)
 
@@ -365,20 +363,20 @@ class MLflowRun:
         except ImportError:
             log.warning("system metrics skipped: psutil is not installed (pip install psutil)")
             return
-        try:
+        self._monitor = None
+        with never_fatal(lambda e: log.warning(f"system metrics skipped: {error_text(e)}")):
             import logging
 
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
             # no start/stop chatter
             logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
-            self._monitor = SystemMetricsMonitor(
+            monitor = SystemMetricsMonitor(
                 self.run_id, tracking_uri=self.uri, resume_logging=self.resumed
             )
-            self._monitor.start()
-        except Exception as e:  # noqa: BLE001
-            log.warning(f"system metrics skipped: {error_text(e)}")
-            self._monitor = None
+            monitor.start()
+            self._monitor = monitor
+        if self._monitor is None:
             return
         if gpu_expected and not any(
             type(m).__name__ == "GPUMonitor" for m in self._monitor.monitors
@@ -486,6 +484,7 @@ class Tracker:
         self.cfg = cfg
         self.run_name = run.name
         self.experiment = run.experiment
+        self.init_from = run.tags.get(ids.INIT_FROM_TAG)  # results.json's init_from
         # line-buffered for the whole run, closed by finish()
         self._metrics = open(self.run_dir / layout.METRICS, "a", buffering=1)  # noqa: SIM115
         self.uri = cfg.uri or default_store
@@ -561,6 +560,8 @@ class Tracker:
         null."""
         path = self.run_dir / layout.RESULTS
         tmp = path.with_suffix(".json.tmp")
+        if self.init_from:
+            results = {**results, "init_from": self.init_from}
         strict = {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in results.items()
@@ -584,17 +585,20 @@ class Tracker:
         if not rows:
             return
         path = self.run_dir / layout.LOSS_PLOT
-        try:
-            plot_loss(rows, path, self.run_name)
-        except ImportError:
-            log.warning(
-                f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install matplotlib)"
-            )
-            return
-        except Exception as e:  # noqa: BLE001 - a plot must never fail a run
-            log.warning(f"{layout.LOSS_PLOT} skipped: {error_text(e)}")
-            return
-        self.log_artifact(path)
+        plotted = False
+        # a plot must never fail a run
+        with never_fatal(lambda e: log.warning(f"{layout.LOSS_PLOT} skipped: {error_text(e)}")):
+            try:
+                plot_loss(rows, path, self.run_name)
+            except ImportError:
+                log.warning(
+                    f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install "
+                    "matplotlib)"
+                )
+                return
+            plotted = True
+        if plotted:
+            self.log_artifact(path)
 
     def finish(self, status: str = "FINISHED") -> None:
         # Called from a `finally:` block: on a failure the exception is still in flight here.
@@ -621,9 +625,9 @@ class Tracker:
 
 
 def _cuda_available() -> bool:
-    try:
+    def probe() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # noqa: BLE001
-        return False
+
+    return bool(or_none(probe))

@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, as_user_error, or_none
 from gptlab.records.store import METRIC_NAMES, SUMMARY_METRICS, check_names
 
 ARTIFACT = "export"  # the pyfunc model's artifact: gptlab's export folder
@@ -423,13 +423,14 @@ def source_run(uri: str, model_uri: str) -> Optional[str]:
     import mlflow
 
     mlflow.set_tracking_uri(uri)
-    try:
+
+    def ask() -> Optional[str]:
         info = mlflow.models.get_model_info(model_uri)
         if info.run_id or not info.model_id:
             return info.run_id
         return mlflow.MlflowClient(uri).get_logged_model(info.model_id).source_run_id
-    except Exception:  # noqa: BLE001 - download() has already named a bad URI in one line
-        return None
+
+    return or_none(ask)  # None on failure: download() has already named a bad URI in one line
 
 
 # MLflow's error codes for a model URI that names nothing in the store
@@ -447,13 +448,15 @@ def download(uri: str, model_uri: str, dest: Path) -> Path:
     # a server that does not answer, or a SQLite file that is not there: not "no such model"
     open_store(uri, "name the model's store with tracking_uri=... (a server: start it)", False)
     mlflow.set_tracking_uri(uri)
-    try:
-        got = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
-    except Exception as e:  # noqa: BLE001 - MLflow's own errors: one line naming the URI
+
+    def failure(e: BaseException) -> str:  # MLflow's own errors: one line naming the URI
         if getattr(e, "error_code", None) not in NOT_FOUND:
-            raise GptlabError(f"{model_uri}: MLflow {store_failure(uri, e)}") from None
+            return f"{model_uri}: MLflow {store_failure(uri, e)}"
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise GptlabError(f"{model_uri}: no such model in {uri} ({first[:200]})") from None
+        return f"{model_uri}: no such model in {uri} ({first[:200]})"
+
+    with as_user_error(failure):
+        got = mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dest))
     return export_in(model_uri, Path(got))
 
 

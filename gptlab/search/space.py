@@ -20,12 +20,13 @@ def parse(params: Mapping[str, Any], arguments: Sequence[str]) -> Tuple[Dict[str
     """(space: key -> distribution, fixed: overrides for every trial) from hydra.sweeper.params and
     the command line's overrides (a sweep there, `optimizer.lr=1e-3,3e-3`, joins the space)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
     parser = OverridesParser.create()
     lines = [f"{k}={v}" for k, v in params.items()] + list(arguments)
     try:
         overrides = parser.parse_overrides(lines)
-    except Exception as e:  # noqa: BLE001 - Hydra's parse errors: one line naming the override
+    except HydraException as e:  # a parse error: one line naming the override
         raise GptlabError(f"search space: {str(e).strip().splitlines()[0]}") from None
     space: Dict[str, Any] = {}
     fixed: List[str] = []

@@ -105,6 +105,7 @@ def storage_url(setting: Optional[str], outputs: str) -> str:
 def open_storage(url: str) -> Any:
     """Optuna's RDBStorage on url, connected (and its tables made), or one line saying why not."""
     import optuna
+    from sqlalchemy.exc import SQLAlchemyError
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     kwargs: Dict[str, Any] = {}
@@ -117,7 +118,14 @@ def open_storage(url: str) -> Any:
     for attempt in range(3):
         try:
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
-        except Exception as e:  # noqa: BLE001 - any driver's error: one line with the URL
+        # the database's, the driver's (or its absence), a malformed URL: one line with the URL
+        except (
+            SQLAlchemyError,
+            optuna.exceptions.OptunaError,
+            ImportError,
+            ValueError,
+            OSError,
+        ) as e:
             if attempt < 2 and _made_at_once(e):
                 time.sleep(0.5)  # another sweeper made the tables at the same moment: they exist
                 continue

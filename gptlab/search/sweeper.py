@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, never_fatal
 from gptlab.records import layout
 from gptlab.records.store import error_text
 from gptlab.search import space as spaces
@@ -343,12 +343,15 @@ class Search:
         folder = self.sweep_dir / str(number)
         if not self.parent or checkpoint.latest(folder / layout.CHECKPOINTS) is not None:
             return
-        try:
+        # the trial goes on; at worst it has two runs
+        with never_fatal(
+            lambda e: log.warning(
+                f"trial {number}: could not delete its unfinished MLflow run: {e}"
+            )
+        ):
             for run_id in self._runs_of(number):
                 self._client().delete_run(run_id)
                 log.info(f"trial {number}: no checkpoint; its unfinished MLflow run is deleted")
-        except Exception as e:  # noqa: BLE001 - the trial goes on; at worst it has two runs
-            log.warning(f"trial {number}: could not delete its unfinished MLflow run: {e}")
 
     def _overrides(self, number: int) -> List[str]:
         trial = self.study.get_trials(deepcopy=False)[number]
@@ -466,10 +469,9 @@ class Search:
 
     def _beat(self) -> None:
         while not self.stop_beating.wait(HEARTBEAT_S):
-            try:
+            # a busy database: the next beat tries again
+            with never_fatal(lambda e: log.debug(f"heartbeat: {e}")):
                 self._heartbeat()
-            except Exception as e:  # noqa: BLE001 - a busy database: the next beat tries again
-                log.debug(f"heartbeat: {e}")
 
     # --- MLflow
     def _read_parent(self) -> Optional[Dict[str, Any]]:
@@ -483,7 +485,10 @@ class Search:
     def _record_space(self) -> None:
         if not self.parent:
             return
-        try:
+        # the search goes on; the folders keep the records
+        with never_fatal(
+            lambda e: log.warning(f"could not record the search space in MLflow: {e}")
+        ):
             from gptlab.records import store
 
             client = self._client()
@@ -502,13 +507,11 @@ class Search:
                 "search.n_trials": str(self.hs.n_trials),
             }.items():
                 client.set_tag(run_id, key, value)
-        except Exception as e:  # noqa: BLE001 - the search goes on; the folders keep the records
-            log.warning(f"could not record the search space in MLflow: {e}")
 
     def _record_trial(self, number, params, state, value, results, why) -> None:
         if not self.parent:
             return
-        try:
+        with never_fatal(lambda e: log.warning(f"could not record trial {number} in MLflow: {e}")):
             client = self._client()
             run_id = (results or {}).get("mlflow_run_id") or self._child_of(number)
             if run_id:
@@ -527,8 +530,6 @@ class Search:
                 client.set_tag(parent_id, "search.best_trial", str(best.number))
                 for k, v in best.params.items():
                     client.set_tag(parent_id, f"search.best.{k}"[:250], str(v))
-        except Exception as e:  # noqa: BLE001
-            log.warning(f"could not record trial {number} in MLflow: {e}")
 
     def _runs_of(self, number: int) -> List[str]:
         """The ids of the parent's child runs made in trial `number`'s folder."""

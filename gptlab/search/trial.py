@@ -13,7 +13,7 @@ import os
 from typing import Any, Dict, Optional
 
 from gptlab.distributed import world as distributed
-from gptlab.errors import GptlabError
+from gptlab.errors import GptlabError, never_fatal
 from gptlab.search import study as studies
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,13 @@ class TrialLink:
             decision = False
             value = figures.get(self.reported)
             if value is not None:
-                try:
+                # the trial goes on unpruned
+                with never_fatal(
+                    lambda e: log.warning(f"trial {self.number}: could not report step {step}: {e}")
+                ):
                     self.storage.set_trial_intermediate_value(self.trial_id, step, float(value))
                     frozen = self.storage.get_trial(self.trial_id)
                     decision = bool(self.study.pruner.prune(self.study, frozen))
-                except Exception as e:  # noqa: BLE001 - the trial goes on unpruned
-                    log.warning(f"trial {self.number}: could not report step {step}: {e}")
         return bool(distributed.broadcast_object(decision))
 
 

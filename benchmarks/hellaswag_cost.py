@@ -3,7 +3,7 @@
     python benchmarks/hellaswag_cost.py outputs/runs/<run> --examples 200
 
 The examples are in HellaSwag's format, built from Tiny Shakespeare's validation text as
-tests/test_hellaswag.py builds them (the official file needs a download); scored by
+tests/test_evaluation_hellaswag.py builds them (the official file needs a download); scored by
 gptlab.evaluation.hellaswag.score as the loop does, on the CPU. Divide by the run's step time and
 eval.hellaswag.every for the share of training it costs.
 """
@@ -18,7 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_hellaswag import hellaswag_file  # noqa: E402
+from test_evaluation_hellaswag import hellaswag_file  # noqa: E402
 
 from gptlab.evaluation import hellaswag  # noqa: E402
 from gptlab.model.inference import load_model  # noqa: E402

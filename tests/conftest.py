@@ -138,6 +138,19 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def env(monkeypatch):
+    """No launcher variables (distributed_fakes.LAUNCH_VARS); whatever a test sets, or the code
+    under test writes, is undone after it."""
+    from distributed_fakes import LAUNCH_VARS
+
+    for name in LAUNCH_VARS:
+        # recorded, so that a value the code writes itself is removed after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
 # make test asks first, before it starts the services: one line and exit 2
 if __name__ == "__main__":
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from test_compare import client_for, sweep  # noqa: F401 - the session's real sweep
-from test_registry import registered  # noqa: F401 - a run registered as nano-chars@champion
+from test_registry_serving import registered  # noqa: F401 - a run registered as nano-chars@champion
 
 from gptlab.ui import free_port
 
@@ -174,7 +174,7 @@ def test_the_registry_and_model_pages_show_the_version_its_run_metrics_and_data(
     validation figures on the run's validation data (its digest), and the run's page with the
     datasets it trained on and the model it logged."""
     from mlflow import MlflowClient
-    from test_registry import logged_models
+    from test_registry_serving import logged_models
 
     from gptlab.records import lineage
 

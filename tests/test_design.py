@@ -532,3 +532,19 @@ def test_blind_excepts_are_few_and_each_says_why():
     assert len(found) <= 10, [f for f, _ in found]
     unexplained = [f for f, line in found if "#" not in line]
     assert not unexplained, f"a blind except without its reason: {unexplained}"
+
+
+def test_each_test_file_is_named_for_what_it_tests_or_listed_in_testing_md():
+    """tests/test_<package>_<module>.py, tests/test_<package>.py or tests/test_<top module>.py;
+    any other test file is named in docs/testing.md's table of where the tests are."""
+    modules = {p.stem for p in PKG.glob("*.py")}
+    modules |= {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    modules |= {f"{p.parent.name}_{p.stem}" for p in PKG.glob("*/*.py") if p.stem != "__init__"}
+    docs = (PKG.parent / "docs" / "testing.md").read_text()
+    table = docs[docs.index("## Where each module's tests are") :]
+    unplaced = [
+        p.name
+        for p in sorted((PKG.parent / "tests").glob("test_*.py"))
+        if p.stem[len("test_") :] not in modules and f"`{p.name}`" not in table
+    ]
+    assert not unplaced, f"test files neither named for a module nor in docs/testing.md: {unplaced}"

@@ -1,7 +1,8 @@
-"""Many nodes on one machine, end to end: launch/local_slurm.sh with GPTLAB_SLURM_NODES=2 (each node
-a network and UTS namespace of its own), and gptlab's multi-node path on it: the rendezvous across
-nodes, the same losses as one process, slurm.json and MLflow, launch/sbatch_gptlab.sh, a task killed
-on the second node, a requeue, and a `down` that leaves nothing behind.
+"""Many nodes on one machine, end to end: tests/cluster/local_slurm.sh with GPTLAB_SLURM_NODES=2
+(each node a network and UTS namespace of its own), and gptlab's multi-node path on it: the
+rendezvous across nodes, the same losses as one process, slurm.json and MLflow,
+launch/sbatch_gptlab.sh, a task killed on the second node, a requeue, and a `down` that leaves
+nothing behind.
 
 The cluster tests (slow) bring the 2-node cluster up themselves and, when the last one ends, put
 back the cluster they found (in CI the 1-node cluster that .ci/setup.d starts for the whole session:
@@ -36,11 +37,11 @@ from gptlab.distributed.slurm import (
 )
 from gptlab.errors import GptlabError
 
-SCRIPT = REPO / "launch" / "local_slurm.sh"
+SCRIPT = REPO / "tests" / "cluster" / "local_slurm.sh"
 SBATCH_SCRIPT = REPO / "launch" / "sbatch_gptlab.sh"
-NODES = ["gptlab-n1", "gptlab-n2"]  # as launch/local_slurm.sh names them
-HOSTS_MARK = "# gptlab launch/local_slurm.sh"
-MARK = "written by gptlab launch/local_slurm.sh"
+NODES = ["gptlab-n1", "gptlab-n2"]  # as tests/cluster/local_slurm.sh names them
+HOSTS_MARK = "# gptlab tests/cluster/local_slurm.sh"
+MARK = "written by gptlab tests/cluster/local_slurm.sh"
 STATE_DIR = Path(os.environ.get("GPTLAB_SLURM_DIR", "/var/tmp/gptlab-slurm"))
 # A few steps of the nano model, per step logged, no dropout: the numbers that must match.
 COMMON = [
@@ -68,7 +69,7 @@ def _local_slurm(action: str, nodes: int | None = None, timeout: float = 300) ->
 
 
 def _ours() -> bool:
-    """The clients talk to launch/local_slurm.sh's cluster (never bring another SLURM up or
+    """The clients talk to tests/cluster/local_slurm.sh's cluster (never bring another SLURM up or
     down)."""
     conf = Path(os.environ.get("SLURM_CONF", "/etc/slurm/slurm.conf"))
     try:
@@ -88,13 +89,13 @@ def _node_count() -> int:
 def two_nodes():
     problem = _cluster_problem()
     if problem is None and not _ours():
-        problem = "the SLURM clients do not point at launch/local_slurm.sh's cluster"
+        problem = "the SLURM clients do not point at tests/cluster/local_slurm.sh's cluster"
     if problem is None and os.geteuid() != 0:
-        problem = "not root: launch/local_slurm.sh makes network namespaces"
+        problem = "not root: tests/cluster/local_slurm.sh makes network namespaces"
     if problem:
         message = (
             f"no local SLURM cluster to make 2 nodes of ({problem}); "
-            "start one: bash launch/local_slurm.sh up"
+            "start one: bash tests/cluster/local_slurm.sh up"
         )
         if os.environ.get("CI") == "true":
             pytest.fail(message + " (.ci/run should have)")

@@ -793,7 +793,7 @@ def test_the_plans_flops_are_what_the_model_does(mlp):
     """FLOPs per token as FlopCounterMode counts a step of the model, and with checkpointing's
     second forward (HFU); the LM head and loss chunk only once the vocabulary is wider than the MLP
     (4 x n_embd)."""
-    from test_measure import counted_flops_per_token
+    from test_perf_measure import counted_flops_per_token
 
     from gptlab.perf.costs import flops_for, loss_chunk
 

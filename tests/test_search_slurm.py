@@ -1,4 +1,4 @@
-"""A hyperparameter search on the local SLURM (launch/local_slurm.sh), its study in the team
+"""A hyperparameter search on the local SLURM (tests/cluster/local_slurm.sh), its study in the team
 server's PostgreSQL (CI: $GPTLAB_TEST_OPTUNA_URL) and its runs on the team tracking server: trials
 2 at a time, the sweeper killed mid-search and started again with the same command."""
 

@@ -1,7 +1,8 @@
-"""The local SLURM cluster (launch/local_slurm.sh) and the Hydra launcher presets, end to end.
+"""The local SLURM cluster (tests/cluster/local_slurm.sh) and the Hydra launcher presets, end to
+end.
 
-These tests need a running cluster: `bash launch/local_slurm.sh up` (.ci/run starts one). Without
-one they are skipped, except in CI (CI=true), where a missing cluster is a failure.
+These tests need a running cluster: `bash tests/cluster/local_slurm.sh up` (.ci/run starts one).
+Without one they are skipped, except in CI (CI=true), where a missing cluster is a failure.
 
 The jobs that record in MLflow log to the session's team server (launch/mlflow_server.sh: mlflow
 server on PostgreSQL, at $GPTLAB_TEST_MLFLOW_URI, which .ci/setup.d/mlflow_server.sh starts), as a
@@ -29,7 +30,9 @@ from team_server import session_server_uri
 
 pytestmark = pytest.mark.slow
 
-PARTITION = os.environ.get("GPTLAB_SLURM_PARTITION", "local")  # as launch/local_slurm.sh names it
+PARTITION = os.environ.get(
+    "GPTLAB_SLURM_PARTITION", "local"
+)  # as tests/cluster/local_slurm.sh names it
 
 
 def _cluster_problem() -> str | None:
@@ -56,7 +59,8 @@ def slurm_cluster():
     problem = _cluster_problem()
     if problem:
         message = (
-            f"no local SLURM cluster ({problem}); start one with `bash launch/local_slurm.sh up`"
+            f"no local SLURM cluster ({problem}); start one with "
+            "`bash tests/cluster/local_slurm.sh up`"
         )
         if os.environ.get("CI") == "true":
             pytest.fail(message + " (.ci/run should have)")

@@ -1,4 +1,4 @@
-# Sourced by .ci/with_services.sh: a real single-node SLURM (launch/local_slurm.sh) for the whole
+# Sourced by .ci/with_services.sh: a real single-node SLURM (tests/cluster/local_slurm.sh) for the whole
 # session. `up` installs slurm-wlm, munge, slurmdbd and mariadb-server when missing (~1 min on a fresh
 # machine), then starts the daemons and waits until the node is idle; `down` cancels jobs and stops
 # them all. tests/test_multinode.py turns it into a 2-node cluster (network namespaces) for its own
@@ -6,9 +6,9 @@
 # tests reach services on the host's loopback, which a node in its own namespace cannot.
 
 ci_up_slurm() {
-    GPTLAB_SLURM_NODES=1 bash launch/local_slurm.sh up
+    GPTLAB_SLURM_NODES=1 bash tests/cluster/local_slurm.sh up
 }
 
 ci_down_slurm() {
-    bash launch/local_slurm.sh down
+    bash tests/cluster/local_slurm.sh down
 }

@@ -1,12 +1,12 @@
 """Attention maps: every layer's and head's attention weights over a prompt, and their heatmaps.
 
 The model's own attention goes through the fused ``F.scaled_dot_product_attention``, which never
-forms the weights. Here each layer's input is taken from the real blocks (a forward pre-hook on
-each block, so embeddings and positions are exactly the model's), and the weights are recomputed
-explicitly from the block's own layers: q, k from ``attn.c_attn`` on ``ln_1`` of the residual
-stream (rotated with ``model.apply_rotary`` and the model's tables for rotary positions), then
-softmax(q k^T / sqrt(head_dim)) under the causal mask. ``explicit_attention`` also returns
-weights @ v through ``c_proj``, which equals the block's attention output (tests/test_attention.py).
+forms the weights. Here each layer's input is taken from the real blocks (a forward pre-hook on each
+block, so embeddings and positions are exactly the model's), and the weights are recomputed
+explicitly from the block's own layers: q, k from ``attn.c_attn`` on ``ln_1`` of the residual stream
+(rotated with ``model.apply_rotary`` and the model's tables for rotary positions), then softmax(q
+k^T / sqrt(head_dim)) under the causal mask. ``explicit_attention`` also returns weights @ v through
+``c_proj``, which equals the block's attention output (tests/test_model_attention.py).
 ``write_attention`` draws them, a grid of heatmaps labelled with the tokens, for ``gptlab.sample``.
 """
 

@@ -181,7 +181,8 @@ class ChunkedHeadLoss(torch.autograd.Function):
     and weight; only those two gradients are kept for backward, which scales them by the incoming
     gradient / N. So the (N, vocab) fp32 logits, their log-softmax and their gradient exist for one
     chunk at a time, at no extra FLOPs (the head's backward matmuls move into forward). The result
-    equals F.cross_entropy(x @ weight[:vocab].T, targets) and its gradients (tests/test_model.py).
+    equals F.cross_entropy(x @ weight[:vocab].T, targets) and its gradients
+    (tests/test_model_gpt.py).
     """
 
     @staticmethod

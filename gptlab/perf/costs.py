@@ -4,7 +4,7 @@ Parameters are counted from the config alone (``param_count``, ``block_params``)
 gptlab/model/gpt.py has them. Model FLOPs (MFU) count the work the model needs: every matmul of
 every layer and the LM head, plus attention's T x T products, forward once and backward twice.
 Hardware FLOPs (HFU) add what activation checkpointing recomputes (one more forward of every block).
-Both are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_measure.py.
+Both are checked against ``torch.utils.flop_counter.FlopCounterMode`` in tests/test_perf_measure.py.
 
 Memory per device (``memory_estimate``) is counted by part for one training step: weights,
 gradients, optimizer state, DDP buckets, autocast copies, gathered shards and activations, with

@@ -66,7 +66,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, shakespeare):
 @pytest.mark.integration
 def test_gradients_are_reduced_on_the_last_micro_step_only(tmp_path, shakespeare, monkeypatch):
     """DDP / FSDP are told to skip the reduction on every micro-step but the last of each step (the
-    2-process equivalence test in test_distributed.py checks the losses that depend on it)."""
+    2-process equivalence test in test_distributed_processes.py checks the losses that depend on
+    it)."""
     from gptlab.distributed import world as distributed
 
     calls, real = [], distributed.no_sync

@@ -1,6 +1,6 @@
 """gptlab.training.profiling: a profiled run's stderr holds no profiler chatter (kineto's USDT
 markers, c10's note on memory allocated before the profile began), and every other line still gets
-through. tests/test_fastpath.py checks what a profile writes."""
+through. tests/test_perf_fastpath.py checks what a profile writes."""
 
 import os
 import sys

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A real SLURM on this machine, one node or several, for tests and development:
 #
-#   bash launch/local_slurm.sh up       install (if missing), configure, start; wait until every node is idle
-#   GPTLAB_SLURM_NODES=2 bash launch/local_slurm.sh up
+#   bash tests/cluster/local_slurm.sh up       install (if missing), configure, start; wait until every node is idle
+#   GPTLAB_SLURM_NODES=2 bash tests/cluster/local_slurm.sh up
 #                                       the same with 2 nodes, each in its own network namespace
-#   bash launch/local_slurm.sh status   daemons, nodes and queue; exit 0 when the cluster answers
-#   bash launch/local_slurm.sh down     cancel every job; stop slurmd(s), slurmctld, slurmdbd, MariaDB and
+#   bash tests/cluster/local_slurm.sh status   daemons, nodes and queue; exit 0 when the cluster answers
+#   bash tests/cluster/local_slurm.sh down     cancel every job; stop slurmd(s), slurmctld, slurmdbd, MariaDB and
 #                                       (if this script started it) munged; remove the namespaces, the
 #                                       bridge and the /etc/hosts lines it made
 #
@@ -91,9 +91,9 @@ ETC_CONF=/etc/slurm/slurm.conf
 LOG="$STATE_DIR/log"
 RUN="$STATE_DIR/run"
 NETS="$RUN/network"  # what this script made in the network: "bridge NAME" / "netns NAME" / "veth NAME" lines
-MARK="# written by gptlab launch/local_slurm.sh"
+MARK="# written by gptlab tests/cluster/local_slurm.sh"
 HOSTS=/etc/hosts
-HOSTS_MARK="# gptlab launch/local_slurm.sh"
+HOSTS_MARK="# gptlab tests/cluster/local_slurm.sh"
 # Several nodes: RFC 2544's test range, a bridge with the controller's address, one namespace per node.
 NET=198.18.0
 BRIDGE=gptlab-br0

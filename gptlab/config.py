@@ -307,7 +307,7 @@ def _validate_model(m: GPTConfig) -> None:
     _check(0.0 <= m.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {m.dropout}")
     _check(m.vocab_multiple >= 1, "model.vocab_multiple", "must be >= 1")
     _choice("model.pos_emb", m.pos_emb, ["learned", "sinusoidal", "rotary"])
-    _choice("model.mlp", m.mlp, ["gelu", "swiglu"])
+    _choice("model.mlp", m.mlp, ["gelu", "gelu_tanh", "swiglu"])
     if m.pos_emb == "rotary":
         _check(
             (m.n_embd // m.n_head) % 2 == 0,
@@ -315,6 +315,11 @@ def _validate_model(m: GPTConfig) -> None:
             "rotary positions need an even head size",
         )
     _check(m.ffn_dim is None or m.ffn_dim > 0, "model.ffn_dim", "must be positive")
+    _check(
+        m.init_from is None or bool(str(m.init_from).strip()),
+        "model.init_from",
+        "must name a source (gpt2, a folder, a model URI) or be null",
+    )
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

@@ -164,6 +164,8 @@ def local_data(name: str, shakespeare: Path, tmp_path: Path):
             "data.progress=false",
         ]
     extra = [f"data.path={shakespeare}"]
+    if compose_config([f"experiment={name}"]).model.init_from:  # GPT-2's weights: a download
+        extra += ["model.init_from=null", "data.tokenizer.kind=char"]
     if name == "bpe_25m":
         extra += ["data.tokenizer.vocab_size=300", "data.workers=0", "data.progress=false"]
     return extra

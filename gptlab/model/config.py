@@ -22,9 +22,14 @@ class GPTConfig:
     dropout: float
     bias: bool
     pos_emb: str  # learned | sinusoidal | rotary
-    mlp: str  # gelu | swiglu
+    mlp: str  # gelu | gelu_tanh (GPT-2's own approximation) | swiglu
     tie_weights: bool
     rope_base: float
+    # start from these weights (docs/finetuning.md): gpt2 | gpt2-medium | gpt2-large | gpt2-xl, a
+    # Hugging Face GPT-2 folder, a gptlab export, run folder or checkpoint, or an MLflow model URI.
+    # The one field with a default (its value still lives in conf/model/gpt2_124m.yaml): the model
+    # configs that checkpoints and exports written before it saved still build a GPTConfig.
+    init_from: Optional[str] = None
 
     @property
     def padded_vocab_size(self) -> int:

@@ -116,6 +116,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.swiglu = cfg.mlp == "swiglu"
+        # GPT-2's published weights were trained with the tanh form: gelu_tanh reproduces them
+        self.approximate = "tanh" if cfg.mlp == "gelu_tanh" else "none"
         hidden = cfg.hidden_dim
         self.c_fc = nn.Linear(cfg.n_embd, (2 if self.swiglu else 1) * hidden, bias=cfg.bias)
         self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
@@ -128,7 +130,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)  # exact erf GELU: measured faster than the tanh form on CPU
+            h = F.gelu(h, approximate=self.approximate)  # erf: measured faster than tanh on CPU
         return self.dropout(self.c_proj(h))
 
 

@@ -8,6 +8,7 @@ import logging
 import math
 import random
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,6 +27,7 @@ from gptlab.distributed import world as distributed
 from gptlab.distributed.world import Dist
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
+from gptlab.model import pretrained
 from gptlab.model.gpt import GPT, GPTConfig
 from gptlab.model.inference import generate_text
 from gptlab.optim.factory import build_optimizer
@@ -37,6 +39,7 @@ from gptlab.records import identity, layout, lineage, runfolder
 from gptlab.records.layout import last_logged_step
 from gptlab.records.store import flatten, local_uri
 from gptlab.records.tracker import NullTracker, Tracker
+from gptlab.registry import serving
 from gptlab.search import trial as search_trial
 from gptlab.training import profiling
 from gptlab.training.run import Run
@@ -88,6 +91,7 @@ def build(
     auto_steps: the run length compile=auto decides for (default train.max_steps; a benchmark
     passes the run it stands for)."""
     d = distributed.setup(cfg.hardware, cfg.parallelism)
+    cfg, source = pretrained_source(cfg, d, run_dir)  # model.init_from's shape, before the data
     cfg, choices = resolve_auto(cfg, auto_steps)  # precision and compile: auto's choices
     cfg = resolve_micro_batch(cfg)  # train.micro_batch_size=auto: the planner's choice, once
     console.for_rank(d.rank)
@@ -98,8 +102,11 @@ def build(
     resume_from, loaded = shared_claim(run_dir, cfg.train.resume, resolved, d.is_main, log.info)
     data, train_tokens, val_tokens = build_data(cfg, d)
     hellaswag = build_hellaswag(cfg, d, data.tokenizer)  # a run that cannot have it stops here
+    if source is not None:
+        pretrained.check_vocab(source, data.tokenizer, data.vocab_size)
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
-    raw_model, model = build_model(cfg, mcfg, d)
+    # a resumed run's checkpoint holds its weights: the source's are not read again
+    raw_model, model = build_model(cfg, mcfg, d, source if resume_from is None else None)
     loader, val = build_loaders(cfg, d, train_tokens, val_tokens)
     run = new_run(cfg, d, mcfg, data, raw_model, model, loader, val, run_dir, resolved)
     if hellaswag is not None:
@@ -113,6 +120,7 @@ def build(
             "tokenizer_sha256": data.tokenizer_sha256,
             "vocab_size": data.vocab_size,
             **fastpath.derived(choices),
+            **init_from_figures(cfg.model),
         }
     )
     mlflow_run_id = resume(run, resume_from, loaded)
@@ -283,17 +291,85 @@ def build_hellaswag(cfg: Config, d: Dist, tokenizer: Any) -> Optional[List[Any]]
     return examples
 
 
-def build_model(cfg: Config, mcfg: GPTConfig, d: Dist) -> Tuple[GPT, nn.Module]:
+def build_model(
+    cfg: Config, mcfg: GPTConfig, d: Dist, source: Optional[pretrained.Source] = None
+) -> Tuple[GPT, nn.Module]:
     """(the plain model, the model as trained: checkpointing -> compile -> data-parallel
-    wrapper)."""
+    wrapper). source: model.init_from's weights, loaded whole on every rank before the model is
+    wrapped, so that fsdp shards the loaded weights as it shards initialised ones."""
     seed_everything(cfg.train.seed)  # identical initialisation on every rank
     raw_model = GPT(mcfg).to(d.device)
+    if source is not None:
+        start = time.perf_counter()
+        pretrained.load_into(raw_model, source)
+        log.info(
+            f"model.init_from={source.spec}: weights loaded in {time.perf_counter() - start:.1f} s"
+        )
+    if source is not None and source.temporary is not None:
+        shutil.rmtree(source.temporary, ignore_errors=True)
     # training's head + loss in chunks
     raw_model.loss_chunk = loss_chunk(cfg.parallelism, mcfg, mcfg.vocab_size)
     seed_everything(cfg.train.seed + d.rank)  # then per-rank streams
     return raw_model, distributed.wrap_model(
         raw_model, d, cfg.parallelism, cfg.hardware, cfg.compile
     )
+
+
+def pretrained_source(
+    cfg: Config, d: Dist, run_dir: Path
+) -> Tuple[Config, Optional[pretrained.Source]]:
+    """model.init_from: the source found (rank 0 downloads first), its shape made the model's and
+    its tokenizer checked, before the data is prepared or anything allocated; (cfg, None) without
+    one. Only command-line model.* overrides (Hydra's overrides.yaml) are checked against it."""
+    spec = cfg.model.init_from
+    if spec is None:
+        return cfg, None
+    source = main_first(d, lambda: locate_source(cfg, spec))
+    pretrained.check_tokenizer(source, cfg.data.tokenizer.kind)
+    given = [o.lstrip("+~").split("=")[0] for o in layout.read_overrides(run_dir)]
+    explicit = {k.removeprefix("model.") for k in given if k.startswith("model.")}
+    model = pretrained.shaped(cfg.model, source, explicit)
+    log.info(f"model.init_from={spec}: {source.kind} {source.path}")
+    return dataclasses.replace(cfg, model=model), source
+
+
+def init_from_figures(m: GPTConfig) -> Dict[str, Any]:
+    """derived.json's record of the source and the shape it gave (config_resolved.yaml keeps the
+    composed model keys, which the source's replaced)."""
+    if m.init_from is None:
+        return {}
+    shape = (
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "ffn_dim",
+        "pos_emb",
+        "mlp",
+        "tie_weights",
+    )
+    return {"init_from": m.init_from, "model_shape": {k: getattr(m, k) for k in shape}}
+
+
+def locate_source(cfg: Config, spec: str) -> pretrained.Source:
+    """model.init_from's source read from where it is: the Hub's cache for a GPT-2 name, a download
+    from the run's MLflow store for a model URI, else a local folder or file."""
+    if spec in pretrained.HUB:
+        return pretrained.read_source(spec, pretrained.hub_folder(spec))
+    if serving.is_model_uri(spec):
+        store = cfg.tracking.uri or local_uri(Path(cfg.paths.mlflow_db))
+        temporary = Path(tempfile.mkdtemp(prefix="gptlab-init-from-"))
+        try:
+            source = pretrained.read_source(spec, serving.download(store, spec, temporary))
+        except GptlabError as e:  # sample's wording, in train's keys and on one line
+            text = " ".join(str(e).replace("tracking_uri=", "tracking.uri=").split())
+            raise GptlabError(f"model.init_from={spec}: {text}") from None
+        finally:
+            if "source" not in locals():
+                shutil.rmtree(temporary, ignore_errors=True)
+        source.temporary = temporary
+        return source
+    return pretrained.read_source(spec, Path(spec).expanduser())
 
 
 def resume(

@@ -256,7 +256,7 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, mo
     dtype = torch.bfloat16 if bf16 else torch.float32
     expect = {n: p.detach().clone() for n, p in ref.named_parameters() if n in names}
     bufs = {n: torch.zeros_like(p) for n, p in expect.items()}
-    x = torch.randint(0, 16, (4, 8))
+    x = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         for m, o in ((model, opt), (ref, ref_adam)):
             o.zero_grad()
@@ -278,10 +278,10 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, mo
             for n in names:
                 dict(ref.named_parameters())[n].copy_(expect[n])
     got = dict(model.named_parameters())
-    # bf16 Newton-Schulz (this machine): a stacked bmm rounds unlike one matrix's mm, 5.5e-5 apart
-    # measured after 3 steps of ~1e-2 each; fp32: the same to 2e-6. A 5% error in the update's scale
-    # is 5e-4.
-    tol = 1e-4 if dtype == torch.bfloat16 else 2e-6
+    # bf16 Newton-Schulz: a stacked bmm rounds unlike one matrix's mm, 5.5e-5 to 2e-4 apart after
+    # 3 steps of ~1e-2 each (measured, as the thread count varies); fp32: the same to 2e-6. A 5%
+    # error in the update's scale is 5e-4.
+    tol = 3e-4 if dtype == torch.bfloat16 else 2e-6
     for n, p in ref.named_parameters():
         assert torch.allclose(got[n], p, atol=tol), (n, (got[n] - p).abs().max())
     assert any(

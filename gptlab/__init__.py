@@ -26,6 +26,7 @@ MOVED = {
     "gptlab.ladder": "gptlab.perf.ladder",
     "gptlab.serving": "gptlab.registry.serving",
     "gptlab.pyfunc_model": "gptlab.registry.pyfunc_model",
+    "gptlab.sweep": "gptlab.search.callbacks",
 }
 
 

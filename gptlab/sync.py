@@ -339,7 +339,7 @@ class Store:
         return self.parents[key]
 
     def create_parent(self, sweep: Dict[str, Any]) -> Any:
-        """The sweep's parent run as gptlab.sweep records it (records/parent.py)."""
+        """The sweep's parent run as gptlab.search.callbacks records it (records/parent.py)."""
         start = min([span_ms(p)[0] for p in runs_under(Path(sweep["sweep_dir"]))], default=None)
         run = parent.create(self.client, self.uri, sweep, {SYNC_TAG: "gptlab.sync"}, start)
         print(f"{sweep['sweep_dir']}: recorded as sweep run {run.info.run_id}", flush=True)

@@ -1,8 +1,8 @@
 """`python -m gptlab.compare` on a real sweep made by `python -m gptlab.train -m`: on its folder,
 its parent run id and its experiment.
 
-The sweep is made once per session (tests/test_sweep.py checks its MLflow parent run and children,
-tests/test_browser.py renders them)."""
+The sweep is made once per session (tests/test_search_callbacks.py checks its MLflow parent run and
+children, tests/test_browser.py renders them)."""
 
 import json
 from pathlib import Path

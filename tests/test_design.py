@@ -165,7 +165,7 @@ def test_loop_and_train_stay_thin():
 # The commands (python -m gptlab.<name>): no other module imports one; shared code lives below them.
 ENTRY_MODULES = {f"gptlab.{name}" for name in ("train", "prepare", "sample", "export", "bench",
                                                 "plan", "ui", "compare", "sync",
-                                                "eval")}  # fmt: skip
+                                                "eval", "scale")}  # fmt: skip
 
 
 @pytest.mark.integration
@@ -279,6 +279,7 @@ COMMANDS = (
     "compare",
     "sync",
     "eval",
+    "scale",
 )
 
 
@@ -508,7 +509,7 @@ def test_every_module_and_package_is_named_in_the_architecture_map():
 
 
 def test_the_top_level_keeps_the_commands_and_what_they_share():
-    """At most 16 modules beside the packages: the commands, cli, console, config, errors, sweep."""
+    """At most 16 modules beside the packages: the commands, cli, console, config and errors."""
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= 16, top
 

@@ -278,7 +278,7 @@ def test_slurm_sweeps_wait_through_the_controller_checked_watcher(tmp_path):
     from submitit.slurm.slurm import SlurmJob
 
     from gptlab.distributed.slurm import ControllerCheckedWatcher
-    from gptlab.sweep import SubmissionReporter
+    from gptlab.search.callbacks import SubmissionReporter
 
     stock = SlurmJob.watcher
     for launcher, installed in (("slurm_local", True), ("local", False)):

@@ -47,6 +47,7 @@ CASES = {
     "sample": ("max_new_token=5", "max_new_tokens", ["run=/nowhere", "top_k=many"], "top_k"),
     "sync": ("sync.folder=[a]", "sync.folders", ["model.n_head=0"], "model.n_head"),
     "ui": ("ui.prot=5001", "ui.port", ["tracking.flush_every=0"], "tracking.flush_every"),
+    "scale": ("scale.bootstrp=9", "scale.bootstrap", ["x.csv", "scale.seed=one"], "scale.seed"),
 }
 
 # Runs each command's main() as `python -m gptlab.<name> ARGS` would, in one process; prints one

@@ -1,5 +1,5 @@
 """`python -m gptlab.train`, the real command in a subprocess as a user runs it: its run folder, its
-MLflow run, and Ctrl-C. Its sweeps: test_sweep.py."""
+MLflow run, and Ctrl-C. Its sweeps: test_search_callbacks.py."""
 
 import json
 import os

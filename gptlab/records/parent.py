@@ -1,8 +1,8 @@
 """A sweep's MLflow parent run: the one way it is created, given its failed jobs, and ended.
 
-The sweep callback (gptlab/sweep.py) creates it when a multirun starts and ends it when the multirun
-ends; gptlab.sync creates it for a sweep recorded later and ends it from its jobs' records. Both go
-through these functions, so a sweep looks the same in MLflow whichever recorded it.
+The sweep callback (gptlab/search/callbacks.py) creates it when a multirun starts and ends it when
+the multirun ends; gptlab.sync creates it for a sweep recorded later and ends it from its jobs'
+records. Both go through these functions, so a sweep looks the same in MLflow whichever recorded it.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ study how it ended.
   after it died, it finds its trials still RUNNING with a dead owner, cancels their SLURM jobs if
   any still run, and launches them again in their folders: they resume from their checkpoints under
   the same trial number, so no trial runs twice and the study ends at n_trials.
-- The sweep's MLflow parent run (gptlab/sweep.py) gets the search space, and as trials end the best
-  value, trial and params; each trial's run gets its number, state and objective.
+- The sweep's MLflow parent run (gptlab/search/callbacks.py) gets the search space, and as trials
+  end the best value, trial and params; each trial's run gets its number, state and objective.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ class BenchSettings:
     mlflow: bool  # also record an MLflow run (conf/bench.yaml: tracking.mlflow follows it)
     profile: bool  # record the timed steps with torch.profiler (train.profile) in the bench folder
     ladder: bool  # the tuning ladder: one benchmark per speed lever (gptlab/perf/ladder.py)
+    coord_check: bool  # muP's coordinate check at several widths (gptlab/perf/coord_check.py)
 
 
 @dataclass
@@ -246,6 +247,11 @@ def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
 def _job(cfg: DictConfig) -> Dict[str, Any]:
     """One benchmark (one job of a sweep): its run folder is Hydra's output folder."""
     hc = HydraConfig.get()
+    if cfg.bench.coord_check:  # muP's coordinate check: widths, not speed (gptlab/perf)
+        from gptlab.perf import coord_check  # torch: off the start-up path of --help and errors
+
+        config = to_config(bench_config(cfg), BenchConfig)
+        return coord_check.run(config, Path(hc.runtime.output_dir))
     if cfg.bench.ladder:
 
         def typed(c: DictConfig) -> BenchConfig:

@@ -13,13 +13,21 @@ A sweep folder is read from its run folders (metrics.jsonl, results.json, .hydra
 which are written whether or not MLflow was reachable; when it records an MLflow parent run
 (sweep.json), the jobs' statuses and errors come from MLflow.
 
+Seeds as replicates: runs whose overrides differ only in train.seed are one configuration; a second
+table gives each one's n, mean ± std over seeds of every final figure, Welch's t-test of the
+objective against compare.baseline's seeds (p-value, the difference with its 1 - compare.alpha
+interval, "not significant"), and its device-hours and cost; compare.json=PATH writes it as JSON,
+and <PNG stem>_seeds.png draws the seeds, means and intervals.
+
 The root config is conf/compare.yaml: the training config (its `tracking` section names the store)
-and the command's own keys `compare.target` and `compare.out`; a first argument without `=` is the
+and the command's own keys (`compare.target`, `compare.out`, `compare.metric`, `compare.baseline`,
+`compare.alpha`, `compare.json`); a first argument without `=` is the
 target.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -28,14 +36,14 @@ import string
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hydra.core.config_store import ConfigStore
 
 from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError, never_fatal, or_none
-from gptlab.records import layout
+from gptlab.records import layout, stats
 from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
 from gptlab.records.store import (
     PARENT_TAG,
@@ -62,6 +70,11 @@ class CompareSettings:
     target: str  # a sweep folder, an MLflow (parent) run id, or an experiment name
     # the val-loss PNG; null: <sweep folder>/compare_val_loss.png or outputs/compare/<target>.png
     out: Optional[str]
+    # seeds as replicates: the configuration the others are t-tested against (a job's name, its
+    # folder, or overrides such as 'optimizer.lr=1e-4'); null: the best configuration
+    baseline: Optional[str]
+    alpha: float  # a difference with a larger p-value is "not significant"; its interval 1 - alpha
+    json: Optional[str]  # also write the table as JSON to this path; null: no JSON
     # what the runs are sorted and plotted by: loss (nats per token) | bpb (bits per byte: runs
     # with different tokenizers share one axis)
     metric: str = "loss"
@@ -98,6 +111,8 @@ class RunRecord:
     run_id: Optional[str] = None
     run_dir: Optional[str] = None
     parent: Optional[str] = None  # the run id of the sweep's or search's parent run it is a job of
+    device_hours: Optional[float] = None  # wall x devices, or SLURM's accounting
+    cost: Optional[float] = None  # device_hours x hardware.cost_per_device_hour
 
 
 @dataclass
@@ -179,12 +194,26 @@ def from_folder(folder: Path) -> List[RunRecord]:
                 scores=folder_scores(d, rows),
                 run_id=results.get("mlflow_run_id"),
                 run_dir=str(d.resolve()),
+                **folder_usage(d, results),
             )
         )
     sweep = read_sweep(run_dirs[0])
     if sweep is not None and Path(sweep["sweep_dir"]) == folder.resolve():
         _statuses_from_mlflow(records, sweep)
     return records
+
+
+def folder_usage(run_dir: Path, results: Dict[str, Any]) -> Dict[str, Optional[float]]:
+    """A run folder's device_hours and cost: results.json's, else (a run recorded before they were)
+    its wall time x the devices and price of its config."""
+    hours, cost = _finite(results.get("device_hours")), _finite(results.get("cost"))
+    wall = _finite(results.get("wall_s"))
+    if hours is None and wall is not None:
+        hw = (layout.read_config(run_dir) or {}).get("hardware") or {}
+        hours = wall * int(hw.get("nodes") or 1) * int(hw.get("nproc_per_node") or 1) / 3600
+        price = _finite(hw.get("cost_per_device_hour"))
+        cost = hours * price if price is not None else None
+    return {"device_hours": hours, "cost": cost}
 
 
 def folder_status(results: Dict[str, Any]) -> str:
@@ -282,6 +311,8 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
         error=tags.get("error"),
         run_id=run.info.run_id,
         run_dir=tags.get("run_dir"),
+        device_hours=_finite(m.get("summary/device_hours")),
+        cost=_finite(m.get("summary/cost")),
     )
 
 
@@ -470,6 +501,7 @@ def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> Li
         ("tokens/s", [_figure(r.tokens_per_s, ",.0f") for r in rows]),
         ("MFU", [f"{100 * r.mfu:.2f}%" if r.mfu is not None else "-" for r in rows]),
         ("wall", [f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-" for r in rows]),
+        *usage_columns([r.device_hours for r in rows], [r.cost for r in rows]),
     ]
     return [
         ("run", [indent + clip(r.name[cut:], NAME_WIDTH) for r in rows], False),
@@ -478,6 +510,17 @@ def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> Li
         *overrides,
         *[(head, cells, True) for head, cells in figures],
     ]
+
+
+def usage_columns(
+    hours: List[Optional[float]], costs: List[Optional[float]]
+) -> List[Tuple[str, List[str]]]:
+    """The device-hours and cost columns, each where any row has one."""
+    out = []
+    for head, values in (("device-h", hours), ("cost", costs)):
+        if any(v is not None for v in values):
+            out.append((head, [_figure(v, ".3g") for v in values]))
+    return out
 
 
 def blocks(cols: List[Column], width: int = WIDTH) -> List[List[Column]]:
@@ -628,6 +671,271 @@ def plot_val_curves(records: List[RunRecord], path: Path, title: str, metric: st
     fig.savefig(path)
 
 
+# ---- seeds as replicates ---------------------------------------------------------------------
+
+# a run's final figures, summarised over a configuration's seeds: (head, the figure, its format)
+FIGURES: Tuple[Tuple[str, Callable[[RunRecord], Optional[float]], str], ...] = (
+    ("best val loss", lambda r: r.best_val_loss, ".4f"),
+    ("best val bpb", lambda r: r.best_val_bpb, ".4f"),
+    ("tokens/s", lambda r: r.tokens_per_s, ",.0f"),
+    ("MFU %", lambda r: 100 * r.mfu if r.mfu is not None else None, ".2f"),
+    ("wall s", lambda r: r.wall_s, ",.0f"),
+)
+
+
+@dataclass
+class Replicates:
+    """One configuration: the runs whose overrides differ only in train.seed, its seeds."""
+
+    overrides: Dict[str, str]  # less the seed
+    runs: List[RunRecord]
+    test: Optional[stats.Welch] = None  # against the baseline's seeds
+    significant: Optional[bool] = None
+    baseline: bool = False
+
+    def values(self, figure: Callable[[RunRecord], Optional[float]]) -> List[float]:
+        return [v for v in map(figure, self.runs) if v is not None]
+
+    def objective(self, metric: str) -> List[float]:
+        return self.values(lambda r: best_of(r, metric))
+
+    def total(self, figure: Callable[[RunRecord], Optional[float]]) -> Optional[float]:
+        """The sum over its seeds (device-hours, cost); None when no run has it."""
+        values = self.values(figure)
+        return sum(values) if values else None
+
+
+def configurations(records: List[RunRecord], metric: str) -> List[Replicates]:
+    """The runs grouped by their overrides less train.seed (and a search trial's own), best mean
+    first."""
+    groups: Dict[Tuple[Tuple[str, str], ...], Replicates] = {}
+    for r in records:
+        own = {k: v for k, v in r.overrides.items() if k != stats.SEED_KEY and k not in SEARCH_KEYS}
+        key = tuple(sorted(own.items()))
+        groups.setdefault(key, Replicates(own, [])).runs.append(r)
+
+    def order(c: Replicates) -> Tuple[bool, float]:
+        values = c.objective(metric)
+        return (not values, stats.mean(values) if values else 0.0)
+
+    return sorted(groups.values(), key=order)
+
+
+def _same_value(given: str, value: Optional[str]) -> bool:
+    """An override's value as typed against a run's: equal as text or as numbers (1e-3 = 0.001)."""
+    if value is None or given == value:
+        return given == value
+    return or_none(lambda: float(given) == float(value)) or False
+
+
+def _matches(c: Replicates, spec: str) -> bool:
+    """Whether spec (a job's name, its folder, or override words k=v) names configuration c."""
+    folder = Path(spec).expanduser()
+    if any(r.name == spec for r in c.runs):
+        return True
+    if folder.is_dir() and any(r.run_dir == str(folder.resolve()) for r in c.runs):
+        return True
+    pairs = [w.partition("=") for w in spec.replace(",", " ").split()]
+    return bool(pairs) and all(
+        sep and _same_value(v, c.overrides.get(k.lstrip("+~"))) for k, sep, v in pairs
+    )
+
+
+def find_baseline(configs: List[Replicates], spec: Optional[str], metric: str) -> Replicates:
+    """The configuration spec names (null: the best one with 2 seeds or more, else the best)."""
+    if spec is None:
+        seeded = [c for c in configs if len(c.objective(metric)) >= 2]
+        return (seeded or configs)[0]
+    found = [c for c in configs if _matches(c, spec)]
+    if not found:
+        raise GptlabError(
+            f"compare.baseline={spec}: no configuration matches it (give a job's name, its folder, "
+            f"or overrides such as 'optimizer.lr=1e-3')"
+        )
+    if len(found) > 1:
+        raise GptlabError(
+            f"compare.baseline={spec}: {len(found)} configurations match it; name one with more "
+            f"overrides ({'; '.join(config_label(c, configs) for c in found[:3])})"
+        )
+    n = len(found[0].objective(metric))
+    if n < 2:
+        raise GptlabError(
+            f"compare.baseline={spec}: the t-test needs at least 2 seeds per side; the baseline "
+            f"has {n} (sweep train.seed=0,1,2)"
+        )
+    return found[0]
+
+
+def t_tests(configs: List[Replicates], base: Replicates, metric: str, alpha: float) -> None:
+    """Each configuration with 2 seeds or more against the baseline's: Welch's t-test, and whether
+    its p-value is under alpha."""
+    base.baseline = True
+    ref = base.objective(metric)
+    if len(ref) < 2:
+        return
+    for c in configs:
+        values = c.objective(metric)
+        if c is not base and len(values) >= 2:
+            c.test = stats.welch(values, ref, 1 - alpha)
+            c.significant = c.test.p_value < alpha
+
+
+def config_label(c: Replicates, configs: List[Replicates]) -> str:
+    """A configuration by the overrides that differ between configurations (its run's name when
+    none do)."""
+    keys = differing_keys([Replicates(x.overrides, []) for x in configs])  # type: ignore[misc]
+    words = [f"{h}={shown(c.overrides.get(k))}" for h, k in zip(key_heads(keys), keys)]
+    return " ".join(words) or c.runs[0].name
+
+
+def _spread(values: List[float], spec: str) -> str:
+    """mean ± std (the mean alone for one value, '-' for none)."""
+    if not values:
+        return "-"
+    sd = stats.std(values)
+    return format(stats.mean(values), spec) + (f" ± {format(sd, spec)}" if sd is not None else "")
+
+
+def _test_cells(c: Replicates) -> Tuple[str, str, str]:
+    """(the difference and its interval, p, the verdict) of a configuration's t-test."""
+    if c.baseline:
+        return "baseline", "-", "baseline"
+    if c.test is None:
+        return "-", "-", "- (1 seed)"
+    t = c.test
+    verdict = "yes" if c.significant else "not significant"
+    return f"{t.diff:+.4f} [{t.low:+.4f}, {t.high:+.4f}]", f"{t.p_value:.2g}", verdict
+
+
+def seed_columns(configs: List[Replicates], metric: str, alpha: float) -> List[Column]:
+    """The seeds table's columns: the configuration, n, mean ± std of every final figure (the
+    objective first), the t-test against the baseline, device-hours and cost summed over seeds."""
+    figures = sorted(FIGURES, key=lambda f: f[0] != f"best val {metric}")
+    scores: List[str] = []
+    for r in (r for c in configs for r in c.runs):
+        scores += [k for k in r.scores if k not in scores]
+    spreads = [(head, fig, spec) for head, fig, spec in figures]
+    spreads += [(clip(k, SCORE_WIDTH), lambda r, k=k: r.scores.get(k), ".4f") for k in scores]
+    tests = [_test_cells(c) for c in configs]
+    level = f"{100 * (1 - alpha):g}%"
+    cols: List[Column] = [
+        ("configuration", [clip(config_label(c, configs), 40) for c in configs], False),
+        ("n", [str(len(c.objective(metric))) for c in configs], True),
+        *[(h, [_spread(c.values(f), spec) for c in configs], True) for h, f, spec in spreads],
+        (f"diff [{level} interval]", [t[0] for t in tests], True),
+        ("p", [t[1] for t in tests], True),
+        (f"significant (alpha={alpha:g})", [t[2] for t in tests], False),
+    ]
+    usage = usage_columns(
+        [c.total(lambda r: r.device_hours) for c in configs],
+        [c.total(lambda r: r.cost) for c in configs],
+    )
+    return cols + [(head, cells, True) for head, cells in usage]
+
+
+def seed_table(configs: List[Replicates], metric: str, alpha: float) -> str:
+    """The configurations' table, in blocks of at most WIDTH characters."""
+    base = next((c for c in configs if c.baseline), None)
+    runs = sum(len(c.runs) for c in configs)
+    lines = textwrap.wrap(
+        f"seeds as replicates: {runs} runs, {len(configs)} configurations (by train.seed); mean ± "
+        f"std over n seeds; Welch's t-test of best val {metric} against the baseline"
+        + (f" {config_label(base, configs)}" if base else ""),
+        WIDTH,
+    )
+    for i, block in enumerate(blocks(seed_columns(configs, metric, alpha))):
+        lines += ([""] if i else []) + render(block, [(None, configs)])  # type: ignore[list-item]
+    return "\n".join(lines)
+
+
+def as_json(configs: List[Replicates], metric: str, alpha: float) -> Dict[str, Any]:
+    """compare.json's document: one row per configuration."""
+    rows = []
+    for c in configs:
+        values = c.objective(metric)
+        t = c.test
+        rows.append(
+            {
+                "overrides": c.overrides,
+                "runs": [r.name for r in c.runs],
+                "n": len(values),
+                "mean": stats.mean(values) if values else None,
+                "std": stats.std(values),
+                "values": values,
+                "baseline": c.baseline,
+                "p_value": t.p_value if t else None,
+                "significant": c.significant,
+                "diff": t.diff if t else None,
+                "interval": [t.low, t.high] if t else None,
+                "device_hours": c.total(lambda r: r.device_hours),
+                "cost": c.total(lambda r: r.cost),
+                "figures": {
+                    head: {"mean": stats.mean(v) if v else None, "std": stats.std(v)}
+                    for head, fig, _ in FIGURES
+                    for v in [c.values(fig)]
+                },
+            }
+        )
+    return {"metric": f"best_val_{metric}", "alpha": alpha, "rows": rows}
+
+
+def seeds_figure(configs: List[Replicates], title: str, metric: str, alpha: float) -> Any:
+    """Each configuration's seeds as points, with their mean and its 1 - alpha interval."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    shown_configs = [c for c in configs if c.objective(metric)]
+    fig = Figure(
+        figsize=(max(5.0, 1.2 * len(shown_configs) + 2), 4.8), dpi=110, layout="constrained"
+    )
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, c in enumerate(shown_configs):
+        values = c.objective(metric)
+        offsets = [(j - (len(values) - 1) / 2) * 0.06 for j in range(len(values))]
+        ax.plot([i + o for o in offsets], values, "o", ms=4, alpha=0.6, color="C0")
+        m, sd = stats.mean(values), stats.std(values)
+        half = (
+            stats.t_quantile(1 - alpha / 2, len(values) - 1) * sd / math.sqrt(len(values))
+            if sd
+            else 0.0
+        )
+        ax.errorbar([i + 0.25], [m], yerr=[half], fmt="s", color="C3" if c.baseline else "C1",
+                    capsize=4)  # fmt: skip
+    ax.set_xticks(range(len(shown_configs)))
+    ax.set_xticklabels([config_label(c, configs) for c in shown_configs], rotation=20, fontsize=8)
+    ax.set_ylabel(f"best val {'bits per byte' if metric == 'bpb' else 'loss'}")
+    ax.grid(alpha=0.3)
+    ax.set_title(
+        f"{clip(title, 70)}\nseeds (points), mean and {100 * (1 - alpha):g}% interval "
+        "(squares; red: the baseline)",
+        fontsize=9,
+    )
+    return fig
+
+
+def report_seeds(
+    records: List[RunRecord], settings: CompareSettings, out: Path, title: str
+) -> None:
+    """Seeds as replicates: the configurations' table when any has 2 seeds or more (or a baseline is
+    given), compare.json when asked, and the seeds' PNG beside the curves'."""
+    metric, alpha = settings.metric, settings.alpha
+    configs = configurations(records, metric)
+    seeded = any(len({r.overrides.get(stats.SEED_KEY) for r in c.runs}) > 1 for c in configs)
+    if seeded or settings.baseline is not None:
+        t_tests(configs, find_baseline(configs, settings.baseline, metric), metric, alpha)
+        print("\n" + seed_table(configs, metric, alpha), flush=True)
+        path = out.with_name(f"{out.stem}_seeds.png")
+        with never_fatal(lambda e: log.warning(f"seeds plot skipped: {e}")):
+            fig = seeds_figure(configs, title, metric, alpha)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path)
+            print(f"seeds: {path}", flush=True)
+    if settings.json:
+        Path(settings.json).write_text(json.dumps(as_json(configs, metric, alpha), indent=1) + "\n")
+        print(f"table as JSON: {settings.json}", flush=True)
+
+
 def run_compare(cfg: Any) -> None:
     """Print the table and write the PNG. cfg: composed from conf/compare.yaml."""
     require(
@@ -639,6 +947,8 @@ def run_compare(cfg: Any) -> None:
     target, out_setting, metric = config.compare.target, config.compare.out, config.compare.metric
     if metric not in METRICS:
         raise GptlabError(f"compare.metric={metric}: must be one of {', '.join(METRICS)}")
+    if not 0 < config.compare.alpha < 1:
+        raise GptlabError(f"compare.alpha={config.compare.alpha}: must be between 0 and 1")
     folder = Path(target).expanduser()
     if folder.is_dir():
         records, title, parents = from_folder(folder), str(folder), []
@@ -659,6 +969,7 @@ def run_compare(cfg: Any) -> None:
         print(f"val {metric} curves: {out}", flush=True)
     except ImportError:
         log.warning("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
+    report_seeds(records, config.compare, out, title)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

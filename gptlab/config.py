@@ -119,6 +119,8 @@ class HardwareConfig:
     peak_tflops_tf32: Optional[float]  # per device, fp32 matmuls as TF32 (when tf32 is on)
     peak_tflops_fp32: Optional[float]  # per device, plain fp32
     memory_gb: Optional[float]  # per device (GiB), for gptlab.plan; null: this machine's RAM on cpu
+    # the price of one device for an hour (any currency): results' and plan's `cost`; null: none
+    cost_per_device_hour: Optional[float]
 
 
 @dataclass
@@ -319,6 +321,15 @@ def _validate_model(m: GPTConfig) -> None:
         m.init_from is None or bool(str(m.init_from).strip()),
         "model.init_from",
         "must name a source (gpt2, a folder, a model URI) or be null",
+    )
+    _choice("model.parametrization", m.parametrization, ["standard", "mup"])
+    _check(
+        m.mup_base_width > 0, "model.mup_base_width", f"must be positive, got {m.mup_base_width}"
+    )
+    _check(
+        m.parametrization != "mup" or m.mup_base_width % m.n_head == 0,
+        "model.mup_base_width",
+        f"{m.mup_base_width} is not divisible by model.n_head={m.n_head} (muP's base head size)",
     )
 
 

@@ -89,7 +89,25 @@ def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
             ("mlp.c_proj", block.mlp.c_proj),
         ):
             out[p + name + ".weight"], out[p + name + ".bias"] = lin.weight.t(), lin.bias
-    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+    out = {k: v.detach().contiguous().clone() for k, v in out.items()}
+    if model.config.parametrization == "mup":
+        fold_mup(out, model)
+    return out
+
+
+def fold_mup(state: Dict[str, torch.Tensor], model: GPT) -> None:
+    """muP's multipliers folded into plain GPT-2 weights (docs/mup.md), in place: the attention
+    scale's factor over SDPA's 1/sqrt(d_head) into the queries (c_attn's first n_embd outputs,
+    weight and bias), and the output multiplier 1/m into ln_f's gain and bias (the head is tied to
+    the embedding, which cannot carry it; ln_f's output feeds only the head)."""
+    C, n_head = model.config.n_embd, model.config.n_head
+    query = model.h[0].attn.scale * (C // n_head) ** 0.5 if model.h else 1.0
+    for i in range(len(model.h)):
+        p = f"transformer.h.{i}.attn.c_attn."
+        state[p + "weight"][:, :C] *= query  # Conv1D: (in, out), the queries are the first outputs
+        state[p + "bias"][:C] *= query
+    for name in ("transformer.ln_f.weight", "transformer.ln_f.bias"):
+        state[name] *= 1.0 / model.config.width_mult
 
 
 def hf_gpt2_config(model: GPT, tokenizer: Tokenizer) -> dict:

@@ -15,6 +15,7 @@ is in gptlab/perf/costs.py.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
@@ -23,6 +24,8 @@ from hydra.core.config_store import ConfigStore
 from gptlab.config import Config
 from gptlab.errors import GptlabError
 from gptlab.optim import OPTIMIZERS
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # hints only: costs imports torch, kept off the start-up path of --help
     from gptlab.perf.costs import Plan
@@ -134,11 +137,27 @@ def report(
             f"{est['tokens_per_s']:,.0f} tokens/s, {cfg.train.max_steps:,} steps in "
             f"{_duration(est['train_s'])}"
         )
+        lines.append(
+            f"expected device-hours: {est['device_hours']:.3g} ({plan.world_size} devices)"
+            + (f", cost {est['cost']:,.2f}" if "cost" in est else "")
+        )
     lines.append(
         f"configured (activation checkpointing {'on' if plan.checkpointing else 'off'}): "
         + ("FITS" if plan.fits else "DOES NOT FIT")
     )
     return "\n".join(lines)
+
+
+def mixture_report(cfg: Config, text: str) -> Tuple[str, List[Dict[str, Any]]]:
+    """The report with a mixture's per-source lines (tokens, weight, epochs), its warning logged
+    once; and the rows for the JSON."""
+    from gptlab.data.mixture import planned_sources, source_lines
+
+    step_tokens = cfg.train.batch_size * cfg.model.block_size
+    rows, warnings = planned_sources(cfg.data, step_tokens, cfg.train.max_steps)
+    for w in warnings:
+        log.warning(w)
+    return "\n".join([text, f"mixture of {len(rows)} sources:", *source_lines(rows)]), rows
 
 
 @dataclass
@@ -188,6 +207,8 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
     decided = fastpath.derived(choices)
     out = {**plan_json(cfg, plan, est), **decided}
     text = report(cfg, plan, est, fastpath.summary(decided, cfg.hardware.precision))
+    if cfg.data.sources:
+        text, out["sources"] = mixture_report(cfg, text)
     print(json.dumps(out) if settings.json else text, flush=True)
     if not plan.fits:
         raise GptlabError(

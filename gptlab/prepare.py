@@ -21,7 +21,16 @@ def run_prepare(cfg: DictConfig) -> Dict[str, Any]:
     """Prepare the data section's shards and print one JSON line. cfg: composed from
     conf/prepare.yaml."""
     config = to_config(cfg)
-    data = prepare_data(config.data)
+    if config.data.sources:  # a mixture: each source prepared, with their one tokenizer
+        from gptlab.data.mixture import prepare_mixture
+
+        mixed = prepare_mixture(config.data, block_size=config.model.block_size)
+        return {s.name: _prepared(d) for s, d in zip(mixed.sources, mixed.data)}
+    return _prepared(prepare_data(config.data))
+
+
+def _prepared(data: Any) -> Dict[str, Any]:
+    """Print one prepared dataset's JSON line; its summary."""
     m = data.meta
     summary = {
         k: m[k]

@@ -46,6 +46,7 @@ def test_flags():
     assert (
         dict(cfg.bench)
         == {"warmup": 0, "steps": 4, "mlflow": True, "profile": False, "ladder": False}
+        | {"coord_check": False}
         and cfg.model.name == "gpt_nano"
     )
     assert cfg.train.max_steps == 4 and cfg.tracking.mlflow is True and cfg.train.log_every == 1

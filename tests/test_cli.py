@@ -371,13 +371,15 @@ def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, frag
         ("config", "experiment=shakespeare_char_bby",
          "experiment=shakespeare_char_bby: no such choice; did you mean "
          "experiment=shakespeare_char_baby? choose one of bpe_25m, gpt1b_shakespeare, "
-         "gpt2_124m_fineweb_edu, gpt2_124m_gutenberg, gpt_2b7_fsdp, shakespeare_char_baby"),
+         "gpt2_124m_fineweb_edu, gpt2_124m_gutenberg, gpt2_finetune_shakespeare, gpt_2b7_fsdp, "
+         "shakespeare_char_baby"),
         ("config", "debug=smok",
          "debug=smok: no such choice; did you mean debug=smoke? choose one of smoke"),
         ("config", "hparams_search=default_job,defualt_job",
          "hparams_search=defualt_job: no such choice; did you mean hparams_search=default_job? "
-         "choose one of default_job, gpt2_124m, lr_warmup"),
-        ("config", "local=defualt", "local=defualt: no such choice; choose one of slurm_example"),
+         "choose one of default_job, gpt2_124m, lr_warmup, mixture_weights"),
+        ("config", "local=defualt",
+         "local=defualt: no such choice; choose one of cost_example, slurm_example"),
         # the same name in another section; a Hydra Optuna sweeper's key
         ("config", "train.precision=auto",
          "train.precision: no such key; did you mean hardware.precision=auto?"),

@@ -140,7 +140,7 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
     # a column the same in every row (the wall time, 0s in runs this short) is said above the heads
     said = lines[0] if lines[0].startswith("every run: ") else ""
     heads = ["run", "best val loss", "best val bpb", "status", "optimizer.lr", "tokens/s", "MFU",
-             "wall"]  # fmt: skip
+             "wall", "device-h"]  # fmt: skip
     assert (
         lines[1 if said else 0].split()
         == " ".join(h for h in heads if f" {h}=" not in said).split()
@@ -158,7 +158,8 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
     ]
     # status and error from the sweep's MLflow children
     assert rows[2][1:5] == ["-", "-", "FAILED", "-1"]
-    assert rows[0][6].endswith("%") and (rows[0][7:] or [said])[0].endswith("s")
+    assert rows[0][6].endswith("%") and ("wall=" in said or rows[0][7].endswith("s"))
+    assert float(rows[0][-1]) == pytest.approx(results[order[0]]["device_hours"], rel=1e-2)
     assert all(len(ln) <= WIDTH for ln in lines[:-1]), lines  # all but the PNG's path
     assert "errors:" in lines and any("2: GptlabError: optimizer.lr" in ln for ln in lines)
     png = sweep_dir / "compare_val_loss.png"

@@ -412,6 +412,7 @@ def test_the_report_is_the_one_readme_shows_and_shards_are_labelled(capsys):
         "expected at 40% MFU of 312 TFLOP/s per device (config): 8,864 ms per step, 59,151 "
         "tokens/s, "
         "19,073 steps in 46.96 h\n"
+        "expected device-hours: 376 (8 devices)\n"
         "configured (activation checkpointing on): FITS\n"
     )
 
@@ -556,6 +557,7 @@ def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
             "expected_tokens_per_s",
             "expected_step_s",
             "expected_train_s",
+            "expected_device_hours",
         ]
     )
     assert (out["model"], out["hardware"], out["world_size"]) == ("gpt1b", "a100x8", 8)
@@ -760,6 +762,7 @@ def test_checkpointing_at_the_same_micro_batch_is_offered_once(capsys):
         "expected at 40% MFU of 312 TFLOP/s per device (config): 925 ms per step, 141,673 "
         "tokens/s, 15,000 steps in "
         "3.85 h\n"
+        "expected device-hours: 30.8 (8 devices)\n"
         "configured (activation checkpointing off): DOES NOT FIT\n"
     )
 

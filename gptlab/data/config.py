@@ -2,7 +2,7 @@
 conf/data/."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -42,3 +42,7 @@ class DataConfig:
     # Loading
     sampling: str  # random: random windows | sequential: epochs over the shards in order
     cache_dir: Optional[str]  # null: $GPTLAB_CACHE_DIR, else ~/.cache/gptlab
+    # Mixtures (data=mixture): {name: {data: CHOICE, weight: W, ...that choice's data keys}}, or
+    # null; typed Any so that a command-line dict replaces the null (Hydra merges into a dict node)
+    sources: Any
+    max_epochs: float  # a mixture whose run would repeat a source more often than this warns

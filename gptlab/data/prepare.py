@@ -128,10 +128,16 @@ def _check_choices(cfg: DataConfig) -> None:
         raise GptlabError(f"data.workers={cfg.workers}: must be >= 0 (0 tokenizes in this process)")
 
 
-def dataset_key(cfg: DataConfig, source: Source) -> Tuple[str, Dict[str, Any]]:
-    """The prepared folder's name: everything that changes the shards, and nothing else."""
+def dataset_key(
+    cfg: DataConfig, source: Source, given: Optional[Tokenizer] = None
+) -> Tuple[str, Dict[str, Any]]:
+    """The prepared folder's name: everything that changes the shards, and nothing else.
+
+    given: a tokenizer made elsewhere (a mixture's, over all its sources): keyed by its SHA-256."""
     tok = asdict(cfg.tokenizer)
-    if cfg.tokenizer.kind != "bpe":
+    if given is not None:
+        tok = {"kind": cfg.tokenizer.kind, "sha256": given.sha256()}
+    elif cfg.tokenizer.kind != "bpe":
         tok = {"kind": cfg.tokenizer.kind}
     elif cfg.tokenizer.path:
         tok = {"kind": "bpe", "ranks_sha256": _read_ranks_file(cfg.tokenizer.path)[1]}
@@ -382,16 +388,24 @@ def _open_prepared(root: Path) -> PreparedData:
     return PreparedData(root, meta)
 
 
-def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -> PreparedData:
+def prepare_data(
+    cfg: DataConfig,
+    log: Optional[Callable[[str], None]] = None,
+    tokenizer: Optional[Tuple[Tokenizer, Optional[str]]] = None,
+) -> PreparedData:
     """Make sure the token shards for cfg exist (building them if needed) and return them.
 
     log: where progress lines go (default: this module's logger, at INFO).
+    tokenizer: (tokenizer, its ranks file text or None) to use instead of building one: a
+    mixture's, shared by its sources (data/mixture.py).
     """
     log = log or logger.info
+    if cfg.sources:
+        raise GptlabError("data=mixture: prepare it with gptlab.data.mixture.prepare_mixture")
     _check_choices(cfg)
     cache = cache_root(cfg.cache_dir)
     source = open_source(cfg, cache)
-    key, settings = dataset_key(cfg, source)
+    key, settings = dataset_key(cfg, source, tokenizer[0] if tokenizer else None)
     root = cache / "tokens" / key
     if (root / "meta.json").is_file():
         return _open_prepared(root)
@@ -401,7 +415,7 @@ def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        meta = _prepare_into(cfg, source, settings, tmp, log)
+        meta = _prepare_into(cfg, source, settings, tmp, log, tokenizer)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -420,11 +434,16 @@ def prepare_data(cfg: DataConfig, log: Optional[Callable[[str], None]] = None) -
 
 
 def _prepare_into(
-    cfg: DataConfig, source: Source, settings: Dict[str, Any], tmp: Path, log: Callable[[str], None]
+    cfg: DataConfig,
+    source: Source,
+    settings: Dict[str, Any],
+    tmp: Path,
+    log: Callable[[str], None],
+    given: Optional[Tuple[Tokenizer, Optional[str]]] = None,
 ) -> Dict[str, Any]:
     """Tokenize the source into tmp: the tokenizer, then pass 1 (documents into flat files per
     split), then pass 2 (flat files into shards), then meta.json last."""
-    tok, ranks = _build_tokenizer(cfg, source, log)
+    tok, ranks = given or _build_tokenizer(cfg, source, log)
     if ranks is not None:
         (tmp / TOKENIZER_FILE).write_text(ranks)
     tok_sha = tok.sha256()

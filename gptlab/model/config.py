@@ -30,6 +30,18 @@ class GPTConfig:
     # The one field with a default (its value still lives in conf/model/gpt2_124m.yaml): the model
     # configs that checkpoints and exports written before it saved still build a GPTConfig.
     init_from: Optional[str] = None
+    # standard | mup (docs/mup.md): muP's initialisation, attention scale, output multiplier and
+    # per-layer learning rates, relative to mup_base_width (where muP equals standard). Defaults for
+    # the same reason as init_from: checkpoints written before them saved neither (both standard).
+    parametrization: str = "standard"
+    mup_base_width: int = 768
+
+    @property
+    def width_mult(self) -> float:
+        """muP's width multiplier m = n_embd / mup_base_width; 1.0 under the standard form."""
+        if self.parametrization != "mup":
+            return 1.0
+        return self.n_embd / self.mup_base_width
 
     @property
     def padded_vocab_size(self) -> int:

@@ -63,12 +63,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2).type_as(x)
 
 
+def attention_scale(cfg: GPTConfig) -> Optional[float]:
+    """The attention's softmax scale: None (SDPA's 1/sqrt(d_head)) in the standard form; under muP
+    sqrt(d_base) / d_head, d_base = mup_base_width / n_head, i.e. 1/d_head as the width grows.
+
+    Written as (1/sqrt(d)) * sqrt(d_base/d) so that at the base width it is SDPA's own default bit
+    for bit (the second factor is exactly 1.0), and training there equals the standard form's.
+    """
+    if cfg.parametrization != "mup":
+        return None
+    d = cfg.n_embd // cfg.n_head
+    return (1.0 / math.sqrt(d)) * math.sqrt((cfg.mup_base_width / cfg.n_head) / d)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
         self.dropout = cfg.dropout
+        self.scale = attention_scale(cfg)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scale = True  # marks the residual projection for the init rule
@@ -100,14 +114,19 @@ class CausalSelfAttention(nn.Module):
         # no mask; several need the causal mask shifted by the cached length.
         if cache is None:
             y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+                q,
+                k,
+                v,
+                is_causal=True,
+                dropout_p=self.dropout if self.training else 0.0,
+                scale=self.scale,
             )
         elif T == 1:
-            y = F.scaled_dot_product_attention(q, k, v)
+            y = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         else:
             past = k.size(2) - T
             mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_dropout(self.c_proj(y)), (k, v)
 
@@ -252,10 +271,14 @@ class GPT(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         # GPT-2 initialisation: N(0, 0.02), with the projections that write into the residual stream
         # scaled by 1/sqrt(2 * n_layer) so the residual's variance does not grow with depth.
+        # muP: the hidden matrices' std also by 1/sqrt(m) (fan-in scaling relative to the base
+        # width; the same std at m=1); the head (tied or not) and the embeddings keep theirs.
         if isinstance(module, nn.Linear):
             std = 0.02
             if getattr(module, "residual_scale", False):
                 std /= math.sqrt(2 * self.config.n_layer)
+            if self.config.parametrization == "mup" and module is not self.lm_head:
+                std /= math.sqrt(self.config.width_mult)
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -313,6 +336,10 @@ class GPT(nn.Module):
             if cache is not None:
                 new_cache.append(kv)
         x = self.ln_f(x)
+        if self.config.parametrization == "mup":
+            # muP's output multiplier 1/m on the logits, applied to the head's input: the same
+            # logits, and it reaches the chunked losses too (x * 1.0 at the base width: exact)
+            x = x * (1.0 / self.config.width_mult)
         # the loss only (logits are None): every target's, or their mean in chunks (training)
         if targets is not None and (per_token or self.loss_chunk) and cache is None:
             flat, w, V = x.reshape(-1, x.size(-1)), self.lm_head.weight, self.config.vocab_size

@@ -20,5 +20,5 @@ def build(
     fused: bool,
 ) -> torch.optim.Optimizer:
     """torch's AdamW (fused: its one-kernel step)."""
-    groups = decay_groups(decay, no_decay, cfg.weight_decay)
+    groups = decay_groups(decay, no_decay, cfg.weight_decay, model)
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)

@@ -57,5 +57,5 @@ def build(
 ) -> torch.optim.Optimizer:
     """Lion on every parameter, with weight decay on the matrices and embeddings (no fused kernel:
     `fused` is not used)."""
-    groups = decay_groups(decay, no_decay, cfg.weight_decay)
+    groups = decay_groups(decay, no_decay, cfg.weight_decay, model=model)
     return Lion(groups, lr=lr, betas=tuple(cfg.betas))

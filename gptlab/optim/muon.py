@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
+from gptlab.optim import width_mult
 from gptlab.optim.config import OptimizerConfig
 
 # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
@@ -359,6 +360,11 @@ def build(
         },
         {"params": no_decay, "weight_decay": 0.0, "muon": False},
     ]
+    m = width_mult(model)
+    if m is not None:
+        # muP: the update's 0.2 sqrt(max dim) scale grows as sqrt(m); 1/sqrt(m) keeps each matrix's
+        # step the same spectral size at every width. The AdamW groups (embeddings, gains) keep lr.
+        groups[0]["lr_mult"] = 1.0 / math.sqrt(m)
     return Muon(
         groups,
         lr,

@@ -52,6 +52,10 @@ def vocab_for(cfg: Config) -> Tuple[int, bool]:
     if cfg.model.vocab_size:
         return cfg.model.vocab_size, False
     tok = cfg.data.tokenizer
+    if cfg.data.sources:  # a mixture: its sources' one tokenizer (data/mixture.py checks it is one)
+        from gptlab.data.mixture import resolve
+
+        tok = resolve(cfg.data)[0].cfg.tokenizer
     if tok.kind in _KNOWN_VOCAB:
         return _KNOWN_VOCAB[tok.kind], False
     if tok.kind == "bpe":
@@ -674,7 +678,8 @@ def fsdp_alternative(
 
 
 def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
-    """Step time, tokens/s and time to train.max_steps at the given MFU of the job's peak."""
+    """Step time, tokens/s, time to train.max_steps at the given MFU of the job's peak, and what
+    that time costs: device_hours (time x devices) and, with hardware.cost_per_device_hour, cost."""
     peak, source = device_peak(fastpath.with_precision(cfg).hardware)
     if not peak:
         return {}
@@ -690,7 +695,15 @@ def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]
         "tokens_per_s": tok_s,
         "step_s": step_s,
         "train_s": step_s * cfg.train.max_steps,
+        **predicted_cost(step_s * cfg.train.max_steps, cfg),
     }
+
+
+def predicted_cost(train_s: float, cfg: Config) -> Dict[str, float]:
+    """device_hours of train_s on the job's devices and, when a device-hour has a price, cost."""
+    hours = train_s * cfg.world_size / 3600
+    price = cfg.hardware.cost_per_device_hour
+    return {"device_hours": hours, **({"cost": hours * price} if price is not None else {})}
 
 
 def plan_json(cfg: Config, plan: Plan, est: Dict[str, float]) -> Dict[str, Any]:

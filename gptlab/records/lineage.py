@@ -21,6 +21,7 @@ from gptlab.records import layout
 
 SPLITS = (("train", "training"), ("val", "validation"))  # (folder, MLflow's context)
 DIGEST_CHARS = 16  # MLflow keeps a dataset digest of at most 36 characters
+WEIGHT_TAG = "mixture_weight"  # a mixture source's input tag: its normalised weight in this run
 
 
 def split_digest(folder: Path, meta: Dict[str, Any]) -> str:
@@ -95,6 +96,20 @@ def describe(root: Path, meta: Dict[str, Any], data: Any) -> List[Dict[str, Any]
     return out
 
 
+def describe_mixture(mixture: Any) -> List[Dict[str, Any]]:
+    """A mixture's datasets: each source's splits as datasets of their own, named
+    `<source>-<split>`, the source's weight (normalised) in its source and profile."""
+    out = []
+    for s, d in zip(mixture.sources, mixture.data):
+        for entry in describe(d.root, d.meta, s.cfg):
+            entry["name"] = f"{s.name}-{entry['name'].rsplit('-', 1)[1]}"
+            profile = {**json.loads(entry["profile"]), "mixture_source": s.name}
+            entry["profile"] = json.dumps(profile, sort_keys=True)
+            entry["weight"] = s.weight  # per run (an input tag): weights change, the data not
+            out.append(entry)
+    return out
+
+
 def write(run_dir: Path, datasets: List[Dict[str, Any]]) -> None:
     text = json.dumps({"datasets": datasets}, indent=1) + "\n"
     (Path(run_dir) / layout.DATASETS).write_text(text)
@@ -119,6 +134,10 @@ def dataset_inputs(datasets: List[Dict[str, Any]]) -> List[Any]:
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     return [
-        DatasetInput(mlflow_dataset(d), [InputTag(MLFLOW_DATASET_CONTEXT, d["context"])])
+        DatasetInput(
+            mlflow_dataset(d),
+            [InputTag(MLFLOW_DATASET_CONTEXT, d["context"])]
+            + ([InputTag(WEIGHT_TAG, f"{d['weight']:g}")] if "weight" in d else []),
+        )
         for d in datasets
     ]

@@ -8,10 +8,11 @@ records. Both go through these functions, so a sweep looks the same in MLflow wh
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+import re
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from gptlab.errors import or_none
-from gptlab.records import store
+from gptlab.records import stats, store
 from gptlab.records.identity import RunIdentity
 
 log = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ BEST_BPB = "summary/best_val_bpb"
 # a job's figures the parent keeps per job (jobs/<job>/<name>): its best and its latest scores
 JOB_FIGURES = (BEST, BEST_BPB)
 JOB_SCORE_PREFIXES = ("hellaswag/", "eval/")
+# what the parent sums over its jobs: the device-hours and cost of the sweep or search
+USAGE = ("summary/device_hours", "summary/cost")
+ALPHA = 0.05  # the parent's t-tests' level (gptlab.compare's compare.alpha default)
 
 
 def per_job_figures(runs: list) -> Dict[str, float]:
@@ -36,6 +40,64 @@ def per_job_figures(runs: list) -> Dict[str, float]:
                 name = key.split("/", 1)[1] if key in JOB_FIGURES else key
                 out[f"jobs/{job}/{name}"[:250]] = value
     return out
+
+
+def usage_totals(runs: list) -> Dict[str, float]:
+    """summary/device_hours and summary/cost summed over the jobs that have them."""
+    out = {}
+    for key in USAGE:
+        values = [r.data.metrics[key] for r in runs if key in r.data.metrics]
+        if values:
+            out[key] = sum(values)
+    return out
+
+
+def _configuration(run: Any) -> Tuple[Tuple[str, str], ...]:
+    """A job's overrides less train.seed (and a search trial's own): its seeds' shared key."""
+    words = (run.data.tags.get("overrides") or "").split()
+    pairs = (w.partition("=") for w in words)
+    return tuple(
+        sorted(
+            (k, v)
+            for k, sep, v in pairs
+            if sep and k != stats.SEED_KEY and "hparams_search." not in k
+        )
+    )
+
+
+def seed_figures(runs: list) -> Tuple[Dict[str, float], Dict[str, str]]:
+    """Seeds as replicates (the jobs whose overrides differ only in train.seed): per configuration
+    seeds/<its differing overrides>/{n,mean,std} of summary/best_val_loss and, against the best
+    configuration's seeds, Welch's {p_value,diff,low,high} and a `significant` tag. Nothing when
+    no configuration has 2 seeds."""
+    groups: Dict[Tuple[Tuple[str, str], ...], List[float]] = {}
+    for r in runs:
+        # a job without a seed of its own is no replicate (a plain sweep, a search's trial)
+        if BEST in r.data.metrics and f"{stats.SEED_KEY}=" in (r.data.tags.get("overrides") or ""):
+            groups.setdefault(_configuration(r), []).append(r.data.metrics[BEST])
+    if not any(len(v) > 1 for v in groups.values()):
+        return {}, {}
+    keys = [
+        k for k in {k for c in groups for k, _ in c} if len({dict(c).get(k) for c in groups}) > 1
+    ]
+    base = min((c for c in groups if len(groups[c]) > 1), key=lambda c: stats.mean(groups[c]))
+    metrics: Dict[str, float] = {}
+    tags: Dict[str, str] = {}
+    for c, values in groups.items():
+        label = "seeds/" + (" ".join(f"{k}_{v}" for k, v in c if k in keys) or "all")
+        label = re.sub(r"[^\w\-. /]", "_", label)[:200]
+        metrics.update({f"{label}/n": len(values), f"{label}/mean": stats.mean(values)})
+        if len(values) > 1:
+            metrics[f"{label}/std"] = stats.std(values)  # type: ignore[assignment]
+        if c is base:
+            tags["seeds.baseline"] = label
+        elif len(values) > 1:
+            t = stats.welch(values, groups[base], 1 - ALPHA)
+            metrics.update(
+                {f"{label}/{k}": getattr(t, k) for k in ("p_value", "diff", "low", "high")}
+            )
+            tags[f"{label}/significant"] = "yes" if t.p_value < ALPHA else "not significant"
+    return metrics, tags
 
 
 def params(overrides: list) -> Dict[str, str]:
@@ -129,6 +191,7 @@ def end(
         client.log_metric(parent_run_id, BEST_BPB, min(bpb))
     for key, value in per_job_figures(runs).items():
         client.log_metric(parent_run_id, key, value)
+    record_seeds(client, parent_run_id, runs)
     slurm_errors = []
     for r in failed if job_error is not None else ():
         why = job_error(r.data.tags.get("run_dir"))
@@ -140,6 +203,15 @@ def end(
         why = f"{len(failed)} of {len(runs)} jobs failed" if too_many else "the sweep stopped early"
         client.set_tag(parent_run_id, "error", "; ".join([why, *slurm_errors])[:5000])
     client.set_terminated(parent_run_id, status="FAILED" if too_many or stopped else "FINISHED")
+
+
+def record_seeds(client: Any, parent_run_id: str, runs: list) -> None:
+    """The sweep's device-hours and cost (its jobs' sum) and its seeds' figures on the parent."""
+    metrics, tags = seed_figures(runs)
+    for key, value in {**usage_totals(runs), **metrics}.items():
+        client.log_metric(parent_run_id, key, value)
+    for key, text in tags.items():
+        client.set_tag(parent_run_id, key, text)
 
 
 def discard(client: Any, parent_run_id: str) -> None:

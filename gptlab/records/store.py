@@ -55,6 +55,8 @@ SUMMARY_METRICS = {
     "tokens_per_s": "summary/tokens_per_s",
     "mfu": "summary/mfu",
     "wall_s": "summary/wall_s",
+    "device_hours": "summary/device_hours",  # wall x devices, or SLURM's accounting
+    "cost": "summary/cost",  # device_hours x hardware.cost_per_device_hour
 }
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
 SQLITE_PREFIX = "sqlite:///"  # a SQLite store's URI is this and the path of its database file

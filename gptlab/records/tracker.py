@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from gptlab.errors import never_fatal, or_none
 from gptlab.records import identity as ids
@@ -485,6 +485,8 @@ class Tracker:
         self.run_name = run.name
         self.experiment = run.experiment
         self.init_from = run.tags.get(ids.INIT_FROM_TAG)  # results.json's init_from
+        # (devices, price of a device-hour): from the resolved config, for results' device_hours
+        self.usage: Tuple[int, Optional[float]] = (1, None)
         # line-buffered for the whole run, closed by finish()
         self._metrics = open(self.run_dir / layout.METRICS, "a", buffering=1)  # noqa: SIM115
         self.uri = cfg.uri or default_store
@@ -554,6 +556,11 @@ class Tracker:
         path.write_text(yaml.safe_dump(resolved, sort_keys=False))
         self.log_artifact(path)
         (self.run_dir / layout.DERIVED).write_text(json.dumps(derived, indent=1) + "\n")
+        hw = resolved.get("hardware") or {}
+        self.usage = (
+            int(hw.get("nodes") or 1) * int(hw.get("nproc_per_node") or 1),
+            hw.get("cost_per_device_hour"),
+        )
 
     def write_results(self, results: Dict[str, Any]) -> None:
         """results.json, atomically, as strict JSON: a figure that is not a finite number is
@@ -562,6 +569,7 @@ class Tracker:
         tmp = path.with_suffix(".json.tmp")
         if self.init_from:
             results = {**results, "init_from": self.init_from}
+        results = {**results, **device_usage(self.run_dir, results.get("wall_s"), *self.usage)}
         strict = {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in results.items()
@@ -622,6 +630,47 @@ class Tracker:
                 log.info(
                     f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}"
                 )
+
+
+def device_usage(
+    run_dir: Path, wall_s: Optional[float], devices: int, price: Optional[float]
+) -> Dict[str, Optional[float]]:
+    """results.json's device_hours (what SLURM's accounting says for a SLURM job: its elapsed time
+    x its GPUs, else the training wall time x the devices) and cost (x price; None without one)."""
+    hours = slurm_device_hours(layout.read_json(Path(run_dir) / layout.SLURM))
+    if hours is None and wall_s is not None:
+        hours = wall_s * devices / 3600
+    cost = hours * price if hours is not None and price is not None else None
+    return {"device_hours": hours, "cost": cost}
+
+
+def slurm_device_hours(job: Optional[Dict[str, Any]]) -> Optional[float]:
+    """A SLURM job's (slurm.json) elapsed seconds x allocated GPUs from sacct, in hours; None for no
+    job, a job without GPUs (its processes are counted instead) or when sacct does not answer."""
+    if not job or not job.get("job_id"):
+        return None
+
+    def ask() -> str:
+        import subprocess
+
+        args = ["sacct", "-X", "-n", "-P", "-j", str(job["job_id"]), "-o", "ElapsedRaw,AllocTRES"]
+        return subprocess.run(args, capture_output=True, text=True, timeout=20).stdout
+
+    return sacct_device_hours(or_none(ask) or "")
+
+
+def sacct_device_hours(text: str) -> Optional[float]:
+    """Device-hours of `sacct -X -n -P -o ElapsedRaw,AllocTRES` output: elapsed x gres/gpu; None
+    when no line has both."""
+    for line in text.splitlines():
+        elapsed, _, tres = line.strip().partition("|")
+        if not elapsed.isdigit():
+            continue
+        alloc = dict(item.partition("=")[::2] for item in tres.split(",") if "=" in item)
+        gpus = alloc.get("gres/gpu", "")
+        if gpus.isdigit() and int(gpus) > 0:
+            return int(elapsed) * int(gpus) / 3600
+    return None
 
 
 def _cuda_available() -> bool:

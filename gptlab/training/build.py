@@ -22,6 +22,14 @@ from gptlab.checkpoint import state as checkpoint
 from gptlab.config import SHARDED, Config
 from gptlab.console import Reporter
 from gptlab.data import build_train_loader, eval_batches, prepare_data
+from gptlab.data.mixture import (
+    Mixture,
+    check_sources,
+    epochs_planned,
+    epochs_warning,
+    prepare_mixture,
+)
+from gptlab.data.mixture_loader import MixtureLoader
 from gptlab.distributed import slurm
 from gptlab.distributed import world as distributed
 from gptlab.distributed.world import Dist
@@ -107,16 +115,17 @@ def build(
     mcfg = dataclasses.replace(cfg.model, vocab_size=data.vocab_size)
     # a resumed run's checkpoint holds its weights: the source's are not read again
     raw_model, model = build_model(cfg, mcfg, d, source if resume_from is None else None)
-    loader, val = build_loaders(cfg, d, train_tokens, val_tokens)
+    loader, val, val_sets = build_loaders(cfg, d, train_tokens, val_tokens, data)
     run = new_run(cfg, d, mcfg, data, raw_model, model, loader, val, run_dir, resolved)
+    run.val_sets = val_sets
     if hellaswag is not None:
         run.hellaswag, run.hellaswag_config = hellaswag, cfg.eval.hellaswag
         run.derived["hellaswag_examples"] = len(hellaswag)
     run.derived.update(
         {
             "data_dir": str(data.root),
-            "train_tokens": len(train_tokens),
-            "val_tokens": len(val_tokens),
+            "train_tokens": _count(train_tokens),
+            "val_tokens": _count(val_tokens),
             "tokenizer_sha256": data.tokenizer_sha256,
             "vocab_size": data.vocab_size,
             **fastpath.derived(choices),
@@ -128,7 +137,7 @@ def build(
     if d.is_main:
         run.tracker = open_tracker(cfg, run, resolved, mlflow_run_id)
         slurm.write_job_record(run_dir)
-        datasets = lineage.describe(data.root, data.meta, cfg.data)  # the shards' side files only
+        datasets = describe_data(cfg, data)  # the shards' side files only
         lineage.write(run_dir, datasets)
         run.tracker.log_inputs(datasets)
     prof = cfg.train.profile
@@ -136,7 +145,7 @@ def build(
         run.profiler = profiling.StepProfiler(
             prof, run_dir, d.device, d.rank, run.tracker, d.is_main
         )
-    run.summary = summary_line(cfg, run.derived)
+    run.summary = summary_line(cfg, run.derived) + mixture_summary(cfg, data)
     return run
 
 
@@ -223,9 +232,12 @@ def _sharding(cfg: Config, world: int) -> str:
 
 
 def build_loaders(
-    cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any
-) -> Tuple[Any, List[Any]]:
-    """(this rank's training loader, its fixed validation batches)."""
+    cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any, data: Any = None
+) -> Tuple[Any, List[Any], Dict[str, Tuple[float, List[Any]]]]:
+    """(this rank's training loader, its fixed validation batches, and a mixture's per source:
+    {name: (weight, batches)}, {} for one dataset)."""
+    if isinstance(data, Mixture):
+        return mixture_loaders(cfg, d, data, train_tokens, val_tokens)
     mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
     loader = build_train_loader(
         train_tokens,
@@ -241,7 +253,62 @@ def build_loaders(
     val = eval_batches(
         val_tokens, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size
     )
-    return loader, val
+    return loader, val, {}
+
+
+def mixture_loaders(
+    cfg: Config, d: Dist, data: Mixture, train_tokens: List[Any], val_tokens: List[Any]
+) -> Tuple[Any, List[Any], Dict[str, Tuple[float, List[Any]]]]:
+    """A mixture's loader (its sources drawn by weight) and each source's validation batches."""
+    mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
+    samplings = [s.cfg.sampling for s in data.sources]
+    loader = MixtureLoader(
+        train_tokens,
+        data.names,
+        data.weights,
+        samplings,
+        T,
+        t.batch_size,
+        mb,
+        d.rank,
+        d.world_size,
+        t.seed,
+        d.device.type == "cuda",
+    )
+    sets = {
+        s.name: (
+            s.weight,
+            eval_batches(v, T, t.eval_batch_size or mb, t.eval_steps, t.seed, d.rank, d.world_size),
+        )
+        for s, v in zip(data.sources, val_tokens)
+    }
+    return loader, [], sets
+
+
+def _count(tokens: Any) -> int:
+    """Tokens of a split: one dataset's, or the sum of a mixture's sources'."""
+    return sum(len(t) for t in tokens) if isinstance(tokens, list) else len(tokens)
+
+
+def describe_data(cfg: Config, data: Any) -> List[Dict[str, Any]]:
+    """The run's MLflow dataset inputs: one per split, or per source and split of a mixture."""
+    if isinstance(data, Mixture):
+        return lineage.describe_mixture(data)
+    return lineage.describe(data.root, data.meta, cfg.data)
+
+
+def mixture_summary(cfg: Config, data: Any) -> str:
+    """' | mixture: a 2.1M tok x0.70 (1.3 epochs), ...' on the summary line; '' for one dataset."""
+    if not isinstance(data, Mixture):
+        return ""
+    step_tokens, steps = cfg.train.batch_size * cfg.model.block_size, cfg.train.max_steps
+    parts = []
+    for s, n in zip(data.sources, data.train_sizes()):
+        e = epochs_planned(step_tokens, steps, s.weight, n)
+        parts.append(f"{s.name} {n:,} tok x{s.weight:.2f} ({e:.2f} epochs)")
+        if e > cfg.data.max_epochs:
+            log.warning(epochs_warning(s.name, e, cfg.data.max_epochs))
+    return " | mixture: " + ", ".join(parts)
 
 
 def shared_run_dir(run_dir: Path) -> Path:
@@ -260,9 +327,13 @@ def shared_run_dir(run_dir: Path) -> Path:
 def build_data(cfg: Config, d: Dist):
     """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read
     them."""
+    T = cfg.model.block_size
+    if cfg.data.sources:
+        mixed = main_first(d, lambda: prepare_mixture(cfg.data, log.info, T))
+        check_sources(mixed, T)
+        return mixed, mixed.tokens("train"), mixed.tokens("val")
     data = main_first(d, lambda: prepare_data(cfg.data, log=log.info))
     train_tokens, val_tokens = data.tokens("train"), data.tokens("val")
-    T = cfg.model.block_size
     if min(len(train_tokens), len(val_tokens)) < T + 1:
         raise GptlabError(
             f"model.block_size={T} is longer than the data allows ({len(val_tokens):,} validation "

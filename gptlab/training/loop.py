@@ -75,34 +75,56 @@ def evaluate(run: "Run") -> Dict[str, float]:
 
     val_loss is the mean cross-entropy per token (nats); val_bpb is the summed cross-entropy in
     bits over the UTF-8 bytes of the targets (run.token_bytes: special tokens count no bytes and
-    are left out of both sums), so runs with different tokenizers compare. A sharded model's every
-    forward is a collective, so each rank runs as many forwards as the rank with the most batches
-    (ceil(eval_steps / world)), padding with uncounted ones.
+    are left out of both sums), so runs with different tokenizers compare. A mixture measures each
+    source on its own (val/<source>/loss, val/<source>/bpb); its val_loss and val_bpb are their
+    means weighted as the sources are drawn.
     """
-    model, dev = run.model, run.dist.device
+    model = run.model
     model.eval()
+    with run.evaluated_weights():
+        if not getattr(run, "val_sets", None):  # a Run always has it; a stand-in may not
+            out = _val_figures(run, run.val_batches)
+        else:
+            out = _mixture_figures(run)
+    model.train()
+    return out
+
+
+def _mixture_figures(run: "Run") -> Dict[str, float]:
+    out: Dict[str, float] = {"val_loss": 0.0, "val_bpb": 0.0}
+    for name, (weight, batches) in run.val_sets.items():
+        f = _val_figures(run, batches)
+        out[f"val/{name}/loss"], out[f"val/{name}/bpb"] = f["val_loss"], f["val_bpb"]
+        out["val_loss"] += weight * f["val_loss"]
+        out["val_bpb"] += weight * f["val_bpb"]
+    return out
+
+
+def _val_figures(run: "Run", batches: Any) -> Dict[str, float]:
+    """val_loss and val_bpb over these batches. A sharded model's every forward is a collective,
+    so each rank runs as many forwards as the rank with the most batches (ceil(eval_steps /
+    world)), padding with uncounted ones."""
+    model, dev = run.model, run.dist.device
     # nats of every target, their count, nats of the targets that have bytes, those bytes
     sums = torch.zeros(4, dtype=torch.float64, device=dev)
-    rounds = len(run.val_batches)
+    rounds = len(batches)
     if distributed.is_sharded(run.raw_model):
         rounds = -(-run.train.eval_steps // run.dist.world_size)
-    with run.evaluated_weights():
-        for i in range(rounds):
-            if i < len(run.val_batches):
-                x, y = run.val_batches[i]
-            else:  # padding: the collectives need this rank, the sums do not
-                x = y = torch.zeros((1, run.block_size), dtype=torch.long, device=dev)
-            x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-            with run.autocast():
-                _, nats = model(x, y, per_token=True)
-            if i < len(run.val_batches):
-                nbytes = run.token_bytes[y]
-                counted = nats.masked_fill(nbytes == 0, 0.0)
-                sums[0] += nats.sum()
-                sums[1] += y.numel()  # a Python number: no tensor on another device
-                sums[2] += counted.sum()
-                sums[3] += nbytes.sum()
-    model.train()
+    for i in range(rounds):
+        if i < len(batches):
+            x, y = batches[i]
+        else:  # padding: the collectives need this rank, the sums do not
+            x = y = torch.zeros((1, run.block_size), dtype=torch.long, device=dev)
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        with run.autocast():
+            _, nats = model(x, y, per_token=True)
+        if i < len(batches):
+            nbytes = run.token_bytes[y]
+            counted = nats.masked_fill(nbytes == 0, 0.0)
+            sums[0] += nats.sum()
+            sums[1] += y.numel()  # a Python number: no tensor on another device
+            sums[2] += counted.sum()
+            sums[3] += nbytes.sum()
     if run.dist.world_size > 1:
         torch.distributed.all_reduce(sums)
     total, count, counted, nbytes = sums.tolist()
@@ -177,7 +199,7 @@ def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tenso
     grad norm."""
     model, opt, scaler, dev = run.model, run.optimizer, run.scaler, run.dist.device
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)  # muP's per-layer lrs (optim.decay_groups)
     micro = run.train_loader.next_step()
     accum = len(micro)
     for i, (x, y) in enumerate(micro):
@@ -215,6 +237,7 @@ class Progress:
     best_bpb: float = math.inf
     last_bpb: Optional[float] = None
     hellaswag: Dict[str, float] = field(default_factory=dict)  # the latest scoring's figures
+    sources: Dict[str, float] = field(default_factory=dict)  # a mixture's latest per-source figures
 
 
 def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
@@ -265,6 +288,9 @@ def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tup
         p.last_val, p.last_bpb = metrics["val_loss"], metrics["val_bpb"]
         p.best_val = min(p.best_val, p.last_val)
         p.best_bpb = min(p.best_bpb, p.last_bpb)
+        p.sources = {k: v for k, v in metrics.items() if k.startswith("val/")}
+    if do_log and hasattr(run.train_loader, "epochs"):  # a mixture: each source's epochs so far
+        metrics.update({f"data/{n}/epochs": e for n, e in run.train_loader.epochs().items()})
     do_hellaswag = hellaswag_due(run, p.step) and p.stopped_by is None
     if do_hellaswag:
         p.hellaswag = score_hellaswag(run)
@@ -389,4 +415,5 @@ def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
         "mlflow_run_id": run.tracker.run_id,
         "stopped_by": p.stopped_by,
         **p.hellaswag,  # the last scoring's (none when it is off)
+        **p.sources,  # a mixture's last per-source evaluation
     }

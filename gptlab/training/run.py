@@ -71,6 +71,8 @@ class Run:
     # profiling.StepProfiler when train.profile asks for one (else the loop checks nothing)
     profiler: Any = None
     derived: Dict[str, Any] = field(default_factory=dict)
+    # a mixture's sources, each measured on its own: {name: (weight, validation batches)}
+    val_sets: Dict[str, Tuple[float, List[Any]]] = field(default_factory=dict)
 
     @property
     def timings(self) -> List[Tuple[int, float, int]]:

@@ -271,6 +271,9 @@ def _job(cfg: DictConfig) -> Dict[str, Any]:
 
 def main() -> None:
     """python -m gptlab.bench [overrides]: a Hydra app on conf/bench.yaml."""
+    from gptlab.console import ConsoleHandler
+
+    ConsoleHandler.info_stream_is_stderr = True  # stdout is the JSON line, nothing else
     command("bench", _job)
 
 

@@ -29,6 +29,9 @@ class ConsoleHandler(logging.Handler):
     gets the line, not the stream that was current when the handler was made.
     """
 
+    # a command whose stdout is its result (bench's JSON line) sends its INFO lines to stderr
+    info_stream_is_stderr = False
+
     def emit(self, record: logging.LogRecord) -> None:
         try:
             text = self.format(record)
@@ -36,7 +39,7 @@ class ConsoleHandler(logging.Handler):
                 who = "gptlab" if record.name.split(".")[0] == LOGGER else record.name
                 stream, text = sys.stderr, f"{who}: {text}"
             else:
-                stream = sys.stdout
+                stream = sys.stderr if ConsoleHandler.info_stream_is_stderr else sys.stdout
             stream.write(text + "\n")
             stream.flush()
         except (OSError, ValueError, TypeError):  # a closed or broken stream, a bad format

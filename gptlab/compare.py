@@ -44,6 +44,7 @@ from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError, never_fatal, or_none
 from gptlab.records import layout, stats
+from gptlab.records.identity import INIT_FROM_TAG
 from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
 from gptlab.records.store import (
     PARENT_TAG,
@@ -113,6 +114,7 @@ class RunRecord:
     parent: Optional[str] = None  # the run id of the sweep's or search's parent run it is a job of
     device_hours: Optional[float] = None  # wall x devices, or SLURM's accounting
     cost: Optional[float] = None  # device_hours x hardware.cost_per_device_hour
+    init_from: Optional[str] = None  # the weights the run started from (model.init_from)
 
 
 @dataclass
@@ -194,6 +196,7 @@ def from_folder(folder: Path) -> List[RunRecord]:
                 scores=folder_scores(d, rows),
                 run_id=results.get("mlflow_run_id"),
                 run_dir=str(d.resolve()),
+                init_from=results.get("init_from"),
                 **folder_usage(d, results),
             )
         )
@@ -313,6 +316,7 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
         run_dir=tags.get("run_dir"),
         device_hours=_finite(m.get("summary/device_hours")),
         cost=_finite(m.get("summary/cost")),
+        init_from=tags.get(INIT_FROM_TAG),
     )
 
 
@@ -503,10 +507,13 @@ def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> Li
         ("wall", [f"{r.wall_s:,.0f}s" if r.wall_s is not None else "-" for r in rows]),
         *usage_columns([r.device_hours for r in rows], [r.cost for r in rows]),
     ]
+    # the starting weights, where a run had some (a fine-tune beside runs from scratch)
+    start = [("from", [clip(shown(r.init_from), VALUE_WIDTH) for r in rows], False)]
     return [
         ("run", [indent + clip(r.name[cut:], NAME_WIDTH) for r in rows], False),
         *(best[::-1] if metric == "bpb" else best),
         ("status", [r.status for r in rows], False),
+        *(start if any(r.init_from for r in rows) else []),
         *overrides,
         *[(head, cells, True) for head, cells in figures],
     ]

@@ -342,3 +342,17 @@ def test_an_experiment_shows_its_sweep_and_search_parents_over_their_jobs(experi
     assert not any(" sweep " in ln or " search " in ln for ln in rows if ln.startswith("  "))
     assert "hparams_search" not in lines[1] + lines[2]
     assert out.is_file()
+
+
+def test_the_table_names_the_weights_a_run_started_from():
+    """model.init_from (results.json's init_from, or the run's gptlab.init_from tag): a `from`
+    column where any run had starting weights, none where all ran from scratch."""
+    from gptlab.compare import RunRecord, columns
+
+    rows = [
+        RunRecord(name="0", overrides={}, status="FINISHED", best_val_loss=2.0, init_from="gpt2"),
+        RunRecord(name="1", overrides={}, status="FINISHED", best_val_loss=2.1),
+    ]
+    table = {head: cells for head, cells, _ in columns(rows, "", "loss")}
+    assert table["from"] == ["gpt2", "-"]
+    assert "from" not in {head for head, _, _ in columns(rows[1:], "", "loss")}

@@ -627,3 +627,33 @@ def test_a_downloaded_models_export_folder_else_one_line_saying_what_is_wrong(tm
     with pytest.raises(GptlabError) as e:
         serving.export_in("models:/m/2", other)
     assert str(e.value) == "models:/m/2: not a gptlab model (no artifacts/*/config.json in it)"
+
+
+@pytest.mark.integration
+def test_init_from_a_registered_or_logged_model_reads_the_registered_weights(registered):
+    """model.init_from=models:/NAME@ALIAS, models:/NAME/VERSION and runs:/ID/model download the
+    model from the run's store: the same weights as the run folder it was registered from; a name
+    the store does not hold is one line."""
+    import shutil
+
+    import torch
+
+    from gptlab.config import to_config
+    from gptlab.model import pretrained
+
+    run_dir, uri, run_id = registered
+    cfg = to_config(compose_config([f"tracking.uri={uri}"]))
+    expected = pretrained.source_state(pretrained.read_source(str(run_dir), run_dir))
+    for spec in ("models:/nano-chars@champion", "models:/nano-chars/1", f"runs:/{run_id}/model"):
+        source = build.locate_source(cfg, spec)
+        try:
+            got = pretrained.source_state(source)
+        finally:
+            shutil.rmtree(source.temporary, ignore_errors=True)
+        # an export stores the tied head once (as the embedding); a checkpoint names both
+        assert source.kind == "export" and set(expected) - set(got) <= {"lm_head.weight"}, spec
+        assert all(torch.equal(got[k], expected[k]) for k in got), spec
+    with pytest.raises(
+        GptlabError, match="model.init_from=models:/no-such-model@x: .*no such model"
+    ):
+        build.locate_source(cfg, "models:/no-such-model@x")

@@ -115,6 +115,8 @@ class RunRecord:
     device_hours: Optional[float] = None  # wall x devices, or SLURM's accounting
     cost: Optional[float] = None  # device_hours x hardware.cost_per_device_hour
     init_from: Optional[str] = None  # the weights the run started from (model.init_from)
+    # a mixture's last per-source figures (val/<source>/loss, val/<source>/bpb)
+    sources: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -197,6 +199,7 @@ def from_folder(folder: Path) -> List[RunRecord]:
                 run_id=results.get("mlflow_run_id"),
                 run_dir=str(d.resolve()),
                 init_from=results.get("init_from"),
+                sources=per_source(results),
                 **folder_usage(d, results),
             )
         )
@@ -317,6 +320,7 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
         device_hours=_finite(m.get("summary/device_hours")),
         cost=_finite(m.get("summary/cost")),
         init_from=tags.get(INIT_FROM_TAG),
+        sources=per_source(m),
     )
 
 
@@ -413,9 +417,18 @@ def shown(value: Optional[str]) -> str:
 
 
 METRICS = ("loss", "bpb")
+SOURCE_METRIC = re.compile(r"val/[^/]+/(loss|bpb)")  # a mixture's source: val/<source>/loss
+
+
+def per_source(figures: Dict[str, Any]) -> Dict[str, float]:
+    """The per-source figures among results.json's keys or an MLflow run's metrics."""
+    out = {k: _finite(v) for k, v in figures.items() if SOURCE_METRIC.fullmatch(k)}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def best_of(r: RunRecord, metric: str) -> Optional[float]:
+    if metric not in METRICS:  # a source's figure: the run's last evaluation of it
+        return r.sources.get(metric)
     return r.best_val_bpb if metric == "bpb" else r.best_val_loss
 
 
@@ -496,6 +509,8 @@ def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> Li
         ("best val loss", [_figure(r.best_val_loss, ".4f") for r in rows], True),
         ("best val bpb", [_figure(r.best_val_bpb, ".4f") for r in rows], True),
     ]
+    if metric not in METRICS:  # sorted by a source's figure: that column first
+        best.insert(0, (metric, [_figure(r.sources.get(metric), ".4f") for r in rows], True))
     overrides = [
         (head, [clip(shown(r.overrides.get(k)), VALUE_WIDTH) for r in rows], False)
         for head, k in zip(key_heads(keys), keys)
@@ -952,8 +967,11 @@ def run_compare(cfg: Any) -> None:
     )
     config = to_config(cfg, CompareConfig)
     target, out_setting, metric = config.compare.target, config.compare.out, config.compare.metric
-    if metric not in METRICS:
-        raise GptlabError(f"compare.metric={metric}: must be one of {', '.join(METRICS)}")
+    if metric not in METRICS and not SOURCE_METRIC.fullmatch(metric):
+        raise GptlabError(
+            f"compare.metric={metric}: must be one of {', '.join(METRICS)}, or a mixture's "
+            "source as val/<source>/loss or val/<source>/bpb"
+        )
     if not 0 < config.compare.alpha < 1:
         raise GptlabError(f"compare.alpha={config.compare.alpha}: must be between 0 and 1")
     folder = Path(target).expanduser()

@@ -356,3 +356,23 @@ def test_the_table_names_the_weights_a_run_started_from():
     table = {head: cells for head, cells, _ in columns(rows, "", "loss")}
     assert table["from"] == ["gpt2", "-"]
     assert "from" not in {head for head, _, _ in columns(rows[1:], "", "loss")}
+
+
+def test_a_mixtures_source_figure_sorts_the_table_and_a_bad_metric_is_one_line(tmp_path):
+    """compare.metric=val/<source>/loss: the runs best first by that source's last figure, its
+    column first; any other name is one line."""
+    from gptlab.compare import RunRecord, main, table
+
+    rows = [
+        RunRecord(name="a", overrides={}, status="FINISHED", best_val_loss=2.0,
+                  sources={"val/books/loss": 3.0}),
+        RunRecord(name="b", overrides={}, status="FINISHED", best_val_loss=2.5,
+                  sources={"val/books/loss": 1.0}),
+    ]  # fmt: skip
+    lines = table(rows, "val/books/loss").splitlines()
+    header = next(line for line in lines if line.startswith("run"))
+    assert header.split()[1] == "val/books/loss"
+    names = [line.split()[0] for line in lines[lines.index(header) + 2 :] if line.strip()]
+    assert names[:2] == ["b", "a"]  # a is better overall, b on books
+    with pytest.raises(GptlabError, match="compare.metric=val/books/accuracy: must be one of"):
+        main([f"compare.target={tmp_path}", "compare.metric=val/books/accuracy"])

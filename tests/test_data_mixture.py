@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import compose_config, typed
+from helpers import compose_config, run_cli, typed
 
 from gptlab.data.loader import RandomWindowLoader, SequentialLoader
 from gptlab.data.mixture import planned_sources, prepare_mixture, resolve
@@ -185,3 +185,37 @@ def test_per_source_val_loss_is_a_single_source_runs_and_is_recorded(tmp_path, s
     datasets = json.loads((run_dir / "datasets.json").read_text())["datasets"]
     assert {d["name"] for d in datasets} == {"plays-train", "plays-val", "notes-train", "notes-val"}
     assert sorted({d["weight"] for d in datasets}) == pytest.approx([0.3, 0.7])
+
+
+def _logged(run_dir: Path, key: str):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+@pytest.mark.slow  # four short runs, two of them on two processes
+def test_two_processes_equal_one_and_a_run_moves_to_one_process_mid_mixture(
+    tmp_path, shakespeare, notes
+):
+    """The two-source mixture on 2 gloo ranks (spawned by gptlab) gives one process's losses, per
+    source too; stopped at step 4 on 2 ranks and continued on 1, it ends where one process that
+    ran straight through ends: each source's position comes back from the checkpoint."""
+    base = [*mixture_overrides(shakespeare, notes), "debug=smoke", "train.log_every=1",
+            "train.eval_every=4", "train.sample_tokens=0", "model.dropout=0.0",
+            "optimizer.decay_steps=8", "train.micro_batch_size=4"]  # fmt: skip
+    straight, two, moved = tmp_path / "straight", tmp_path / "two", tmp_path / "moved"
+    legs = [
+        (straight, "hardware=cpu", 8),
+        (two, "hardware=cpu_x2", 8),
+        (moved, "hardware=cpu_x2", 4),
+        (moved, "hardware=cpu", 8),
+    ]
+    for run_dir, hardware, steps in legs:
+        r = run_cli(["gptlab.train", *base, hardware, f"train.max_steps={steps}",
+                     f"hydra.run.dir={run_dir}"], tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "resuming from" in r.stdout
+    for key in ("train_loss", "val/plays/loss", "val/notes/loss"):
+        ref = _logged(straight, key)
+        assert ref and _logged(two, key) == pytest.approx(ref, abs=1e-5), key
+        later = {s: v for s, v in _logged(moved, key).items() if s > 4}
+        assert later == pytest.approx({s: ref[s] for s in later}, abs=1e-5), key

@@ -279,9 +279,9 @@ def test_muon_steps_match_the_method_and_adamw_groups_match_torch_adamw(bf16, mo
                 dict(ref.named_parameters())[n].copy_(expect[n])
     got = dict(model.named_parameters())
     # bf16 Newton-Schulz: a stacked bmm rounds unlike one matrix's mm, 5.5e-5 to 2e-4 apart after
-    # 3 steps of ~1e-2 each (measured, as the thread count varies); fp32: the same to 2e-6. A 5%
-    # error in the update's scale is 5e-4.
-    tol = 3e-4 if dtype == torch.bfloat16 else 2e-6
+    # 3 steps of ~1e-2 each (measured, as the thread count varies); fp32: up to 3.1e-6 (measured in
+    # CI's workers). A 5% error in the update's scale is 5e-4.
+    tol = 3e-4 if dtype == torch.bfloat16 else 1e-5
     for n, p in ref.named_parameters():
         assert torch.allclose(got[n], p, atol=tol), (n, (got[n] - p).abs().max())
     assert any(

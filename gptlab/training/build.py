@@ -432,12 +432,12 @@ def locate_source(cfg: Config, spec: str) -> pretrained.Source:
         temporary = Path(tempfile.mkdtemp(prefix="gptlab-init-from-"))
         try:
             source = pretrained.read_source(spec, serving.download(store, spec, temporary))
-        except GptlabError as e:  # sample's wording, in train's keys and on one line
-            text = " ".join(str(e).replace("tracking_uri=", "tracking.uri=").split())
-            raise GptlabError(f"model.init_from={spec}: {text}") from None
-        finally:
-            if "source" not in locals():
-                shutil.rmtree(temporary, ignore_errors=True)
+        except BaseException as e:  # nothing read: the download goes, and the error is raised
+            shutil.rmtree(temporary, ignore_errors=True)
+            if isinstance(e, GptlabError):  # sample's wording, in train's keys and on one line
+                text = " ".join(str(e).replace("tracking_uri=", "tracking.uri=").split())
+                raise GptlabError(f"model.init_from={spec}: {text}") from None
+            raise
         source.temporary = temporary
         return source
     return pretrained.read_source(spec, Path(spec).expanduser())

@@ -165,9 +165,18 @@ def _run_wall_s(run: Any) -> Optional[float]:
 # ---- reading runs ---------------------------------------------------------------------------
 
 
+def runs_of_sweep(folder: Path) -> List[Path]:
+    """The run folders directly under `folder`, then those of a search's trials over seeds
+    (<trial>/seed_<seed>/, hydra.sweeper.seeds), in trial order."""
+    nested = [d for d in Path(folder).glob("*/seed_*") if d.is_dir() and layout.is_run_folder(d)]
+    nested.sort(key=lambda d: (layout.job_order(d.parent), d.name))
+    return layout.runs_in(folder) + nested
+
+
 def from_folder(folder: Path) -> List[RunRecord]:
-    """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs)."""
-    run_dirs = layout.runs_in(folder)
+    """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs), and each seed's
+    of a search's trials."""
+    run_dirs = runs_of_sweep(folder)
     if not run_dirs:
         if layout.is_run_folder(folder):
             raise GptlabError(
@@ -185,7 +194,7 @@ def from_folder(folder: Path) -> List[RunRecord]:
         )
         records.append(
             RunRecord(
-                name=d.name,
+                name=str(d.relative_to(folder)) if d.parent != folder else d.name,
                 overrides=parse_overrides(read_overrides(d)),
                 status=folder_status(results),
                 best_val_loss=_best(results.get("best_val_loss"), curve),

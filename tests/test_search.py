@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_a_trial_being_asked_for_is_no_orphan_and_an_adopted_one_gets_the_whole_
     assert 1e-4 <= lr <= 1e-2
 
 
-def a_search(tmp_path, params=None, launcher=None, max_steps=500, **changes):
+def a_search(tmp_path, params=None, launcher=None, max_steps=500, seeds=1, fixed=(), **changes):
     """A sweeper's Search, prepared as `-m hparams_search=...` prepares it, on a config holding the
     keys a search reads (not a whole job's); its study in <tmp_path>/optuna.db."""
     from omegaconf import OmegaConf
@@ -169,13 +170,13 @@ def a_search(tmp_path, params=None, launcher=None, max_steps=500, **changes):
         "hparams_search": hs,
         "hydra": {"sweep": {"dir": str(tmp_path / "search")}},
         "paths": {"outputs": str(tmp_path)},
-        "train": {"max_steps": max_steps},
+        "train": {"max_steps": max_steps, "seed": 1337},
         "optimizer": {"lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.1},
     })  # fmt: skip
     params = params or {"optimizer.lr": "tag(log, interval(1e-4, 1e-2))",
                         "optimizer.weight_decay": "interval(0.0, 0.4)"}  # fmt: skip
-    search = Search(config, launcher, params)
-    search.prepare([])
+    search = Search(config, launcher, params, seeds)
+    search.prepare(list(fixed))
     return search
 
 
@@ -448,6 +449,35 @@ def test_a_local_search_records_failed_and_pruned_trials_and_completes(shakespea
     complete = sorted((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     assert rows[0] == str(complete[0].number) and len(rows) == 6
     assert "PRUNED" in c.stdout
+
+
+@pytest.mark.slow
+def test_a_search_over_seeds_ranks_each_point_by_its_seeds_mean(shakespeare, tmp_path):
+    outputs = tmp_path / "outputs"
+    r = run_cli(
+        search_args(
+            shakespeare, outputs, "hparams_search.n_trials=2", "train.max_steps=20",
+            "optimizer.lr=choice(1e-3, 3e-3)", "hydra.sweeper.seeds=2", "train.seed=5",
+        ),
+        cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    search = outputs / "searches" / "default_job"
+    trials = trials_of(f"sqlite:///{outputs}/optuna.db", "default_job")
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    for t in trials:
+        seeds = [json.loads((search / str(t.number) / f"seed_{n}" / "results.json").read_text())
+                 for n in (5, 6)]  # fmt: skip
+        losses = [res["best_val_loss"] for res in seeds]
+        assert losses[0] != losses[1]  # two seeds, two runs
+        assert t.value == pytest.approx(sum(losses) / 2, rel=1e-12)
+        assert t.user_attrs["seed_values"] == pytest.approx(losses)
+    assert "(mean ± std of 2 seeds)" in r.stdout + r.stderr
+    # compare: the trials' seeds are replicates of 2 configurations
+    c = run_cli(["gptlab.compare", str(search), f"paths.outputs={outputs}"], cwd=tmp_path)
+    assert c.returncode == 0, c.stderr[-2000:]
+    assert "4 runs, 2 configurations (by train.seed)" in c.stdout
+    assert "0/seed_5" in c.stdout and "1/seed_6" in c.stdout
 
 
 @pytest.mark.slow
@@ -797,6 +827,62 @@ def test_a_trials_job_gets_the_fixed_overrides_its_point_and_its_launch(tmp_path
         f"hparams_search.storage='{url}'",
     ]
     assert [_fmt(0.000123456), _fmt(3), _fmt("x")] == ["0.0001235", "3", "x"]
+
+
+def test_a_trial_of_three_seeds_is_three_jobs_in_its_folder_that_never_prune(tmp_path):
+    s = a_search(tmp_path, {"optimizer.weight_decay": "choice(0.1)"}, seeds=3, n_trials=2)
+    assert s._next_trials(1, set()) == [0]
+    jobs = s._jobs(0)
+    assert [j[-3:] for j in jobs] == [
+        [f"train.seed={seed}", "hparams_search.pruner=none", f"hydra.sweep.subdir=0/seed_{seed}"]
+        for seed in (1337, 1338, 1339)
+    ]
+    assert all(j[:-3] == s._overrides(0) for j in jobs)
+    assert s.folders(0) == [s.sweep_dir / "0" / f"seed_{n}" for n in (1337, 1338, 1339)]
+    # a train.seed given on the command line is where the seeds start, and is not given twice
+    given = a_search(tmp_path / "given", seeds=2, fixed=["train.seed=7"])
+    given._next_trials(1, set())
+    assert [[o for o in j if o.startswith("train.seed")] for j in given._jobs(0)] == [
+        ["train.seed=7"], ["train.seed=8"]
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "seeds, params, words",
+    [
+        (0, None, "hydra.sweeper.seeds=0: the number of seeds each trial trains"),
+        ("two", None, "hydra.sweeper.seeds=two: the number of seeds"),
+        (2, {"train.seed": "range(0, 9)"}, "a search over train.seed do not go together"),
+    ],
+)
+def test_bad_seed_counts_are_one_line(tmp_path, seeds, params, words):
+    with pytest.raises(GptlabError, match=re.escape(words)):
+        a_search(tmp_path, params, seeds=seeds)
+
+
+@pytest.mark.integration
+def test_a_trial_of_seeds_is_their_mean_and_fails_with_its_first_failed_seed(tmp_path):
+    from hydra.core.utils import JobReturn, JobStatus
+
+    s = a_search(tmp_path, seeds=3, n_trials=2)
+    s.parent = None
+    assert s._next_trials(2, set()) == [0, 1]
+    done = JobReturn(status=JobStatus.COMPLETED)
+    for number, values in ((0, [2.0, 2.3, 2.6]), (1, [1.9, None, 2.0])):
+        for folder, v in zip(s.folders(number), values):
+            folder.mkdir(parents=True)
+            figures = {"best_val_loss": v} if v is not None else {"stopped_by": "signal"}
+            (folder / "results.json").write_text(json.dumps({**figures, "steps": 5}))
+        s._finish(number, [done] * 3)
+    zero, one = s.study.get_trials()
+    assert zero.state.name == "COMPLETE" and zero.value == pytest.approx(2.3)
+    assert zero.user_attrs["seed_values"] == pytest.approx([2.0, 2.3, 2.6])
+    assert one.state.name == "FAIL"
+    assert one.system_attrs[studies.ERROR_ATTR] == "seed 1338: stopped by signal at step 5"
+    # a study made with one seed per trial is not continued with three, nor the reverse
+    for seeds in (2, 1):
+        with pytest.raises(GptlabError, match=r"another set of seeds per trial \(hydra.sweeper"):
+            a_search(tmp_path, seeds=seeds, n_trials=2)
 
 
 class Recorder:

@@ -5,6 +5,9 @@ study how it ended.
   (hardware.nodes x nproc_per_node tasks, like any gptlab job), a new one starting as soon as one
   ends; Hydra's basic launcher runs them one after another in this process.
 - A trial's folder is <search folder>/<trial number>; its objective is read from its results.json.
+  With hydra.sweeper.seeds=k, a trial is k jobs, one per seed (train.seed, train.seed+1, ...), in
+  <trial number>/seed_<seed>/, launched together; its objective is their mean, and it is not
+  pruned (a pruner would judge one seed's curve).
 - Each trial's point is drawn with the seed mixed with its number and is never one the study has
   tried (study.sample_point), so sweepers sharing a study draw different points. A warmup range
   reaching past the trials' train.max_steps is cut there.
@@ -108,8 +111,11 @@ _MISSING = object()
 class Search:
     """One sweeper process's part of a study."""
 
-    def __init__(self, config: DictConfig, launcher: Any, params: Dict[str, Any]) -> None:
+    def __init__(
+        self, config: DictConfig, launcher: Any, params: Dict[str, Any], seeds: Any = 1
+    ) -> None:
         self.config, self.launcher, self.params = config, launcher, params
+        self.seeds = seeds
         self.hs = config.hparams_search
         self.sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         self.owner = owner_id()
@@ -127,6 +133,7 @@ class Search:
                 "sweep on the command line names what to search"
             )
         check_keys(self.config, self.space)
+        self.seed_values = self._seed_values(fixed)
         self.notes = [n for n in [self._cap_warmup()] if n]
         # the trial's own settings are the sweeper's to give
         own = ("hparams_search.trial=", "hparams_search.attempt=")
@@ -135,6 +142,27 @@ class Search:
         self.storage = studies.open_storage(self.url)
         self.study = self._study()
         self.allowed_failures = studies.allowed_failures(hs)
+
+    def _seed_values(self, fixed: List[str]) -> List[int]:
+        """The seeds each trial trains (hydra.sweeper.seeds of them, from the job's train.seed)."""
+        k = self.seeds
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise GptlabError(
+                f"hydra.sweeper.seeds={k}: the number of seeds each trial trains, a whole number "
+                f">= 1"
+            )
+        if k > 1 and "train.seed" in self.space:
+            raise GptlabError(
+                "hydra.sweeper.seeds and a search over train.seed do not go together: the seeds "
+                "are each trial's replicates, not a parameter"
+            )
+        given = [o.split("=", 1)[1] for o in fixed if o.startswith("train.seed=")]
+        base = given[-1] if given else OmegaConf.select(self.config, "train.seed", default=0)
+        try:
+            base = int(base)
+        except (TypeError, ValueError):
+            raise GptlabError(f"train.seed={base}: a whole number") from None
+        return [base + i for i in range(k)]
 
     def _cap_warmup(self) -> Optional[str]:
         """A warmup range reaching past the trials' max_steps is cut there (the note returned); one
@@ -159,6 +187,8 @@ class Search:
             "fixed": sorted(self.fixed),
             "metric": hs.metric,
         }
+        if len(self.seed_values) > 1:  # a study of one seed per trial is not continued with three
+            ours["seeds"] = self.seed_values
         made = dict(
             study_name=str(hs.study_name),
             storage=self.storage,
@@ -180,9 +210,13 @@ class Search:
                 f"hparams_search.study_name"
             )
         held = self._held_search(sid, ours)
-        for part, value in ours.items():
+        for part in dict.fromkeys([*ours, *(["seeds"] if "seeds" in held else [])]):
+            value = ours.get(part)
             if held.get(part) != value:
-                what = {"fixed": "set of fixed overrides"}.get(part, part)
+                what = {
+                    "fixed": "set of fixed overrides",
+                    "seeds": "set of seeds per trial (hydra.sweeper.seeds)",
+                }.get(part, part)
                 raise GptlabError(
                     f"study {hs.study_name!r} in {studies.redact(self.url)} holds a search with "
                     f"another {what} (the study's: {held.get(part)}; here: {value}); the same "
@@ -225,11 +259,11 @@ class Search:
             while True:
                 self._check_failures()
                 for number in self._next_trials(n_jobs - len(running), set(running.values())):
-                    overrides = self._overrides(number)
+                    jobs = self._jobs(number)
                     if pool is None:
-                        returns.append(self._finish(number, self._launch(number, overrides)))
+                        returns.append(self._finish(number, self._launch(number, jobs)))
                         break
-                    running[pool.submit(self._launch, number, overrides)] = number
+                    running[pool.submit(self._launch, number, jobs)] = number
                 if pool is None:
                     if not self._more_to_do(set()):
                         break
@@ -261,11 +295,18 @@ class Search:
             )
         log.info(
             f"search {hs.study_name!r}: {hs.n_trials} trials ({len(done)} done), {at_once}, "
-            f"{self.direction} {hs.metric}; study in {studies.redact(self.url)}; trials in "
+            f"{self.direction} {hs.metric}{self._seeds_text()}; study in "
+            f"{studies.redact(self.url)}; trials in "
             f"{self.sweep_dir}/<trial>"
         )
         for note in self.notes:
             log.info(note)
+
+    def _seeds_text(self) -> str:
+        seeds = self.seed_values
+        if len(seeds) == 1:
+            return ""
+        return f" (the mean of {len(seeds)} seeds, {seeds[0]}..{seeds[-1]}, per trial; no pruning)"
 
     def trials(self) -> List[Any]:
         """The study's trials, without those asked one too many in a race between sweepers."""
@@ -340,8 +381,8 @@ class Search:
         trial stays one child of the search (MLflow keeps deleted runs restorable)."""
         from gptlab.checkpoint import state as checkpoint
 
-        folder = self.sweep_dir / str(number)
-        if not self.parent or checkpoint.latest(folder / layout.CHECKPOINTS) is not None:
+        folders = self.folders(number)
+        if not self.parent or any(checkpoint.latest(f / layout.CHECKPOINTS) for f in folders):
             return
         # the trial goes on; at worst it has two runs
         with never_fatal(
@@ -352,6 +393,29 @@ class Search:
             for run_id in self._runs_of(number):
                 self._client().delete_run(run_id)
                 log.info(f"trial {number}: no checkpoint; its unfinished MLflow run is deleted")
+
+    def folders(self, number: int) -> List[Path]:
+        """Trial `number`'s job folders: its own, or one per seed."""
+        folder = self.sweep_dir / str(number)
+        if len(self.seed_values) == 1:
+            return [folder]
+        return [folder / f"seed_{seed}" for seed in self.seed_values]
+
+    def _jobs(self, number: int) -> List[List[str]]:
+        """The overrides of trial `number`'s jobs: one, or one per seed, each in its own folder."""
+        overrides = self._overrides(number)
+        if len(self.seed_values) == 1:
+            return [overrides]
+        common = [o for o in overrides if not o.startswith("train.seed=")]
+        return [
+            [
+                *common,
+                f"train.seed={seed}",
+                "hparams_search.pruner=none",
+                f"hydra.sweep.subdir={number}/seed_{seed}",
+            ]
+            for seed in self.seed_values
+        ]
 
     def _overrides(self, number: int) -> List[str]:
         trial = self.study.get_trials(deepcopy=False)[number]
@@ -365,21 +429,45 @@ class Search:
             f"hparams_search.storage='{url}'",
         ]
 
-    def _launch(self, number: int, overrides: List[str]) -> Any:
-        """Run one trial's job (blocks until it ends); its JobReturn, or the exception."""
+    def _launch(self, number: int, jobs: List[List[str]]) -> Any:
+        """Run one trial's jobs (blocks until they end); their JobReturns (one: itself), or the
+        exception."""
         try:
-            return self.launcher.launch([overrides], initial_job_idx=number)[0]
+            returns = self.launcher.launch(jobs, initial_job_idx=number * len(jobs))
+            return returns[0] if len(jobs) == 1 else list(returns)
         except Exception as e:  # noqa: BLE001 - a job that died: its outcome, not the search's
             return e
 
     def _finish(self, number: int, outcome: Any) -> Any:
         """Tell the study how trial `number` ended; one line on the console; MLflow's records."""
+        if isinstance(outcome, cf.Future):
+            outcome = outcome.result()
+        folders = self.folders(number)
+        each = outcome if isinstance(outcome, list) else [outcome] * len(folders)
+        judged = [self._judge(f, o) for f, o in zip(folders, each)]
+        state, value, why, results = judged[0]
+        if len(judged) > 1:
+            state, value, why = self._mean_of_seeds(judged)
+        trial = self.study.get_trials(deepcopy=False)[number]
+        if trial.state.is_finished():
+            log.info(f"trial {number}: already ended ({trial.state.name}) elsewhere")
+            return outcome
+        if why:
+            self.storage.set_trial_system_attr(trial._trial_id, studies.ERROR_ATTR, why[:2000])
+        if len(judged) > 1:
+            values = [v for _, v, _, _ in judged]
+            self.storage.set_trial_user_attr(trial._trial_id, "seed_values", values)
+        self.study.tell(number, value, state=state)
+        all_results = [r for _, _, _, r in judged]
+        self._record_trial(number, trial.params, state.name, value, all_results, why)
+        self._say(number, trial.params, state.name, value, results, why, judged)
+        return outcome
+
+    def _judge(self, folder: Path, outcome: Any) -> tuple:
+        """(state, objective, why it failed, results) of one job in `folder`."""
         from hydra.core.utils import JobStatus
         from optuna.trial import TrialState
 
-        if isinstance(outcome, cf.Future):
-            outcome = outcome.result()
-        folder = self.sweep_dir / str(number)
         results = layout.read_json(folder / layout.RESULTS)
         state, value, why = TrialState.FAIL, None, None
         if isinstance(outcome, BaseException):
@@ -401,21 +489,28 @@ class Search:
                 why = f"its results have no {self.hs.metric} (got {results.get(self.hs.metric)})"
             else:
                 state = TrialState.COMPLETE
-        trial = self.study.get_trials(deepcopy=False)[number]
-        if trial.state.is_finished():
-            log.info(f"trial {number}: already ended ({trial.state.name}) elsewhere")
-            return outcome
-        if why:
-            self.storage.set_trial_system_attr(trial._trial_id, studies.ERROR_ATTR, why[:2000])
-        self.study.tell(number, value, state=state)
-        self._record_trial(number, trial.params, state.name, value, results, why)
-        self._say(number, trial.params, state.name, value, results, why)
-        return outcome
+        return state, value, why, results
 
-    def _say(self, number, params, state, value, results, why) -> None:
+    def _mean_of_seeds(self, judged: List[tuple]) -> tuple:
+        """A trial of several seeds: COMPLETE with their mean when every seed completed, else FAIL
+        naming the first seed that did not."""
+        from optuna.trial import TrialState
+
+        for seed, (state, _, why, _) in zip(self.seed_values, judged):
+            if state != TrialState.COMPLETE:
+                return TrialState.FAIL, None, f"seed {seed}: {why or state.name.lower()}"
+        values = [v for _, v, _, _ in judged]
+        return TrialState.COMPLETE, sum(values) / len(values), None
+
+    def _say(self, number, params, state, value, results, why, judged=()) -> None:
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
         if state == "COMPLETE":
             text = f"{self.hs.metric} {value:.4f}"
+            if len(judged) > 1:
+                import statistics
+
+                std = statistics.stdev([v for _, v, _, _ in judged])
+                text += f" ± {std:.4f} (mean ± std of {len(judged)} seeds)"
         elif state == "PRUNED":
             text = f"pruned at step {(results or {}).get('steps')}"
         else:
@@ -513,8 +608,10 @@ class Search:
             return
         with never_fatal(lambda e: log.warning(f"could not record trial {number} in MLflow: {e}")):
             client = self._client()
-            run_id = (results or {}).get("mlflow_run_id") or self._child_of(number)
-            if run_id:
+            ids = [(r or {}).get("mlflow_run_id") for r in results]
+            if not all(ids):  # a job that died before its results: its runs by folder
+                ids = self._runs_of(number)
+            for run_id in ids:
                 client.set_tag(run_id, "search.trial", str(number))
                 client.set_tag(run_id, "search.state", state)
                 if value is not None:
@@ -535,21 +632,19 @@ class Search:
         """The ids of the parent's child runs made in trial `number`'s folder."""
         from gptlab.records import store
 
-        folder = str(self.sweep_dir / str(number))
+        folders = {str(f) for f in self.folders(number)}
         kids = store.children(
             self._client(), self.parent["experiment_id"], self.parent["parent_run_id"]
         )
-        return [r.info.run_id for r in kids if r.data.tags.get("run_dir") == folder]
-
-    def _child_of(self, number: int) -> Optional[str]:
-        return next(iter(self._runs_of(number)), None)
+        return [r.info.run_id for r in kids if r.data.tags.get("run_dir") in folders]
 
 
 def check(config: DictConfig) -> None:
     """Everything a search can be told wrong (settings, space, keys, storage), said in one line
     before anything is made of it (the sweep callback calls this before the MLflow parent run)."""
     params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=True)
-    Search(config, None, params).prepare([str(o) for o in config.hydra.overrides.task])
+    seeds = config.hydra.sweeper.get("seeds", 1)
+    Search(config, None, params, seeds).prepare([str(o) for o in config.hydra.overrides.task])
 
 
 def _fmt(v: Any) -> str:

@@ -12,8 +12,9 @@ from hydra.plugins.sweeper import Sweeper
 class GptlabOptunaSweeper(Sweeper):
     """A Bayesian search: hydra.sweeper.params is the search space, hparams_search the settings."""
 
-    def __init__(self, params: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, params: Optional[Dict[str, Any]] = None, seeds: Any = 1) -> None:
         self.params = dict(params or {})
+        self.seeds = seeds
         self.config = self.launcher = self.hydra_context = None
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
@@ -27,6 +28,6 @@ class GptlabOptunaSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> Any:
         from gptlab.search.sweeper import Search
 
-        search = Search(self.config, self.launcher, self.params)
+        search = Search(self.config, self.launcher, self.params, self.seeds)
         search.prepare(arguments)
         return search.run()

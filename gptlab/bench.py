@@ -71,6 +71,7 @@ def bench_config(cfg: DictConfig) -> DictConfig:
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.train.max_steps = warmup + steps
+        cfg.train.max_tokens = cfg.train.max_flops = None  # a benchmark's length is its own
         if cfg.bench.profile:
             cfg.train.profile.steps = [warmup + 1, warmup + steps]
     return cfg
@@ -182,9 +183,18 @@ def _prediction(config: BenchConfig, stands_for: int) -> Tuple[BenchConfig, Dict
     return planned, plan_json(planned, plan, est)
 
 
+def run_length(cfg: DictConfig) -> int:
+    """The steps of the run a benchmark stands for: train.max_steps, or what its budget buys."""
+    if cfg.train.max_steps is not None:
+        return int(cfg.train.max_steps)
+    from gptlab.perf.costs import resolve_budget
+
+    return resolve_budget(to_config(cfg, BenchConfig))[0].train.max_steps
+
+
 def run_bench(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     """Build, time, and print one JSON line (rank 0). cfg: conf/bench.yaml's (cli.compose)."""
-    stands_for = int(cfg.train.max_steps)  # compile=auto decides for the run a bench measures
+    stands_for = run_length(cfg)  # compile=auto decides for the run a bench measures
     cfg = bench_config(cfg)
     config = to_config(cfg, BenchConfig)
     # torch: off the start-up path of --help and config errors (imported once the config is valid)

@@ -19,10 +19,16 @@ objective against compare.baseline's seeds (p-value, the difference with its 1 -
 interval, "not significant"), and its device-hours and cost; compare.json=PATH writes it as JSON,
 and <PNG stem>_seeds.png draws the seeds, means and intervals.
 
+The lr transfer check (docs/mup.md): when model.n_embd and optimizer.lr both vary (a sweep of
+hparams_search=lr_transfer), or compare.transfer=KEY names the width, it prints each width's best lr
+(by the mean over seeds) and the drift (best lr at the widest / at the narrowest), writes
+compare_transfer.png beside the curves' PNG and adds `transfer` to compare.json.
+compare.export_best=PATH writes the best configuration as an experiment file (search/best.py).
+
 The root config is conf/compare.yaml: the training config (its `tracking` section names the store)
 and the command's own keys (`compare.target`, `compare.out`, `compare.metric`, `compare.baseline`,
-`compare.alpha`, `compare.json`); a first argument without `=` is the
-target.
+`compare.alpha`, `compare.json`, `compare.transfer`, `compare.export_best`); a first argument
+without `=` is the target.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from hydra.core.config_store import ConfigStore
 from gptlab.cli import command, require, text_keys
 from gptlab.config import Config, to_config
 from gptlab.errors import GptlabError, never_fatal, or_none
-from gptlab.records import layout, stats
+from gptlab.records import layout, stats, transfer
 from gptlab.records.identity import INIT_FROM_TAG
 from gptlab.records.layout import read_metrics, read_overrides, read_results, read_sweep
 from gptlab.records.store import (
@@ -56,6 +62,7 @@ from gptlab.records.store import (
     sqlite_path,
     store_failure,
 )
+from gptlab.search.best import write as write_experiment
 
 VAL_PNG = "compare_val_loss.png"
 SCORE_KEYS = ("hellaswag_acc", "hellaswag_acc_norm")  # metrics.jsonl's downstream scores
@@ -76,6 +83,11 @@ class CompareSettings:
     baseline: Optional[str]
     alpha: float  # a difference with a larger p-value is "not significant"; its interval 1 - alpha
     json: Optional[str]  # also write the table as JSON to this path; null: no JSON
+    # the lr transfer check (docs/mup.md): the width key of a width x lr sweep; null: model.n_embd
+    # when it and optimizer.lr both vary, else no check
+    transfer: Optional[str]
+    # write the best configuration (over seeds) as an experiment file here; null: none
+    export_best: Optional[str]
     # what the runs are sorted and plotted by: loss (nats per token) | bpb (bits per byte: runs
     # with different tokenizers share one axis)
     metric: str = "loss"
@@ -946,7 +958,11 @@ def seeds_figure(configs: List[Replicates], title: str, metric: str, alpha: floa
 
 
 def report_seeds(
-    records: List[RunRecord], settings: CompareSettings, out: Path, title: str
+    records: List[RunRecord],
+    settings: CompareSettings,
+    out: Path,
+    title: str,
+    found: List[transfer.Transfer],
 ) -> None:
     """Seeds as replicates: the configurations' table when any has 2 seeds or more (or a baseline is
     given), compare.json when asked, and the seeds' PNG beside the curves'."""
@@ -963,7 +979,10 @@ def report_seeds(
             fig.savefig(path)
             print(f"seeds: {path}", flush=True)
     if settings.json:
-        Path(settings.json).write_text(json.dumps(as_json(configs, metric, alpha), indent=1) + "\n")
+        doc = as_json(configs, metric, alpha)
+        if found:  # a width x lr sweep: each group's best lr per width and its drift
+            doc["transfer"] = [t.as_json() for t in found]
+        Path(settings.json).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"table as JSON: {settings.json}", flush=True)
 
 
@@ -1003,7 +1022,63 @@ def run_compare(cfg: Any) -> None:
         print(f"val {metric} curves: {out}", flush=True)
     except ImportError:
         log.warning("val loss plot skipped: matplotlib is not installed (pip install matplotlib)")
-    report_seeds(records, config.compare, out, title)
+    found = report_transfer(records, config.compare, out, title)
+    report_seeds(records, config.compare, out, title, found)
+    export_best(records, config.compare, title)
+
+
+def report_transfer(
+    records: List[RunRecord], settings: CompareSettings, out: Path, title: str
+) -> List[transfer.Transfer]:
+    """The lr transfer check of a width x lr sweep (compare.transfer, or found by itself): each
+    width's best lr and the drift, and compare_transfer.png beside the curves' PNG."""
+    metric = settings.metric
+    points = [(r.overrides, best_of(r, metric)) for r in records]
+    width_key = settings.transfer or transfer.detect(points)
+    if width_key is None:
+        return []
+    if not (transfer.varies(points, width_key) and transfer.varies(points, transfer.LR_KEY)):
+        raise GptlabError(
+            f"compare.transfer={width_key}: the runs need 2 values or more of both {width_key} "
+            f"and {transfer.LR_KEY} (a sweep such as hparams_search=lr_transfer)"
+        )
+    found = transfer.transfers(points, width_key)
+    if not found:
+        log.warning("lr transfer: no run has a best val %s yet", metric)
+        return []
+    print("\n" + transfer.table(found, metric), flush=True)
+    path = out.with_name(transfer.TRANSFER_PNG)
+    with never_fatal(lambda e: log.warning(f"transfer plot skipped: {e}")):
+        fig = transfer.figure(found, title, metric)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+        print(f"transfer: {path}", flush=True)
+    return found
+
+
+def export_best(records: List[RunRecord], settings: CompareSettings, title: str) -> None:
+    """compare.export_best: the best configuration (the lowest mean over its seeds) as an experiment
+    file (search/best.py), its muP keys from the best run's resolved config."""
+    if not settings.export_best:
+        return
+    metric = settings.metric
+    configs = [c for c in configurations(records, metric) if c.objective(metric)]
+    if not configs:
+        raise GptlabError(
+            f"compare.export_best={settings.export_best}: no run has a best val {metric} yet"
+        )
+    top, values = configs[0], configs[0].objective(metric)
+    run = min(
+        (r for r in top.runs if best_of(r, metric) is not None), key=lambda r: sort_key(r, metric)
+    )
+    resolved = layout.read_config(Path(run.run_dir)) if run.run_dir else None
+    about = (
+        f"The best configuration of {title} by gptlab.compare: best val {metric} "
+        f"{stats.mean(values):.4f} (mean of {len(values)}; runs "
+        f"{', '.join(r.name for r in top.runs)})."
+    )
+    model = (resolved or {}).get("model")
+    print(write_experiment(Path(settings.export_best), top.overrides, model, about), flush=True)
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -44,6 +44,17 @@ class ProfileConfig:
     oom_snapshot: bool  # CUDA: record the allocator's history so an out-of-memory step leaves one
 
 
+@dataclass
+class FaultsConfig:
+    """Test-only fault injection (gptlab/training/faults.py; docs/testing.md): not a user option."""
+
+    nonfinite_loss_at: List[int]  # steps (1-based) whose loss is made NaN on every rank
+    spike_at: List[int]  # steps (1-based) whose loss is made 100x larger on every rank
+    crash_at_step: Optional[int]  # a rank exits abruptly (os._exit) as it reaches this step
+    crash_rank: int  # which rank crashes
+    crash_once: bool  # true: only the first time in this run folder; false: every time
+
+
 def check_profile(cfg: ProfileConfig, max_steps: int) -> None:
     """train.profile's settings: one line naming what is wrong."""
     if cfg.steps is None:
@@ -79,7 +90,9 @@ class TrackingConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int
+    max_steps: Optional[int]  # null: as many as train.max_tokens or train.max_flops buy
+    max_tokens: Optional[int]  # a budget in tokens (with max_steps=null)
+    max_flops: Optional[float]  # a budget in model FLOPs, the planner's count (max_steps=null)
     batch_size: int  # global sequences per optimizer step (all processes, all micro-steps)
     # per process per forward (int); null: the hardware's choice; auto: the largest that fits (plan)
     micro_batch_size: Any
@@ -95,6 +108,14 @@ class TrainConfig:
     sample_prompt: str
     save_checkpoints: bool  # false: no checkpoints at all (benchmarks)
     profile: ProfileConfig  # torch.profiler over chosen steps (gptlab/training/profiling.py)
+    # after a failure: restarts from the latest checkpoint, same run folder and MLflow run
+    max_restarts: int
+    on_divergence: str  # stop | rollback: a non-finite or spiking loss (docs/checkpoints.md)
+    spike_factor: float  # a loss above this x its recent median is a spike (0: only non-finite)
+    max_rollbacks: int  # rollbacks before a divergence stops the run
+    checkpoint_async: bool  # write checkpoints in the background while training goes on
+    verify_checkpoints: bool  # check each checkpoint's recorded digests when loading it
+    faults: FaultsConfig  # test-only fault injection
 
 
 @dataclass
@@ -180,6 +201,21 @@ class HparamsSearchConfig:
 
 
 @dataclass
+class ScalingConfig:
+    """An isoFLOP study's grid (-m scaling=FILE; gptlab/scaling/study.py, docs/scaling.md)."""
+
+    name: Optional[str]  # the study's folder under <outputs>/scaling/: the same name continues it
+    budgets: List[float]  # compute budgets, model FLOPs (train.max_flops of each point)
+    # the family of sizes: model overrides per size ({n_layer: 2, n_embd: 64, n_head: 2, lr: 3e-3})
+    sizes: List[Dict[str, Any]]
+    depths: List[int]  # or a depth dial: n_layer = depth, n_embd = depth x width_per_depth
+    width_per_depth: int
+    head_dim: int  # n_head = n_embd / head_dim
+    tokens_per_param: List[float]  # [low, high]: points whose D/N falls outside are not run
+    objective: str  # best_val_loss | best_val_bpb: the loss the fit reads
+
+
+@dataclass
 class Config:
     model: GPTConfig
     data: DataConfig
@@ -191,6 +227,7 @@ class Config:
     paths: PathsConfig
     eval: LoopEvalConfig
     hparams_search: HparamsSearchConfig
+    scaling: ScalingConfig
     # a recipe's expected result (conf/experiment/*.yaml); see metrics.expectation_met for the keys
     expected: Dict[str, Any]
 
@@ -395,7 +432,7 @@ def _validate_processes(c: Config) -> None:
 
 def _validate_train(c: Config) -> None:
     t = c.train
-    _check(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
+    _validate_budget(t)
     _check(t.batch_size > 0, "train.batch_size", f"must be positive, got {t.batch_size}")
     _check(
         t.batch_size % c.world_size == 0,
@@ -403,7 +440,8 @@ def _validate_train(c: Config) -> None:
         f"{t.batch_size} sequences do not split over {c.world_size} processes",
     )
     _validate_micro_batch(c)
-    check_profile(t.profile, t.max_steps)
+    if t.max_steps is not None:  # a budget's steps are checked once derived (costs.resolve_budget)
+        check_profile(t.profile, t.max_steps)
     for key in (
         "eval_every",
         "eval_steps",
@@ -423,6 +461,43 @@ def _validate_train(c: Config) -> None:
         "train.resume",
         f"{t.resume!r} must be auto, never, or a checkpoint path",
     )
+    _validate_divergence(t)
+
+
+def _validate_budget(t: TrainConfig) -> None:
+    """train.max_steps, or a budget in tokens or FLOPs that the steps are derived from."""
+    _check(
+        t.max_tokens is None or t.max_flops is None,
+        "train.max_tokens",
+        "and train.max_flops are both set: give one budget",
+    )
+    budget = t.max_tokens if t.max_tokens is not None else t.max_flops
+    name = "train.max_tokens" if t.max_tokens is not None else "train.max_flops"
+    _check(
+        t.max_steps is not None or budget is not None,
+        "train.max_steps",
+        "null needs a budget: train.max_tokens=N or train.max_flops=N (or give the steps)",
+    )
+    if t.max_steps is not None:
+        _check(t.max_steps > 0, "train.max_steps", f"must be positive, got {t.max_steps}")
+    if budget is not None:
+        _check(budget > 0, name, f"must be positive, got {budget}")
+
+
+def _validate_divergence(t: TrainConfig) -> None:
+    _check(
+        t.on_divergence in ("stop", "rollback"),
+        "train.on_divergence",
+        f"{t.on_divergence!r} must be stop or rollback",
+    )
+    _check(
+        t.spike_factor == 0 or t.spike_factor > 1,
+        "train.spike_factor",
+        f"must be 0 (off) or above 1 (a loss that many times its recent median), "
+        f"got {t.spike_factor}",
+    )
+    _check(t.max_rollbacks >= 0, "train.max_rollbacks", "must be >= 0")
+    _check(t.max_restarts >= 0, "train.max_restarts", "must be >= 0 (0: a dead rank ends the job)")
 
 
 def _validate_micro_batch(c: Config) -> None:

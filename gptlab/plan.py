@@ -193,11 +193,13 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
         make_plan,
         plan_json,
         resolve_auto,
+        resolve_budget,
         resolve_micro_batch,
         step_estimate,
         what_would_fit,
     )
 
+    config, budget = resolve_budget(config)
     cfg, choices = resolve_auto(config)
     cfg = resolve_micro_batch(cfg)
     settings = cfg.plan
@@ -205,8 +207,10 @@ def run_plan(cfg_dict) -> Dict[str, Any]:
     mfu_value = settings.mfu or DEFAULT_MFU[cfg.hardware.device]
     est = step_estimate(plan, cfg, mfu_value)
     decided = fastpath.derived(choices)
-    out = {**plan_json(cfg, plan, est), **decided}
+    out = {**plan_json(cfg, plan, est), **decided, "max_steps": cfg.train.max_steps}
     text = report(cfg, plan, est, fastpath.summary(decided, cfg.hardware.precision))
+    if budget:
+        text += f"\nlength: {budget}"
     if cfg.data.sources:
         text, out["sources"] = mixture_report(cfg, text)
     print(json.dumps(out) if settings.json else text, flush=True)

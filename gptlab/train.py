@@ -35,21 +35,29 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
     config = to_config(cfg)
     # torch: off the start-up path of --help and config errors (imported once the config is valid)
     from gptlab.distributed import world as distributed
-    from gptlab.training.build import build, log_model, record_expectation, write_sample
+    from gptlab.training.build import (
+        budgeted,
+        build,
+        log_model,
+        record_expectation,
+        write_sample,
+    )
     from gptlab.training.loop import train
 
+    config = budgeted(config)  # train.max_tokens / max_flops: the steps they buy
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["train"]["max_steps"] = config.train.max_steps  # what the run folder records
     done = finished_before(Path(run_dir), resolved)
     if done is not None:
         return done
     if distributed.role(config.hardware) == "parent":
-        distributed.spawn(_worker, config.hardware.nproc_per_node, (resolved, str(run_dir)))
-        return json.loads((Path(run_dir) / layout.RESULTS).read_text())
+        return _spawned(config, resolved, Path(run_dir))
     run = build(config, run_dir, resolved)
     status, results = "FAILED", {}
     try:
         run.tracker.write_config(resolved, run.derived)
-        results = train(run)
+        restarts = distributed.restarts_so_far(run)  # this start's own, when a failure led to it
+        results = {**train(run), "restarts": restarts}
         sample = write_sample(run) if not results["stopped_by"] else None
         if sample is not None:
             log.info(f"--- sample ---\n{sample[:400]}\n--------------")
@@ -76,6 +84,16 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
         ):
             # our handler is gone again: re-deliver so the job's own (submitit's) requeues it
             os.kill(os.getpid(), signal.SIGUSR2)
+
+
+def _spawned(config: Any, resolved: Dict[str, Any], run_dir: Path) -> Dict[str, Any]:
+    """Start the workers `hardware` asks for, wait, and return rank 0's results. A worker that
+    dies: every worker starts again from the latest checkpoint, up to train.max_restarts times."""
+    from gptlab.distributed import world as distributed
+
+    n, budget = config.hardware.nproc_per_node, config.train.max_restarts
+    distributed.spawn(_worker, n, (resolved, str(run_dir)), budget, run_dir)
+    return json.loads((run_dir / layout.RESULTS).read_text())
 
 
 def finished_before(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:

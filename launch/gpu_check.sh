@@ -24,6 +24,14 @@
 #                 process: NCCL's process group, FSDP2's gathers, per-block compile
 #   chunked_loss  benchmarks/chunked_loss.py: one step's peak with the whole logits and chunked
 #   gpt2_124m_muon  gptlab.bench of gpt2_124m with optimizer=muon
+#   gpt2_124m_stop  gpt2_124m's bench with train.on_divergence=stop: what the per-step check of
+#                 the default rollback (one host sync a step) costs
+#   ckpt_sync     gptlab.train of gpt2_124m saving a checkpoint every 2 steps: the stall per save
+#   ckpt_async    the same with train.checkpoint_async=true (the save written in the background)
+#   rollback      gptlab.train of gpt_char with a NaN loss injected at step 7 (train.faults): the
+#                 rollback to the last good state, on the device
+#   restart       torchrun --max-restarts=1 of gpt_char whose rank dies at step 12: the restart
+#                 from the step-10 checkpoint, recorded in results.json
 #   ladder        the tuning ladder (gptlab.bench bench.ladder=true): off unless GPU_CHECK_LADDER
 #                 names its overrides; it gets what is left of the budget
 #
@@ -35,13 +43,13 @@
 # output goes to one log beside it (gpu_check.log). Exit code 0 when no step failed or timed out.
 #
 # --cpu: the same steps on the CPU with every model shrunk (hardware=cpu, fp32, no compile, gloo),
-# a dry run of this script that CI runs (tests/test_gpu_check.py); budget 300 s.
+# a dry run of this script that CI runs (tests/test_gpu_check.py); budget 360 s.
 #
 # The machine needs no network: the text is Tiny Shakespeare if found (GPTLAB_SHAKESPEARE,
 # shared/data/, ../shared/data/), else generated, tokenized by characters.
 #
 # Settings (environment):
-#   GPU_CHECK_BUDGET     seconds for the whole script (default 450; --cpu: 300)
+#   GPU_CHECK_BUDGET     seconds for the whole script (default 450; --cpu: 360)
 #   GPU_CHECK_ONLY       comma-separated steps to run (the others are recorded as skipped);
 #                        wheels and env always run
 #   GPU_CHECK_TIMEOUTS   per-step timeouts in seconds over the defaults, e.g. "gpt1b=60,fsdp=90"
@@ -85,7 +93,7 @@ fi
 
 if [ "$CPU" = 1 ]; then
   MODE=cpu
-  BUDGET=${GPU_CHECK_BUDGET:-300}
+  BUDGET=${GPU_CHECK_BUDGET:-360}
   HW=${GPU_CHECK_HARDWARE:-hardware=cpu}
   SHRINK=${GPU_CHECK_SHRINK-model.n_layer=1 model.n_embd=32 model.n_head=2 model.block_size=32 \
 model.ffn_dim=null train.batch_size=2 train.micro_batch_size=2 hardware.threads=1}
@@ -118,7 +126,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # gptlab and hydra_plugins travel as source
 
 STEP_NAMES=(wheels env gpt2_124m gpt1b train train_resume sample fp16 fp16_resume fsdp chunked_loss
-  gpt2_124m_muon ladder)
+  gpt2_124m_muon gpt2_124m_stop ckpt_sync ckpt_async rollback restart ladder)
 
 # The JSON: one small Python program (no torch import) rewrites it whole after every change.
 RECORD_PY=$(cat <<'EOF'
@@ -188,7 +196,8 @@ def train_result(run_dir):
     except (OSError, ValueError):
         return None
     keep = ("steps", "best_val_loss", "val_loss", "tokens_per_s", "wall_s", "stopped_by", "resumed_from",
-            "resumed_step", "precision", "compile", "mfu", "peak_mem_bytes")
+            "resumed_step", "precision", "compile", "mfu", "peak_mem_bytes", "checkpoint_stall_s",
+            "rollbacks", "restarts", "train_loss")
     out["results"] = {k: res[k] for k in keep if k in res} or res
     ckpt = run_dir / "checkpoints"
     out["checkpoints"] = sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
@@ -471,6 +480,33 @@ if selected gpt2_124m_muon; then
   run_step gpt2_124m_muon bench 90 30 "" -- "$PY" -m gptlab.bench $BENCH $HW $COMMON model=gpt2_124m \
     train.batch_size=16 train.micro_batch_size=16 optimizer=muon $FAST $SHRINK \
     "hydra.run.dir=$RUNS/gpt2_124m_muon"
+fi
+if selected gpt2_124m_stop; then
+  run_step gpt2_124m_stop bench 90 30 "" -- "$PY" -m gptlab.bench $BENCH $HW $COMMON model=gpt2_124m \
+    train.batch_size=16 train.micro_batch_size=16 optimizer=adamw train.on_divergence=stop $FAST $SHRINK \
+    "hydra.run.dir=$RUNS/gpt2_124m_stop"
+fi
+# checkpoints that do not stop training: the stall per save, written whole and in the background
+CKPT="model=gpt2_124m train.batch_size=16 train.micro_batch_size=16 optimizer=adamw train.max_steps=8 \
+train.checkpoint_every=2 train.keep_checkpoints=2 train.eval_every=0 train.eval_steps=1 train.sample_tokens=0"
+if selected ckpt_sync; then
+  run_step ckpt_sync train 90 25 "$RUNS/ckpt_sync" -- "$PY" -m gptlab.train $HW $COMMON $CKPT $FAST \
+    $SHRINK "hydra.run.dir=$RUNS/ckpt_sync"
+fi
+if selected ckpt_async; then
+  run_step ckpt_async train 90 25 "$RUNS/ckpt_async" -- "$PY" -m gptlab.train $HW $COMMON $CKPT $FAST \
+    train.checkpoint_async=true $SHRINK "hydra.run.dir=$RUNS/ckpt_async"
+fi
+# failures survived on the device: a NaN rolled back, a dead rank restarted by torchrun
+if selected rollback; then
+  run_step rollback train 60 15 "$RUNS/rollback" -- "$PY" -m gptlab.train $HW $COMMON $TRAIN \
+    train.max_steps=20 "train.faults.nonfinite_loss_at=[7]" train.checkpoint_every=5 $SHRINK \
+    "hydra.run.dir=$RUNS/rollback"
+fi
+if selected restart; then
+  run_step restart train 90 30 "$RUNS/restart" -- "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
+    --max-restarts=1 --no-python "$PY" -m gptlab.train $HW $COMMON $TRAIN train.max_steps=20 \
+    train.faults.crash_at_step=12 train.sample_tokens=0 $SHRINK "hydra.run.dir=$RUNS/restart"
 fi
 if [ "$LADDER" = off ]; then
   skip ladder "off (GPU_CHECK_LADDER names its overrides to run it with the budget left)"

@@ -510,7 +510,9 @@ def test_a_sharded_checkpoint_is_a_complete_folder_that_restores_into_an_unshard
 ):
     path, model = _save_sharded(tmp_path, 3)
     assert path.name == "ckpt_00000003" and path.is_dir() and not checkpoint.unfinished(tmp_path)
-    assert {".metadata", "state.pt", "__0_0.distcp"} == {f.name for f in path.iterdir()}
+    assert {".metadata", "state.pt", "__0_0.distcp", "sha256.json"} == {
+        f.name for f in path.iterdir()
+    }
     assert checkpoint.find(str(tmp_path)) == path and checkpoint.find(str(path)) == path
     state = checkpoint.TrainingState.load(path)
     assert (state.step, state.model, state.shards) == (3, None, path)
@@ -587,12 +589,13 @@ def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mis
 ):
     """An entry that does not read back as what its own metadata says (random bytes, a pickle that
     would run code, another object or shape in its place) is UnreadableCheckpoint naming the entry,
-    in restore and in the consolidating reader; torch's advice to load unsafely is never quoted."""
+    in restore and in the consolidating reader; torch's advice to load unsafely is never quoted.
+    (Its digest tells the damage first: the entry is named by a load that does not check it.)"""
 
     def restore(path):
         model, opt = _tiny(2, shard=False)
         objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box()}
-        checkpoint.TrainingState.load(path).restore(objects)
+        checkpoint.TrainingState.load(path, verify=False).restore(objects)
 
     def saved(obj):
         buffer = io.BytesIO()
@@ -612,6 +615,8 @@ def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mis
     for step, (prefix, (content, cause)) in enumerate(cases.items(), start=1):
         path, _ = _save_sharded(tmp_path / str(step), step)
         entry, shard = overwrite_entry(path, prefix, content)
+        with pytest.raises(GptlabError, match=rf"^checkpoint {path}/{shard} is damaged: its SHA"):
+            checkpoint.load(path)
         said = rf"^checkpoint {path} has an unreadable entry {entry} in {shard} {cause}$"
         with pytest.raises(GptlabError, match=said) as e:
             restore(path)
@@ -619,7 +624,7 @@ def test_a_damaged_sharded_entry_is_named_with_its_cause_and_not_taken_for_a_mis
         assert "weights_only" not in str(e.value) and "does not fit" not in str(e.value)
         if prefix.startswith("model."):  # sample and export read the model entries whole
             with pytest.raises(GptlabError, match=said):
-                checkpoint.read_model(path)
+                checkpoint.read_model(path, verify=False)
     assert not Exploit.marker.exists()
 
 
@@ -718,7 +723,8 @@ def test_a_sharded_save_makes_its_folders_clears_killed_leftovers_and_replaces_t
     stale.mkdir(parents=True)
     (stale / "__1_0.distcp").write_bytes(b"a rank that no longer exists")
     path, _ = _save_sharded(folder, 3, seed=1)
-    assert {f.name for f in path.iterdir()} == {".metadata", "state.pt", "__0_0.distcp"}
+    files = {".metadata", "state.pt", "__0_0.distcp", "sha256.json"}
+    assert {f.name for f in path.iterdir()} == files
     assert not stale.exists()
     first = checkpoint.read_model(path).model
     old = folder / ".ckpt_00000003.replaced"
@@ -881,10 +887,12 @@ def test_unreadable_checkpoints_say_what_is_wrong_in_one_line(tmp_path, one_rank
     path, _ = _save_sharded(tmp_path / "run", 3)
     torch.save({"x": 1}, path / "state.pt")
     with pytest.raises(GptlabError) as e:
-        checkpoint.load(path)
+        checkpoint.load(path, verify=False)  # (with the check: its digest differs, named below)
     assert str(e.value) == (
         f"checkpoint {path} is not a gptlab checkpoint (a PyTorch file that gptlab did not write)"
     )
+    with pytest.raises(GptlabError, match=rf"^checkpoint {path}/state.pt is damaged: its SHA-256"):
+        checkpoint.load(path)
 
 
 def test_a_file_that_is_not_a_gptlab_checkpoint_is_named_for_what_it_is(tmp_path):
@@ -922,3 +930,105 @@ def test_a_checkpoint_from_more_gpus_than_visible_restores_the_rng_of_those_ther
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda states: pytest.fail("all GPUs"))
     checkpoint.restore_rng(state)
     assert [(i, s.tolist()) for i, s in restored] == [(0, [0, 0, 0, 0])]
+
+
+# ------------------------------------------------------------------------------ digests
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """A bad disk block: one byte of the file inverted in place, the size kept."""
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_pt_checkpoint_carries_its_digest_and_a_flipped_tensor_byte_is_refused(tmp_path):
+    weights = torch.arange(100_000, dtype=torch.float32)
+    path = checkpoint.save(checkpoint.checkpoint_path(tmp_path, 20), {"step": 20, "w": weights})
+    raw = torch.load(path, weights_only=True)
+    assert raw["sha256"] == checkpoint.state_digest({k: v for k, v in raw.items() if k != "sha256"})
+    state = checkpoint.load(path)  # round trip: the digest checks and is not part of the state
+    assert "sha256" not in state and torch.equal(state["w"], weights) and state["step"] == 20
+    flip_byte(path, path.stat().st_size // 2)  # the middle of the file: inside the tensor's bytes
+    # torch reads it without a word, one value changed
+    assert not torch.equal(torch.load(path, weights_only=True)["w"], weights)
+    said = rf"^checkpoint {path} is damaged: its SHA-256 does not match the one recorded at save$"
+    with pytest.raises(GptlabError, match=said):
+        checkpoint.load(path)
+    unchecked = checkpoint.load(path, verify=False)  # train.verify_checkpoints=false
+    assert (unchecked["w"] != weights).sum() == 1
+    older = tmp_path / "ckpt_00000030.pt"  # a checkpoint from before digests: loads, unchecked
+    torch.save({"format_version": 2, "step": 30, "w": weights}, older)
+    assert checkpoint.load(older)["step"] == 30
+
+
+def test_the_digest_covers_every_value_and_tensor_layout():
+    base = {"step": 5, "rng": (1, [2, 3]), "w": torch.zeros(2, 3), "name": "a"}
+    digest = checkpoint.state_digest(base)
+    assert checkpoint.state_digest({**base, "rng": [1, (2, 3)]}) == digest  # as torch.load gives
+    changed = [
+        {**base, "step": 6},
+        {**base, "name": "b"},
+        {**base, "w": torch.zeros(3, 2)},
+        {**base, "w": torch.zeros(2, 3, dtype=torch.float64)},
+        {**base, "w": torch.zeros(2, 3).t().contiguous().t()},  # same values, other strides: same
+    ]
+    assert [checkpoint.state_digest(c) == digest for c in changed] == [
+        False,
+        False,
+        False,
+        False,
+        True,
+    ]
+
+
+@pytest.mark.integration
+def test_a_damaged_pt_checkpoint_of_a_run_is_named_and_resume_falls_back_unless_told_not_to_check(
+    tmp_path, shakespeare
+):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(shakespeare, "train.checkpoint_every=10", "train.sample_tokens=0")
+    run_training(compose_config([*overrides, "train.max_steps=20"]), run_dir)
+    damaged = run_dir / "checkpoints" / "ckpt_00000020.pt"
+    flip_byte(damaged, damaged.stat().st_size // 2)
+    torch.load(damaged, weights_only=True)  # which torch does not notice
+    with pytest.raises(GptlabError, match=rf"^checkpoint {damaged} is damaged: its SHA-256 "):
+        checkpoint.load(damaged)
+    unchecked = tmp_path / "unchecked"
+    shutil.copytree(run_dir, unchecked)
+    # resume=auto: the damaged one goes to broken/, the run continues from step 10
+    results = run_training(compose_config([*overrides, "train.max_steps=30"]), run_dir)
+    assert results["steps"] == 30 and results["tokens_this_session"] == 20 * 8 * 32
+    assert (run_dir / "checkpoints" / "broken" / "ckpt_00000020.pt").is_file()
+    # train.verify_checkpoints=false: read as it is, from step 20
+    results = run_training(
+        compose_config([*overrides, "train.max_steps=25", "train.verify_checkpoints=false"]),
+        unchecked,
+    )
+    assert results["tokens_this_session"] == 5 * 8 * 32
+    assert not (unchecked / "checkpoints" / "broken").exists()
+
+
+def test_a_flipped_byte_in_a_shard_file_is_named_and_the_previous_checkpoint_used(
+    tmp_path, one_rank_group
+):
+    first, _ = _save_sharded(tmp_path, 5)
+    second, _ = _save_sharded(tmp_path, 10)
+    digests = json.loads((second / "sha256.json").read_text())
+    assert set(digests) == {".metadata", "state.pt", "__0_0.distcp"}
+    assert checkpoint.load(second)["step"] == 10
+    shard = second / "__0_0.distcp"
+    flip_byte(shard, shard.stat().st_size // 2)
+    said = rf"^checkpoint {shard} is damaged: its SHA-256 does not match the one recorded at save$"
+    with pytest.raises(GptlabError, match=said):
+        checkpoint.load(second)
+    notes = []
+    found, state = checkpoint.load_latest_good(tmp_path, warn=notes.append)
+    assert found == first and state["step"] == 5 and "__0_0.distcp is damaged" in notes[0]
+    # without the check it loads (and restores: the flipped value is a number like any other)
+    found, _ = checkpoint.load_latest_good(tmp_path, warn=notes.append, verify=False)
+    assert found == second
+    os.remove(second / "sha256.json")  # an older sharded checkpoint: no digests, loaded unchecked
+    assert checkpoint.load(second)["step"] == 10

@@ -377,7 +377,7 @@ def test_an_option_where_a_key_is_expected_names_the_key(config_name, args, frag
          "debug=smok: no such choice; did you mean debug=smoke? choose one of smoke"),
         ("config", "hparams_search=default_job,defualt_job",
          "hparams_search=defualt_job: no such choice; did you mean hparams_search=default_job? "
-         "choose one of default_job, gpt2_124m, lr_warmup, mixture_weights"),
+         "choose one of default_job, gpt2_124m, lr_transfer, lr_warmup, mixture_weights"),
         ("config", "local=defualt",
          "local=defualt: no such choice; choose one of cost_example, slurm_example"),
         # the same name in another section; a Hydra Optuna sweeper's key

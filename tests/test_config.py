@@ -91,6 +91,9 @@ def test_derived_batch_split():
         (["model.dropout=1.5"], "model.dropout"),
         (["+model.foo=1"], "model.foo"),
         (["+train.max_step=10"], "train.max_step"),
+        (["train.on_divergence=skip"], "train.on_divergence"),
+        (["train.spike_factor=0.5"], "train.spike_factor"),  # most steps would be spikes
+        (["train.max_rollbacks=-1"], "train.max_rollbacks"),
         # flash takes only half precision: an fp32 run would fail at its first forward on a GPU
         (
             ["hardware=a100x8", "hardware.attention_backend=flash", "hardware.precision=fp32"],

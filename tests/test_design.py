@@ -421,7 +421,8 @@ def test_readme_names_the_files_and_folders_the_code_writes():
 
 
 # The training, evaluation and checkpoint paths: a tensor they make meets the model's on its device
-DEVICE_PATHS = ["training/loop.py", "optim/muon.py", "optim/lion.py", "optim/average.py",
+DEVICE_PATHS = ["training/loop.py", "training/divergence.py", "training/faults.py",
+                "optim/muon.py", "optim/lion.py", "optim/average.py",
                 "checkpoint/state.py", "training/run.py", "model/inference.py",
                 "distributed/world.py", "evaluation/scoring.py", "evaluation/hellaswag.py",
                 "evaluation/harness.py"]  # fmt: skip

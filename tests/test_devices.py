@@ -19,7 +19,7 @@ from gptlab.config import to_config
 from gptlab.evaluation import hellaswag
 from gptlab.optim import OPTIMIZERS
 from gptlab.optim.average import AVERAGE, UPDATES, WeightAverage, averaged_weights
-from gptlab.training import loop
+from gptlab.training import divergence, loop
 from gptlab.training.build import build
 
 META = torch.device("meta")
@@ -90,7 +90,7 @@ def test_an_optimizer_step_and_the_weight_average_place_every_tensor(meta_run, o
     p = loop.start_progress(run)
     p.loss_sum = torch.zeros((), device=META)
     for _ in range(2):  # the second step updates an existing average
-        grad_norm, _ = guarded(loop.optimizer_step, run, 1e-3, p.loss_sum)
+        grad_norm, _ = guarded(loop.optimizer_step, run, 1e-3, p.loss_sum, 1)
     assert grad_norm.device == META
     state = run.optimizer.state
     # torch's own unfused AdamW keeps its step counts on the CPU on purpose (read by the host)
@@ -98,6 +98,26 @@ def test_an_optimizer_step_and_the_weight_average_place_every_tensor(meta_run, o
     assert on_device and all(on_device)
     with DeviceGuard(), averaged_weights(run.optimizer) as swapped:
         assert swapped
+
+
+@pytest.mark.parametrize("mode", ["stop", "rollback"])
+@pytest.mark.integration
+def test_the_divergence_test_of_a_step_places_every_tensor(meta_run, mode):
+    """Both modes' per-step test, the spike's median included (meta's host reads come back as
+    ones: rollback mode then refuses the step, which runs that path too)."""
+    run = meta_run(
+        f"train.on_divergence={mode}",
+        "train.spike_factor=3",
+        "optimizer=adamw",
+        "optimizer.fused=false",
+    )
+    p = loop.start_progress(run)
+    p.loss_sum = torch.zeros((), device=META)
+    watch = divergence.Watch(run.train, META, True, {"recent_losses": [4.0] * 12})
+    for step in (1, 2):
+        guarded(loop.optimizer_step, run, 1e-3, p.loss_sum, step, watch)
+    assert (watch.pending is not None) == (mode == "rollback")
+    assert watch.recent.device == watch.first.device == META
 
 
 def test_a_weight_average_loaded_from_a_checkpoint_is_read_on_the_device(meta_run):
@@ -148,7 +168,7 @@ def test_checkpoint_capture_and_restore_place_every_tensor(meta_run, tmp_path):
     run = meta_run("optimizer=adamw", "optimizer.fused=false")
     p = loop.start_progress(run)
     p.loss_sum = torch.zeros((), device=META)
-    loop.optimizer_step(run, 1e-3, p.loss_sum)  # optimizer state to save
+    loop.optimizer_step(run, 1e-3, p.loss_sum, 1)  # optimizer state to save
     state, _ = guarded(
         checkpoint.TrainingState.capture, run.stateful(), step=1, tokens=0, best_val_loss=1.0,
         best_val_bpb=1.0, val_bpb=None, hellaswag={}, loss_window=(0.0, 0), train_loss=1.0,

@@ -128,6 +128,7 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         "train.log_every=1",
         "tracking.mlflow=false",
         "parallelism.timeout_s=30",
+        "train.max_restarts=0",  # no restart: the death ends the job
     ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     proc = subprocess.Popen(
@@ -415,10 +416,10 @@ HANG_RANK1 = """
 import os, runpy, sys, time
 import gptlab.training.loop as loop
 real = loop.optimizer_step
-def optimizer_step(run, lr, loss_sum):  # rank 1 hangs (alive, not dead) in its 4th step
+def optimizer_step(run, lr, loss_sum, *rest):  # rank 1 hangs (alive, not dead) in its 4th step
     if os.environ["RANK"] == "1" and run.train_loader.step == 3:
         time.sleep(600)
-    return real(run, lr, loss_sum)
+    return real(run, lr, loss_sum, *rest)
 loop.optimizer_step = optimizer_step
 sys.argv = ["gptlab.train", *{args!r}]
 runpy.run_module("gptlab.train", run_name="__main__")
@@ -459,3 +460,143 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path, shakespeare):
         json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2, 3]  # rank 0 logged until the step rank 1 never finished
+
+
+# ------------------------------------------------------------------ restarts after a failure
+
+# a 20-step run of two ranks that saves every 5 steps: a death at step 12 loses steps 11 and 12
+RESTARTABLE = ["debug=smoke", "hardware=cpu_x2", "train.checkpoint_every=5", "data.progress=false"]
+CRASH_RANK1_AT_12 = ["train.faults.crash_at_step=12", "train.faults.crash_rank=1"]
+
+
+def _train_x2(shakespeare, run_dir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "gptlab.train",
+        *RESTARTABLE,
+        f"data.path={shakespeare}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+
+
+def _finished(cmd, cwd, timeout=300):
+    from helpers import cli_env
+
+    r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, shakespeare):
+    """results.json of the two-rank run that nothing disturbs."""
+    cwd = tmp_path_factory.mktemp("undisturbed")
+    _finished(_train_x2(shakespeare, cwd / "run"), cwd)
+    return json.loads((cwd / "run" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_is_restarted_and_the_run_ends_as_if_undisturbed(
+    tmp_path, shakespeare, undisturbed
+):
+    """Rank 1 exits abruptly after step 12 (os._exit, as a segfault would): gptlab's launcher kills
+    rank 0, starts both again, and they resume from step 10's checkpoint in the same folder and
+    MLflow run; the final losses are bitwise the undisturbed run's, and the restart is recorded."""
+    from mlflow.tracking import MlflowClient
+
+    run_dir = tmp_path / "run"
+    mlflow = ["tracking.mlflow=true", "tracking.log_model=false"]
+    r = _finished(_train_x2(shakespeare, run_dir, *CRASH_RANK1_AT_12, *mlflow), tmp_path)
+    assert "rank 1 died at step 12 (exit 17): starting all 2 workers again" in r.stderr
+    results = json.loads((run_dir / "results.json").read_text())
+    (restart,) = results["restarts"]
+    assert (restart["rank"], restart["ended"], restart["died_at_step"]) == (1, "exit 17", 12)
+    assert (restart["resumed_from"], restart["steps_lost"]) == (10, 12 - 10)
+    assert restart["seconds_lost"] > 0
+    assert json.loads((run_dir / "restarts.json").read_text())["restarts"] == [restart]
+    assert results["steps"] == undisturbed["steps"] == 20
+    for key in ("train_loss", "val_loss", "best_val_loss"):
+        assert results[key] == undisturbed[key], key
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'outputs' / 'mlflow.db'}")
+    run = client.get_run(results["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["restarts"] == "1"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "restarts")] == [
+        (10, 1.0)
+    ]
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_and_records_the_restart(tmp_path, shakespeare, undisturbed):
+    """torchrun --max-restarts=1 starts both workers again after rank 1 dies; resume=auto continues
+    from the latest checkpoint, the first new start records the restart, and the run ends with the
+    undisturbed run's losses."""
+    run_dir = tmp_path / "run"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--nproc_per_node=2", "--max-restarts=1", "-m", "gptlab.train"]
+    _finished([*cmd, *_train_x2(shakespeare, run_dir, *CRASH_RANK1_AT_12)[3:]], tmp_path)
+    results = json.loads((run_dir / "results.json").read_text())
+    (restart,) = results["restarts"]
+    assert restart["launcher"] == "torchrun" and "restart 1 of --max-restarts=1" in restart["cause"]
+    assert (restart["died_at_step"], restart["resumed_from"], restart["steps_lost"]) == (12, 10, 2)
+    for key in ("train_loss", "val_loss", "best_val_loss"):
+        assert results[key] == undisturbed[key], key
+
+
+@pytest.mark.slow
+def test_a_worker_killed_from_outside_is_restarted_and_the_run_finishes(tmp_path, shakespeare):
+    run_dir = tmp_path / "run"
+    cmd = _train_x2(shakespeare, run_dir, "train.max_steps=150", "train.log_every=1")
+    from helpers import cli_env
+
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(
+            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 7,
+            120,
+            "a checkpoint",
+        )
+        workers = _spawned_workers(proc.pid)
+        assert len(workers) == 2
+        workers[1].send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 150 and math.isfinite(results["train_loss"])
+    (restart,) = results["restarts"]
+    assert (restart["rank"], restart["ended"]) == (1, "SIGKILL")
+    assert restart["resumed_from"] % 5 == 0 and restart["resumed_from"] >= 5
+    assert restart["steps_lost"] == restart["died_at_step"] - restart["resumed_from"] >= 0
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_every_time_stops_when_the_restarts_are_used_up(tmp_path, shakespeare):
+    run_dir = tmp_path / "run"
+    cmd = _train_x2(
+        shakespeare,
+        run_dir,
+        *CRASH_RANK1_AT_12,
+        "train.faults.crash_once=false",
+        "train.max_restarts=2",
+    )
+    from helpers import cli_env
+
+    r = subprocess.run(
+        cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode != 0
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert last == (
+        "gptlab.train: error: rank 1 died at step 12 (exit 17) 3 times; "
+        "no restarts left (train.max_restarts=2)"
+    ), r.stderr[-3000:]
+    assert not (run_dir / "results.json").exists()
+    restarts = json.loads((run_dir / "restarts.json").read_text())["restarts"]
+    assert [(e["died_at_step"], e["resumed_from"]) for e in restarts] == [(12, 10), (12, 10)]

@@ -15,12 +15,14 @@ from helpers import REPO
 SCRIPT = REPO / "launch" / "gpu_check.sh"
 STEPS = [
     "wheels", "env", "gpt2_124m", "gpt1b", "train", "train_resume", "sample", "fp16",
-    "fp16_resume", "fsdp", "chunked_loss", "gpt2_124m_muon", "ladder",
+    "fp16_resume", "fsdp", "chunked_loss", "gpt2_124m_muon", "gpt2_124m_stop", "ckpt_sync",
+    "ckpt_async", "rollback", "restart", "ladder",
 ]  # fmt: skip
 DEPENDENT = {"train_resume", "sample", "fp16_resume"}
 # the bench steps and the model each measures
 BENCHES = {
     "gpt2_124m": "gpt2_124m", "gpt1b": "gpt1b", "fsdp": "gpt2_124m", "gpt2_124m_muon": "gpt2_124m",
+    "gpt2_124m_stop": "gpt2_124m",
 }  # fmt: skip
 
 
@@ -47,7 +49,7 @@ def test_cpu_dry_run_measures_every_step_inside_its_budget(tmp_path):
     report = json.loads(out.read_text())
     steps = report["steps"]
     assert list(steps) == STEPS and report["complete"] and report["ok"] and report["mode"] == "cpu"
-    assert report["wall_s"] <= report["budget_s"] == 300
+    assert report["wall_s"] <= report["budget_s"] == 360
     assert steps["wheels"]["status"] == "skipped"  # this interpreter has Hydra
     ladder = steps["ladder"]
     assert ladder["status"] == "skipped" and "GPU_CHECK_LADDER" in ladder["reason"]  # off
@@ -79,6 +81,15 @@ def test_cpu_dry_run_measures_every_step_inside_its_budget(tmp_path):
     assert "ROMEO:" in sample["text_head"] and sample["attention_png_bytes"] > 0
     chunked = steps["chunked_loss"]["result"]
     assert chunked["chunked"]["peak_step_bytes"] < chunked["whole"]["peak_step_bytes"]
+    # the failures survived: each save's stall, a NaN rolled back, a dead rank restarted
+    for name in ("ckpt_sync", "ckpt_async"):
+        ckpt = steps[name]["result"]
+        assert ckpt["results"]["checkpoint_stall_s"] > 0 and ckpt["checkpoints"], (name, ckpt)
+    assert "train.checkpoint_async=true" in steps["ckpt_async"]["command"]
+    (rollback,) = steps["rollback"]["result"]["results"]["rollbacks"]
+    assert rollback["step"] == 7 and rollback["back_to"] == 5
+    (restart,) = steps["restart"]["result"]["results"]["restarts"]
+    assert restart["died_at_step"] == 12 and restart["resumed_from"] == 10, restart
 
     log = out.with_suffix(".log").read_text()
     assert all(f"== {name}: " in log for name in STEPS) and "budget left" in log

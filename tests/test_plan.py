@@ -543,6 +543,7 @@ def test_plan_json_names_each_figure_of_the_1b_recipe(capsys):
             "activation_checkpointing",
             "device_bytes",
             "usable_bytes",
+            "max_steps",  # the run's length: given, or what train.max_flops buys
             "memory",
             "memory_ckpt",
             "memory_no_ckpt",

@@ -217,6 +217,9 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
             f"tracking.uri={tracking_server}",
             f"tracking.experiment={experiment}",
             "optimizer.lr=1e-3,2e-3,3e-3",
+            # 2 of the fake GPUs each (training stays on the CPU): accounting's device-hours
+            "hydra.launcher.gpus_per_node=2",
+            "hardware.cost_per_device_hour=3.0",
         ],
         cwd=tmp_path,
         timeout=300,
@@ -232,6 +235,17 @@ def test_sweep_on_slurm_local_runs_each_job_as_a_slurm_job(shakespeare, tmp_path
         # the run folder says which SLURM job it was and where that job's logs are
         job = json.loads((sweep / num / "slurm.json").read_text())
         assert Path(job["stdout"]).is_file() and job["job_id"]
+        # device-hours: SLURM's elapsed seconds (when results.json was written) x 2 GPUs, not the
+        # training wall time x 1 process; cost at the price given
+        results = json.loads((sweep / num / "results.json").read_text())
+        seconds = results["device_hours"] * 3600 / 2
+        assert seconds == pytest.approx(round(seconds), abs=1e-6), results
+        acct = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-j", str(job["job_id"]), "-o", "ElapsedRaw"],
+            capture_output=True, text=True, timeout=20,
+        ).stdout.split()  # fmt: skip
+        assert int(results["wall_s"]) <= round(seconds) <= int(acct[0]), (results, acct)
+        assert results["cost"] == pytest.approx(3.0 * results["device_hours"])
     # One array job of three tasks, on the local partition, one task each (hardware=cpu); its logs
     # sit next to the job folders.
     (submission,) = sweep.glob(".submitit/*/*_submission.sh")

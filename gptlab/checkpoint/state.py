@@ -14,10 +14,17 @@ Two layouts, both atomic and read without code execution:
     with everything else (sharded runs: fsdp, hsdp). It is written as ``.ckpt_<step>.partial/`` and
     renamed once every rank's part and state.pt are complete, so a killed save never appears under
     a checkpoint's name.
+
+Both notice damage that a reader would not (a flipped byte inside tensor data): a ``.pt`` file
+holds the SHA-256 of its own contents (``sha256``, computed before it is written, so it is atomic
+with the save); a sharded folder holds ``sha256.json``, every file's SHA-256, written by rank 0
+before the rename. Loading checks them unless told not to (``verify=False``); older checkpoints
+have none and load unchecked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -50,6 +57,8 @@ _NAME = re.compile(r"^ckpt_(\d{8})(\.pt)?$")
 _PARTIAL = re.compile(r"^\.ckpt_(\d{8})\.partial$")
 STATE_FILE = "state.pt"  # a sharded checkpoint's everything but the model and optimizer shards
 SHARDED_PARTS = ("model", "optimizer")  # what a sharded checkpoint keeps in its DCP shards
+DIGEST = "sha256"  # a .pt file's entry: the SHA-256 of everything else in it (state_digest)
+MANIFEST = "sha256.json"  # a sharded folder's file: {file name: SHA-256} of every other file
 
 
 def checkpoint_path(folder: Path, step: int, sharded: bool = False) -> Path:
@@ -79,8 +88,9 @@ def save(path: Path, state: Dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    state = {"format_version": FORMAT_VERSION, **state}
     with open(tmp, "wb") as f:
-        torch.save({"format_version": FORMAT_VERSION, **state}, f)
+        torch.save({**state, DIGEST: state_digest(state)}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -88,19 +98,96 @@ def save(path: Path, state: Dict[str, Any]) -> Path:
     return path
 
 
-def load(path: Path) -> Dict[str, Any]:
+def state_digest(state: Any) -> str:
+    """The SHA-256 of a checkpoint's contents as read back (tensors' bytes, dtypes and shapes, and
+    every other value's repr, in order): what torch.load gives for the file that was saved."""
+    h = hashlib.sha256()
+    _digest_into(h, state)
+    return h.hexdigest()
+
+
+def _digest_into(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous().reshape(-1)
+        h.update(f"tensor {t.dtype} {tuple(obj.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().data)
+    elif isinstance(obj, dict):
+        h.update(f"dict {len(obj)}|".encode())
+        for key, value in obj.items():
+            _digest_into(h, key)
+            _digest_into(h, value)
+    # torch.load gives a tuple back as a tuple, but the two are the same contents either way
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"seq {len(obj)}|".encode())
+        for value in obj:
+            _digest_into(h, value)
+    else:
+        h.update(f"{type(obj).__name__} {obj!r}|".encode())
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _damaged_file(path: Path) -> GptlabError:
+    return GptlabError(
+        f"checkpoint {path} is damaged: its SHA-256 does not match the one recorded at save"
+    )
+
+
+def write_manifest(folder: Path) -> Path:
+    """A sharded checkpoint's sha256.json: every file's SHA-256 (rank 0 reads every rank's shards:
+    the checkpoint folder is on a filesystem that all ranks share)."""
+    folder = Path(folder)
+    digests = {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    digests.pop(MANIFEST, None)
+    tmp = folder / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(digests, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    return folder / MANIFEST
+
+
+def check_manifest(folder: Path) -> None:
+    """Every file sha256.json names has the SHA-256 recorded at save (a folder without one: an
+    older checkpoint, not checked)."""
+    manifest = Path(folder) / MANIFEST
+    if not manifest.is_file():
+        return
+    try:
+        digests = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        digests = f"{e}"
+    if not isinstance(digests, dict):
+        raise GptlabError(f"checkpoint {folder} is damaged: its {MANIFEST} is unreadable")
+    for name, digest in digests.items():
+        if not (Path(folder) / name).is_file() or file_digest(Path(folder) / name) != digest:
+            raise _damaged_file(Path(folder) / name)
+
+
+def load(path: Path, verify: bool = True) -> Dict[str, Any]:
     """Load a checkpoint without executing code from it (weights_only unpickling).
 
     Whatever else it is, the error is one line naming it: missing, a folder that is not a sharded
     checkpoint, an incomplete one, unreadable, not a PyTorch file, truncated, a pickle that would
     run code (refused unread), or not gptlab's. A sharded checkpoint gives its state.pt (the shards
     are read on restore); its metadata is checked here, and every shard file it names must be whole.
+    verify: a file (or, sharded, any file) whose SHA-256 differs from the one recorded at save is
+    refused as damaged (train.verify_checkpoints=false skips that read of the whole checkpoint).
     """
     path = Path(path)
     if path.is_dir():
         _check_shards(path)
-        return _load_file(path / STATE_FILE, name=path)
-    return _load_file(path)
+        if verify:
+            check_manifest(path)
+        return _load_file(path / STATE_FILE, name=path, verify=verify)
+    return _load_file(path, verify=verify)
 
 
 def _check_shards(path: Path) -> None:
@@ -131,7 +218,7 @@ def _check_shards(path: Path) -> None:
         )
 
 
-def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
+def _load_file(path: Path, name: Optional[Path] = None, verify: bool = True) -> Dict[str, Any]:
     import warnings
 
     path, shown = Path(path), name or path
@@ -173,6 +260,9 @@ def _load_file(path: Path, name: Optional[Path] = None) -> Dict[str, Any]:
             f"reads "
             f"v{', v'.join(map(str, READABLE_VERSIONS))}: use the gptlab version that wrote it"
         )
+    recorded = state.pop(DIGEST, None)  # older checkpoints have none: loaded unchecked
+    if verify and recorded is not None and state_digest(state) != recorded:
+        raise _damaged_file(path)
     return state
 
 
@@ -193,17 +283,18 @@ def load_latest_good(
     folder: Path,
     warn: Optional[Callable[[str], None]] = None,
     unreadable: Optional[Dict[Path, str]] = None,
+    verify: bool = True,
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
     """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable
-    ones, sharded saves that never finished, and those in `unreadable` (path: why; a restore found
-    it)."""
+    ones (damaged ones too, with verify), sharded saves that never finished, and those in
+    `unreadable` (path: why; a restore found it)."""
     warn = warn or logging.getLogger(__name__).warning
     found, unreadable = None, unreadable or {}
     for path in reversed(list_checkpoints(folder)):
         try:
             if path in unreadable:
                 raise UnreadableCheckpoint(unreadable[path])
-            found = path, load(path)
+            found = path, load(path, verify)
             break
         except GptlabError as e:
             warn(f"warning: {e}; trying the previous checkpoint")
@@ -308,6 +399,9 @@ class TrainingState:
     val_bpb: Optional[float] = None
     # the latest in-loop HellaSwag figures (hellaswag_acc, hellaswag_acc_norm; older: none)
     hellaswag: Dict[str, float] = field(default_factory=dict)
+    # divergence rollbacks so far ({step, cause, back_to, skipped_steps} each: the data skipped) and
+    # the recent good losses a spike is measured against (training/divergence.py; older: none)
+    divergence: Dict[str, Any] = field(default_factory=dict)
     # a sharded checkpoint's folder
     shards: Optional[Path] = field(default=None, metadata={"saved": False})
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})
@@ -384,6 +478,10 @@ class TrainingState:
             if f.metadata.get("saved", True) and f.name not in leave_out
         }
 
+    def contents(self, *leave_out: str) -> Dict[str, Any]:
+        """What a save writes: every saved field but those in leave_out."""
+        return self._saved(*leave_out)
+
     def save(self, path: Path) -> Path:
         return save(path, self._saved())
 
@@ -391,37 +489,22 @@ class TrainingState:
         """Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it
         to path once all parts are complete (a killed save never appears under a checkpoint's
         name)."""
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.partial")
-        barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-        if is_main:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # a killed save's leftovers (maybe from more ranks)
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()
+        tmp = begin_sharded(path, is_main)
         dcp.save(
             {"model": self.model, "optimizer": self.optimizer},
             storage_writer=dcp.FileSystemWriter(str(tmp)),
         )
         # dcp.save returned: every rank's shards and the metadata are written and synced
         if is_main:
-            save(tmp / STATE_FILE, self._saved(*SHARDED_PARTS))
-            old = path.with_name(f".{path.name}.replaced")
-            if path.exists():  # the same step saved again (a stop at a checkpoint step)
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
-        barrier()  # nobody lists or prunes checkpoints before the rename
-        return path
+            finish_sharded(tmp, path, self._saved(*SHARDED_PARTS))
+        _barrier()  # nobody lists or prunes checkpoints before the rename
+        return Path(path)
 
     @classmethod
-    def load(cls, path: Path) -> "TrainingState":
-        return cls.from_dict(path, load(path))
+    def load(cls, path: Path, verify: bool = True) -> "TrainingState":
+        return cls.from_dict(path, load(path, verify))
 
     @classmethod
     def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
@@ -438,12 +521,49 @@ class TrainingState:
         return cls(**{n: state[n] for n in names if n in state})
 
 
-def read_model(path: Path, optimizer_entries: Sequence[str] = ()) -> TrainingState:
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def begin_sharded(path: Path, is_main: bool) -> Path:
+    """The folder every rank writes a sharded checkpoint's shards into (.<name>.partial/, emptied by
+    rank 0 first); every rank calls it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # a killed save's leftovers (maybe from more ranks)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    return tmp
+
+
+def finish_sharded(tmp: Path, path: Path, rest: Dict[str, Any]) -> None:
+    """Rank 0, once every rank's shards and the metadata are in tmp: state.pt (rest), sha256.json,
+    then the rename that makes it a checkpoint."""
+    save(tmp / STATE_FILE, rest)
+    write_manifest(tmp)
+    old = path.with_name(f".{path.name}.replaced")
+    if path.exists():  # the same step saved again (a stop at a checkpoint step)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_model(
+    path: Path, optimizer_entries: Sequence[str] = (), verify: bool = True
+) -> TrainingState:
     """A checkpoint to read the model from (sample, export): its model_config, whole model weights
     (a sharded checkpoint's are consolidated here, in this process), tokenizer and step; loaded
     without code execution, restored into nothing. optimizer_entries: per-parameter optimizer state
-    to read too, whole, by entry name (a single-file checkpoint holds all of it anyway)."""
-    state = TrainingState.load(path)
+    to read too, whole, by entry name (a single-file checkpoint holds all of it anyway). verify:
+    check the digests recorded at save."""
+    state = TrainingState.load(path, verify)
     if state.shards is not None:
         try:
             state.model = load_whole(state.shards, ["model"])["model"]
@@ -475,10 +595,16 @@ def save_state(
     elif is_main:
         state.save(path)
     if is_main:
-        if val_loss is not None and val_loss <= state.best_val_loss:
-            mark_best(folder, path, val_loss)
-        prune(folder, keep)
+        saved(folder, path, val_loss, state.best_val_loss, keep)
     return path
+
+
+def saved(folder: Path, path: Path, val_loss: Optional[float], best_val: float, keep: int) -> None:
+    """Rank 0, once path is written: remember it as the best when val_loss is the best so far, and
+    prune to the newest `keep` checkpoints plus the best."""
+    if val_loss is not None and val_loss <= best_val:
+        mark_best(folder, path, val_loss)
+    prune(folder, keep)
 
 
 def find(run: str, which: str = "latest") -> Path:

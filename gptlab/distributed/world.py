@@ -21,14 +21,15 @@ import time
 import traceback
 from contextlib import nullcontext, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from gptlab.config import SHARDED
-from gptlab.distributed import slurm
+from gptlab.distributed import restarts, slurm
 from gptlab.errors import GptlabError
 from gptlab.perf import fastpath, runtime
 
@@ -133,21 +134,42 @@ def setup(hw: HardwareConfig, par: ParallelismConfig) -> Dist:
     launched_ddp = par.strategy == "ddp" and "MASTER_ADDR" in os.environ
     if (world > 1 or par.strategy in SHARDED or launched_ddp) and not dist.is_initialized():
         timeout = datetime.timedelta(seconds=par.timeout_s)
-        # fsdp on one device still needs a process group for its mesh: a one-rank group in memory
-        alone = {}
-        if world == 1 and not launched_ddp:
-            alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
-            **alone,
+            **_rendezvous(rank, world, launched_ddp, timeout),
         )
         # small CPU-side agreements (stop signals) go over gloo so they never sync the GPU stream
         _CONTROL_GROUP = (
             dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
         )
     return Dist(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def _rendezvous(rank: int, world: int, launched: bool, timeout: datetime.timedelta) -> dict:
+    """init_process_group's store, where env:// (MASTER_ADDR, MASTER_PORT) is not enough."""
+    if world == 1 and not launched:
+        # fsdp on one device still needs a process group for its mesh: a one-rank group in memory
+        return {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    # torchrun's static rendezvous keeps one store across its restarts, where the dead workers'
+    # addresses still are: a rank could connect to one of them (refused) before its peer's new one
+    # replaces it. Each attempt's keys get a prefix of their own.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,  # the agent hosts it
+        timeout=timeout,
+    )
+    return {
+        "store": dist.PrefixStore(f"gptlab/attempt_{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
 
 
 def broadcast_object(obj, src: int = 0):
@@ -265,31 +287,63 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def spawn(fn, nprocs: int, args: tuple) -> None:
+def spawn(
+    fn, nprocs: int, args: tuple, max_restarts: int = 0, run_dir: Optional[Path] = None
+) -> None:
     """Start nprocs local workers running fn(*args) as ranks 0..nprocs-1, and wait for all of them.
 
     The first stop signal this launcher gets (SIGTERM, SIGUSR2, and Ctrl-C's SIGINT unless it was
     started with SIGINT ignored, as a shell's background job is) goes on to every worker, which stop
     at the next step with a checkpoint; a second SIGINT or SIGTERM (stop_again) kills them and
-    raises KeyboardInterrupt here. When one worker fails, the others are killed at once and the
-    failure is raised: SystemExit(2) for a user error the worker printed itself, KeyboardInterrupt
-    for a worker interrupted before training, else one GptlabError naming the rank.
+    raises KeyboardInterrupt here. When one worker fails, the others are killed at once. A worker
+    that died (a crash or a signal nobody asked for, not a user error) with restarts left
+    (max_restarts, run_dir given) starts every worker again: the run resumes from its latest
+    checkpoint in run_dir, and its next start records the restart (distributed/restarts.py).
+    Otherwise the failure is raised: SystemExit(2) for a user error the worker printed itself,
+    KeyboardInterrupt for a worker interrupted before training, else one GptlabError naming the rank
+    (the used-up budget, once restarts were made).
     """
     stops = _Forward()
     handled = [signal.SIGTERM, signal.SIGUSR2]
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         handled.append(signal.SIGINT)
     previous = {s: signal.getsignal(s) for s in handled}
+    failures: List[Dict[str, Any]] = []
     try:
-        stops.workers = _start(nprocs, fn, args)
-        for sig in handled:
-            signal.signal(sig, stops)
-        failed = _wait(stops.workers)
+        while True:
+            started = time.time()
+            if run_dir is not None:
+                restarts.clear_marks(run_dir)
+            stops.workers = _start(nprocs, fn, args)
+            for sig in handled:
+                signal.signal(sig, stops)
+            failed = _wait(stops.workers)
+            if failed is None:
+                return
+            error = _failure(stops.workers[failed], failed, stops.first)
+            # a stop was asked for, a user error, no budget: the job ends here
+            restartable = isinstance(error, GptlabError) and stops.first is None
+            if not restartable or not max_restarts or run_dir is None:
+                raise error from None
+            code = stops.workers[failed].exitcode
+            failures.append(restarts.failure(failed, code, run_dir, started))
+            if len(failures) > max_restarts:
+                raise GptlabError(restarts.budget_line(failures, max_restarts)) from None
+            restarts.leave_failure(run_dir, failures[-1])
+            log.warning(
+                f"{restarts.died(failures[-1])}: starting all {nprocs} workers again from the "
+                f"latest checkpoint (restart {len(failures)} of train.max_restarts={max_restarts})"
+            )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if failed is not None:
-        raise _failure(stops.workers[failed], failed, stops.first) from None
+
+
+def restarts_so_far(run: Any) -> List[Dict[str, Any]]:
+    """After a run was built, on every rank: the run's restarts after failures (rank 0), the
+    failures that led to this start among them, recorded; each step marked as it starts where a
+    launcher may start the job again (distributed/restarts.py)."""
+    return restarts.begin(run)
 
 
 def _start(nprocs: int, fn, args: tuple) -> list:
@@ -352,9 +406,18 @@ def _wait(workers: list) -> Optional[int]:
             i = live.pop(sentinel)
             workers[i].join()
             if workers[i].exitcode != 0:
+                culprit = _culprit(workers, i)
                 _kill(workers)
-                return i
+                return culprit
     return None
+
+
+def _culprit(workers: list, first: int) -> int:
+    """The worker whose failure ended the job, among those that have already failed: a rank that
+    died takes its peers down with it (their collectives raise, CRASHED), so a death that is not a
+    traceback is the cause; else the first failure seen."""
+    failed = [i for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
+    return next((i for i in failed if workers[i].exitcode != CRASHED), first)
 
 
 def _kill(workers: list) -> None:

@@ -581,6 +581,37 @@ def eager_step_s(cfg: Any) -> Optional[float]:
     return tokens * fpt / (DEFAULT_MFU[cfg.hardware.device] * peak * cfg.world_size)
 
 
+def resolve_budget(cfg: Config) -> Tuple[Config, Optional[str]]:
+    """The config with train.max_steps derived from train.max_tokens or train.max_flops (the most
+    whole steps the budget buys, by the planner's model FLOPs per token), and a note saying so;
+    without a budget, the config and None. A budget beside steps that differ is refused."""
+    t = cfg.train
+    if t.max_tokens is None and t.max_flops is None:
+        return cfg, None
+    step_tokens = t.batch_size * cfg.model.block_size
+    if t.max_tokens is not None:
+        what, per_step = f"train.max_tokens={t.max_tokens:,}", float(step_tokens)
+        unit = f"{step_tokens:,} tokens a step"
+    else:
+        fpt = flops_for(cfg.model, vocab_for(cfg)[0], False)[0]
+        what, per_step = f"train.max_flops={t.max_flops:.4g}", fpt * step_tokens
+        unit = f"{per_step:.4g} FLOPs a step: {fpt:,.0f} a token x {step_tokens:,} tokens"
+    budget = float(t.max_tokens if t.max_tokens is not None else t.max_flops)
+    steps = int(budget / per_step * (1 + 1e-12))  # whole steps, none past it (a float's last bit)
+    if steps < 1:
+        raise GptlabError(
+            f"{what} buys less than one step of this model and batch ({unit}): raise it, or "
+            f"make the model or train.batch_size smaller"
+        )
+    if t.max_steps is not None and t.max_steps != steps:
+        raise GptlabError(
+            f"train.max_steps={t.max_steps} and {what} ({steps:,} steps) both set the length: "
+            f"add train.max_steps=null to train to the budget"
+        )
+    note = f"{steps:,} steps from {what} ({unit})"
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=steps)), note
+
+
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
     """hardware.precision=auto and hardware.compile=auto decided (gptlab/perf/fastpath.py's rules,
     the

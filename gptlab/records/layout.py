@@ -19,6 +19,7 @@ IDENTITY = "run.json"  # what the run is recorded as in MLflow (records/identity
 SAMPLES = "samples.txt"
 LOSS_PLOT = "loss.png"
 SLURM = "slurm.json"  # the SLURM job that ran it (gptlab/distributed/slurm.py)
+RESTARTS = "restarts.json"  # each restart after a failure (gptlab/distributed/restarts.py)
 BENCH = "bench.json"
 DATASETS = "datasets.json"  # the run's data as MLflow dataset inputs (records/lineage.py)
 EVAL = "eval.json"  # gptlab.eval's results of the run's checkpoint (gptlab/evaluation/)
@@ -29,6 +30,10 @@ HYDRA = ".hydra"  # Hydra's own: config.yaml, overrides.yaml, hydra.yaml
 LOG = "train.log"
 PREVIOUS = "previous"  # earlier runs' files, moved aside into previous/<time>/
 LOCK = ".gptlab.lock"
+# each rank's step in progress, 8 bytes at 8 x rank (gptlab/distributed/restarts.py)
+PROGRESS = ".gptlab.progress"
+# a dead worker's record, left by the launcher for the next start to complete
+FAILURE = ".gptlab.failure.json"
 SWEEP = "sweep.json"  # in a sweep folder: the MLflow parent run its jobs nest under
 SWEEP_KIND = "gptlab-sweep"  # sweep.json's "kind"
 MULTIRUN = "multirun.yaml"  # Hydra's, in every sweep folder
@@ -49,6 +54,7 @@ RECORDS = (
     EXPORT,
     EVAL,
     DATASETS,
+    RESTARTS,
 )
 ARTIFACTS = (CONFIG, RESULTS, SAMPLES, LOSS_PLOT, BENCH)  # what MLflow keeps a copy of
 STARTED = (METRICS, CONFIG)  # a run folder whose run began recording

@@ -11,8 +11,8 @@ import logging
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from gptlab.errors import or_none
-from gptlab.records import stats, store
+from gptlab.errors import never_fatal, or_none
+from gptlab.records import stats, store, transfer
 from gptlab.records.identity import RunIdentity
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,19 @@ def usage_totals(runs: list) -> Dict[str, float]:
     return out
 
 
+def _overrides(run: Any) -> Dict[str, str]:
+    """A job's overrides (its `overrides` tag) as key -> value."""
+    pairs = (w.partition("=") for w in (run.data.tags.get("overrides") or "").split())
+    return {k: v for k, sep, v in pairs if sep}
+
+
 def _configuration(run: Any) -> Tuple[Tuple[str, str], ...]:
     """A job's overrides less train.seed (and a search trial's own): its seeds' shared key."""
-    words = (run.data.tags.get("overrides") or "").split()
-    pairs = (w.partition("=") for w in words)
     return tuple(
         sorted(
             (k, v)
-            for k, sep, v in pairs
-            if sep and k != stats.SEED_KEY and "hparams_search." not in k
+            for k, v in _overrides(run).items()
+            if k != stats.SEED_KEY and "hparams_search." not in k
         )
     )
 
@@ -192,6 +196,7 @@ def end(
     for key, value in per_job_figures(runs).items():
         client.log_metric(parent_run_id, key, value)
     record_seeds(client, parent_run_id, runs)
+    record_transfer(client, parent_run_id, runs)
     slurm_errors = []
     for r in failed if job_error is not None else ():
         why = job_error(r.data.tags.get("run_dir"))
@@ -212,6 +217,21 @@ def record_seeds(client: Any, parent_run_id: str, runs: list) -> None:
         client.log_metric(parent_run_id, key, value)
     for key, text in tags.items():
         client.set_tag(parent_run_id, key, text)
+
+
+def record_transfer(client: Any, parent_run_id: str, runs: list) -> None:
+    """A width x lr sweep's transfer check (records/transfer.py): transfer/drift, each width's best
+    lr (transfer/best_lr/n_embd_<w>) and the plot compare_transfer.png; nothing for other sweeps."""
+    points = [(_overrides(r), r.data.metrics.get(BEST)) for r in runs]
+    width_key = transfer.detect(points)
+    found = transfer.transfers(points, width_key) if width_key else []
+    if not found:
+        return
+    for key, value in transfer.parent_metrics(found).items():
+        client.log_metric(parent_run_id, key, value)
+    with never_fatal(lambda e: log.warning(f"the parent run has no transfer plot: {e}")):
+        fig = transfer.figure(found, f"sweep {parent_run_id[:8]}: lr transfer", "loss")
+        client.log_figure(parent_run_id, fig, transfer.TRANSFER_PNG)
 
 
 def discard(client: Any, parent_run_id: str) -> None:

@@ -67,6 +67,8 @@ FREE = (
     "train.sample_tokens",
     "train.sample_prompt",
     "train.save_checkpoints",
+    "train.checkpoint_async",
+    "train.verify_checkpoints",
     "train.profile.",
     "hparams_search.attempt",  # a trial resumed by another sweeper: the same trial
     # where the text is, not what it is
@@ -192,15 +194,16 @@ def claim(
     resolved: Dict[str, Any],
     log: Callable[[str], None],
     unreadable: Optional[Dict[Path, str]] = None,
+    verify: bool = True,
 ) -> Claim:
     """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another
     run.
 
     unreadable: checkpoints a restore found damaged (path: why), passed over like those that do not
-    load."""
+    load. verify: checkpoints whose digests differ from those recorded at save count as damaged."""
     lock(run_dir)
     try:
-        return _decide(run_dir, resume, resolved, log, unreadable or {})
+        return _decide(run_dir, resume, resolved, log, unreadable or {}, verify)
     except GptlabError:
         unlock(run_dir)  # refused: the folder stays as it was, free for the next start
         raise
@@ -212,6 +215,7 @@ def _decide(
     resolved: Dict[str, Any],
     log: Callable[[str], None],
     unreadable: Dict[Path, str],
+    verify: bool = True,
 ) -> Claim:
     notes: List[str] = []
     say = notes.append
@@ -219,10 +223,10 @@ def _decide(
         set_aside(run_dir, "train.resume=never", say)
         return _told(Claim(None, notes), log)
     if resume != "auto":
-        path, state = _warm_start(run_dir, Path(resume).expanduser(), say)
+        path, state = _warm_start(run_dir, Path(resume).expanduser(), say, verify)
         return _told(Claim(path, notes, state), log)
     folder = run_dir / layout.CHECKPOINTS
-    found = checkpoint.load_latest_good(folder, warn=say, unreadable=unreadable)
+    found = checkpoint.load_latest_good(folder, warn=say, unreadable=unreadable, verify=verify)
     if found is None:
         if checkpoint.list_checkpoints(folder):
             first = next((n for n in notes if n.startswith(WARNING)), "")
@@ -254,13 +258,13 @@ def _decide(
 
 
 def _warm_start(
-    run_dir: Path, path: Path, say: Callable[[str], None]
+    run_dir: Path, path: Path, say: Callable[[str], None], verify: bool = True
 ) -> Tuple[Path, checkpoint.TrainingState]:
     """train.resume=PATH: within this folder's history, the history after it goes aside; else the
     whole earlier run does."""
     folder = run_dir / layout.CHECKPOINTS
     # one that does not load stops here, before anything moves
-    state = checkpoint.TrainingState.load(path)
+    state = checkpoint.TrainingState.load(path, verify)
     if path.resolve().parent == folder.resolve():
         later = [p for p in checkpoint.list_checkpoints(folder) if p.name > path.name]
         if later:

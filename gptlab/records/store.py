@@ -57,6 +57,11 @@ SUMMARY_METRICS = {
     "wall_s": "summary/wall_s",
     "device_hours": "summary/device_hours",  # wall x devices, or SLURM's accounting
     "cost": "summary/cost",  # device_hours x hardware.cost_per_device_hour
+    # what a scaling study reads (docs/scaling.md): C, N and D of the run
+    "flops": "summary/flops",
+    "params": "summary/params",
+    "params_non_embedding": "summary/params_non_embedding",
+    "tokens": "summary/tokens",
 }
 PARENT_TAG = "mlflow.parentRunId"  # what MLflow (and its UI) uses to nest a run under another
 SQLITE_PREFIX = "sqlite:///"  # a SQLite store's URI is this and the path of its database file

@@ -101,6 +101,8 @@ class NullTracker:
 
     def log_metrics(self, step: int, metrics: Dict[str, float]) -> None: ...
 
+    def log_side_metrics(self, step: int, metrics: Dict[str, float]) -> None: ...
+
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None: ...
 
     def set_tag(self, key: str, value: str) -> None: ...
@@ -528,6 +530,11 @@ class Tracker:
     def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
         row = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
         self._metrics.write(json.dumps(row) + "\n")
+        self.log_side_metrics(step, metrics)
+
+    def log_side_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+        """Figures of a step that are not its training row (a checkpoint's stall): MLflow and
+        TensorBoard only, so metrics.jsonl keeps one row per logged step and a save logs none."""
         if self.mlflow:
             self.mlflow.log_metrics(step, metrics)
         if self._tb is not None:

@@ -107,7 +107,8 @@ def approach2(points: Sequence[Point]) -> Dict[str, float]:
     n_opt = [m[1] for m in minima]
     a, k_n = power_law(cs, n_opt)
     b, k_d = power_law(cs, [c / (6 * n) for c, n in zip(cs, n_opt)])
-    return {"a": a, "k_n": k_n, "b": b, "k_d": k_d, "minima": minima}
+    slope, k_l = power_law(cs, [m[2] for m in minima])  # L_opt = kL C^l
+    return {"a": a, "k_n": k_n, "b": b, "k_d": k_d, "l": slope, "k_l": k_l, "minima": minima}
 
 
 def _solve_linear(points: Sequence[Point], alphas: np.ndarray, betas: np.ndarray):

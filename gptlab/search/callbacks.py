@@ -112,8 +112,9 @@ class SweepCallback(Callback):
             search = is_search(config)
             if search:
                 self.tolerated_failures = allowed_failures(config.hparams_search)
-            # a search started again continues its study, and its parent run with it
-            run = search and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
+            # a search or a scaling study started again continues, and its parent run with it
+            again = search or is_scaling(config)
+            run = again and parent.reopen(client, uri, layout.read_json(sweep_dir / layout.SWEEP))
             self.created = not run
             run = run or parent.create(client, uri, sweep)
             self.parent = {
@@ -212,6 +213,7 @@ class SweepCallback(Callback):
 
 
 SEARCH_SWEEPER = "hydra_plugins.gptlab_search.optuna_search.GptlabOptunaSweeper"
+SCALING_SWEEPER = "hydra_plugins.gptlab_search.scaling_sweeper.GptlabScalingSweeper"
 
 
 def began(sweep_dir: Path) -> bool:
@@ -220,6 +222,11 @@ def began(sweep_dir: Path) -> bool:
     if not sweep_dir.is_dir():
         return False
     return any(e.name not in (layout.SWEEP, layout.MULTIRUN) for e in sweep_dir.iterdir())
+
+
+def is_scaling(config: DictConfig) -> bool:
+    """Whether this multirun is an isoFLOP study (-m scaling=FILE)."""
+    return str(OmegaConf.select(config, "hydra.sweeper._target_", default="")) == SCALING_SWEEPER
 
 
 def is_search(config: DictConfig) -> bool:

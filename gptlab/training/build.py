@@ -41,7 +41,14 @@ from gptlab.model.inference import generate_text
 from gptlab.optim.factory import build_optimizer
 from gptlab.optim.schedule import lr_at, scaled_lr
 from gptlab.perf import fastpath, runtime
-from gptlab.perf.costs import device_peak, flops_for, loss_chunk, resolve_auto, resolve_micro_batch
+from gptlab.perf.costs import (
+    device_peak,
+    flops_for,
+    loss_chunk,
+    resolve_auto,
+    resolve_budget,
+    resolve_micro_batch,
+)
 from gptlab.perf.measure import expectation_met
 from gptlab.records import identity, layout, lineage, runfolder
 from gptlab.records.layout import last_logged_step
@@ -107,7 +114,9 @@ def build(
     # trial, stops before the folder is claimed or any training
     trial = search_trial.open_link(cfg.hparams_search, d.is_main)
     run_dir = shared_run_dir(run_dir)
-    resume_from, loaded = shared_claim(run_dir, cfg.train.resume, resolved, d.is_main, log.info)
+    resume_from, loaded = shared_claim(
+        run_dir, cfg.train.resume, resolved, d.is_main, log.info, None, cfg.train.verify_checkpoints
+    )
     data, train_tokens, val_tokens = build_data(cfg, d)
     hellaswag = build_hellaswag(cfg, d, data.tokenizer)  # a run that cannot have it stops here
     if source is not None:
@@ -195,6 +204,8 @@ def new_run(
     )
     run.derived = {
         "params": run.num_params,
+        # N as Kaplan et al. count it: without the token and position embeddings
+        "params_non_embedding": run.num_params - embedding_params(raw_model),
         "world_size": d.world_size,
         "micro_batch_size": cfg.micro_batch_size,
         "accum_steps": loader.accum_steps,
@@ -207,6 +218,24 @@ def new_run(
     return run
 
 
+def budgeted(cfg: Config) -> Config:
+    """The config with train.max_steps set from train.max_tokens or train.max_flops, if given."""
+    return resolve_budget(cfg)[0]
+
+
+def embedding_params(model: GPT) -> int:
+    """The token embedding's (a tied head's too) and a learned position embedding's parameters."""
+    wpe = getattr(model, "wpe", None)
+    return model.wte.weight.numel() + (wpe.weight.numel() if isinstance(wpe, nn.Embedding) else 0)
+
+
+def budget_text(t: Any) -> str:
+    """' (train.max_flops=1e+15)' when the steps come from a budget, else ''."""
+    if t.max_flops is not None:
+        return f" (train.max_flops={t.max_flops:.4g})"
+    return f" (train.max_tokens={t.max_tokens:,})" if t.max_tokens is not None else ""
+
+
 def summary_line(cfg: Config, derived: Dict[str, Any]) -> str:
     """The run in one line, printed when the loop starts."""
     x = derived
@@ -217,7 +246,7 @@ def summary_line(cfg: Config, derived: Dict[str, Any]) -> str:
         f"x{x['world_size']} {precision}{_sharding(cfg, x['world_size'])}{compiled} | "
         f"batch {cfg.train.batch_size} = {x['micro_batch_size']} x "
         f"{x['accum_steps']} accum x {x['world_size']} ranks of {cfg.model.block_size} tokens | "
-        f"peak lr {x['peak_lr']:g} | {cfg.train.max_steps} steps"
+        f"peak lr {x['peak_lr']:g} | {cfg.train.max_steps} steps{budget_text(cfg.train)}"
     )
 
 
@@ -459,6 +488,7 @@ def resume(
         log.info,
         run.stateful(),
         (path, loaded),
+        verify=run.train.verify_checkpoints,
     )
     log.info(f"resuming from {path} (step {state.step})")
     run.start_step, run.start_tokens, run.start_best_val = (
@@ -470,6 +500,7 @@ def resume(
     run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
     run.start_bpb = (state.best_val_bpb, state.val_bpb)
     run.start_hellaswag = dict(state.hellaswag or {})
+    run.start_divergence = dict(state.divergence or {})
     # steps logged after the checkpoint (a crash) are not logged again: a resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id
@@ -556,8 +587,9 @@ def shared_claim(
     is_main: bool,
     log: Callable[[str], None],
     unreadable: Optional[Dict[Path, str]] = None,
+    verify: bool = True,
 ) -> Tuple[Optional[Path], Optional[checkpoint.TrainingState]]:
-    """runfolder.claim() on rank 0, its answer on every rank.
+    """runfolder.claim() on rank 0, its answer on every rank (verify: train.verify_checkpoints).
 
     Returns (the checkpoint to load, the state rank 0 loaded already, None on the other ranks).
     Rank 0's refusal is raised on every rank. Called before the data is prepared, so another run's
@@ -566,7 +598,7 @@ def shared_claim(
     c = None
     if is_main:
         try:
-            c = runfolder.claim(run_dir, resume, resolved, log, unreadable)
+            c = runfolder.claim(run_dir, resume, resolved, log, unreadable, verify)
             answer = (str(c.resume_from) if c.resume_from else None, None)
         except GptlabError as e:
             answer = (None, str(e))
@@ -584,6 +616,7 @@ def shared_restore(
     log: Callable[[str], None],
     objects: Dict[str, Any],
     claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
+    verify: bool = True,
 ) -> Tuple[Path, checkpoint.TrainingState]:
     """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its
     state).
@@ -594,7 +627,8 @@ def shared_restore(
     path, loaded = claimed
     unreadable: Dict[Path, str] = {}
     while True:
-        state = loaded or checkpoint.TrainingState.load(path)
+        # rank 0 checked the digests while claiming it: the other ranks read the same files
+        state = loaded or checkpoint.TrainingState.load(path, verify=False)
         try:
             # restoring is the check (each rank reads its entries once); DCP gives all failures
             state.restore(objects)
@@ -603,7 +637,7 @@ def shared_restore(
             if resume != "auto":
                 raise
             unreadable[path] = str(e)
-        found, loaded = shared_claim(run_dir, resume, resolved, is_main, log, unreadable)
+        found, loaded = shared_claim(run_dir, resume, resolved, is_main, log, unreadable, verify)
         if found is None:  # not reached: a folder whose checkpoints all fail is refused by claim
             raise GptlabError(unreadable[path])
         path = found

@@ -2,7 +2,9 @@
 
 Per step: set lr -> accumulate gradients over micro-batches -> clip -> optimizer step -> log ->
 maybe evaluate -> maybe checkpoint. Host-device synchronisation happens only at logging, eval and
-checkpoint steps, so the accelerator can run ahead of Python everywhere else.
+checkpoint steps, so the accelerator can run ahead of Python everywhere else; the one exception is
+train.on_divergence=rollback, which reads each step's divergence test before the optimizer step
+(training/divergence.py), and a refused step is rolled back instead (roll_back).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
+from gptlab.checkpoint import background
 from gptlab.checkpoint import state as checkpoint
 from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
 from gptlab.evaluation import hellaswag
 from gptlab.perf.measure import mfu
 from gptlab.records.layout import PRUNED
+from gptlab.training import divergence, faults
 
 if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
     from gptlab.training.run import Run
@@ -166,9 +170,19 @@ def seed_step(seed: int, step: int, rank: int) -> None:
     torch.manual_seed((seed * 1_000_003 + step) * 4099 + rank)
 
 
+def checkpoint_saver(run: "Run") -> background.Saver:
+    """The run's checkpoint saver, made at its first use (a stand-in Run in a test has none)."""
+    if getattr(run, "saver", None) is None:
+        run.saver = background.Saver()
+    return run.saver
+
+
 def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
     """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of
-    a sharded one. Every rank then waits, so nobody races ahead of a slow save."""
+    a sharded one (train.checkpoint_async: in the background, after the previous save is written).
+    Every rank then waits, so nobody races ahead of a slow save. The seconds this held the loop
+    are the save's stall: checkpoint/stall_s, and results.json's mean checkpoint_stall_s."""
+    start = time.perf_counter()
     # the loss average in progress: every rank's sum averaged over ranks (a collective: all ranks)
     window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
     state = checkpoint.TrainingState.capture(
@@ -179,6 +193,7 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         best_val_bpb=p.best_bpb,
         val_bpb=p.last_bpb,
         hellaswag=dict(p.hellaswag),
+        divergence=p.watch.state() if p.watch is not None else {},
         loss_window=(window, p.loss_count),
         train_loss=p.train_loss,
         val_loss=p.last_val,
@@ -187,35 +202,57 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
         tokenizer=run.tokenizer.to_meta(),
         mlflow_run_id=run.tracker.run_id,
     )
-    checkpoint.save_state(
-        run.checkpoint_dir, state, val, run.train.keep_checkpoints, run.dist.is_main
+    saver = checkpoint_saver(run)
+    t = run.train
+    saver.save(
+        run.checkpoint_dir, state, val, t.keep_checkpoints, run.dist.is_main, t.checkpoint_async
     )
+    if p.stopped_by is not None:
+        saver.wait()  # the run stops here and names this checkpoint as the next start's
     if run.dist.world_size > 1:
         torch.distributed.barrier()
+    saver.stalls.append(time.perf_counter() - start)
+    if p.step > run.logged_until_step:
+        run.tracker.log_side_metrics(p.step, {"checkpoint/stall_s": saver.stalls[-1]})
 
 
-def optimizer_step(run: "Run", lr: float, loss_sum: torch.Tensor) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; adds the loss to loss_sum, returns the
-    grad norm."""
+def optimizer_step(
+    run: "Run",
+    lr: float,
+    loss_sum: torch.Tensor,
+    step: int,
+    watch: Optional[divergence.Watch] = None,
+) -> torch.Tensor:
+    """Step `step` (1-based) over this rank's micro-batches; adds the loss to loss_sum, returns the
+    grad norm. A watch tests the step before the optimizer takes it: a step it refuses leaves the
+    weights and the optimizer state as they were (watch.pending says why)."""
     model, opt, scaler, dev = run.model, run.optimizer, run.scaler, run.dist.device
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)  # muP's per-layer lrs (optim.decay_groups)
     micro = run.train_loader.next_step()
     accum = len(micro)
+    fired = watch.rolled_back_steps() if watch is not None else ()
+    step_loss = torch.zeros((), device=dev)
     for i, (x, y) in enumerate(micro):
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         # DDP / FSDP reduce gradients only on the last micro-step; earlier ones just accumulate.
         with distributed.no_sync(model, i == accum - 1), run.autocast():
             _, loss = model(x, y)
             # Divide by the micro-steps so the summed gradients equal those of one big batch.
-            loss = loss / accum
+            loss = faults.poison(loss / accum, step, run.train.faults, fired)
         scaler.scale(loss).backward()
         loss_sum += loss.detach()
+        step_loss += loss.detach()
     grad_norm = torch.zeros((), device=dev)
     if run.grad_clip > 0:
         scaler.unscale_(opt)  # clip the true gradients, not the fp16-scaled ones
         norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), run.grad_clip)
         grad_norm = distributed.grad_norm_value(norm)  # sharded: the global norm, replicated
+    if watch is not None and not watch.step_ok(step, step_loss, grad_norm):
+        if run.grad_clip > 0:
+            scaler.update()  # closes this step's unscale_ (the rollback restores the scaler)
+        opt.zero_grad(set_to_none=True)
+        return grad_norm
     scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
@@ -238,6 +275,7 @@ class Progress:
     last_bpb: Optional[float] = None
     hellaswag: Dict[str, float] = field(default_factory=dict)  # the latest scoring's figures
     sources: Dict[str, float] = field(default_factory=dict)  # a mixture's latest per-source figures
+    watch: Optional[divergence.Watch] = None  # the divergence test, its rollbacks and snapshot
 
 
 def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
@@ -303,6 +341,7 @@ def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tup
         p.stopped_by = PRUNED
     if do_save or (pruned and run.train.save_checkpoints):
         save_checkpoint(run, p, p.last_val if do_eval else None)
+        keep_good_state(run, p)
     if pruned:
         report.say(
             f"trial {run.trial.number} pruned at step {p.step}: its evaluations are worse than "
@@ -331,6 +370,7 @@ def train(run: "Run") -> Dict[str, Any]:
     t, report = run.train, run.reporter
     tokens_per_step = t.batch_size * run.block_size
     p = start_progress(run)
+    watch_divergence(run, p)
     wall0 = time.perf_counter()
     run.model.train()
     report.begin(p.step, run.summary)
@@ -343,11 +383,17 @@ def train(run: "Run") -> Dict[str, Any]:
             if prof is not None:
                 prof.begin(p.step + 1)
             grad_norm = profiled_step(run, lr, p, prof)
+            if p.watch.pending is not None:  # refused: back to the last good state
+                if prof is not None:
+                    prof.end(p.step + 1)
+                roll_back(run, p)
+                continue
             p.step, p.tokens, p.loss_count = (
                 p.step + 1,
                 p.tokens + tokens_per_step,
                 p.loss_count + 1,
             )
+            faults.maybe_crash(p.step, run.dist.rank, run.run_dir, run.train.faults)
             if prof is not None:
                 prof.end(p.step)
             report.trained(tokens_per_step)
@@ -355,6 +401,7 @@ def train(run: "Run") -> Dict[str, Any]:
             p.stopped_by = distributed.agree_on_signal(stop.received)
             due_now = due(t, p)
             if any(due_now) or hellaswag_due(run, p.step):
+                p.watch.raise_if_diverged()  # on_divergence=stop: before any record or save
                 record_step(run, p, lr, grad_norm, due_now)
             else:
                 report.tick(p.step)
@@ -363,16 +410,57 @@ def train(run: "Run") -> Dict[str, Any]:
             prof.close()
         stop.restore()
         report.close()
+        checkpoint_saver(run).close()  # a save in flight is written (or its failure raised) first
     return results(run, p, time.perf_counter() - wall0)
+
+
+def watch_divergence(run: "Run", p: Progress) -> None:
+    """The divergence test of every step (training/divergence.py), and with on_divergence=rollback
+    the first good state to go back to: the start."""
+    norm_counts = run.grad_clip > 0 and not run.scaler.is_enabled()
+    p.watch = divergence.Watch(run.train, run.dist.device, norm_counts, run.start_divergence)
+    if p.watch.rollback:
+        p.watch.snapshot = divergence.Snapshot(run, p, p.watch)
+
+
+def keep_good_state(run: "Run", p: Progress) -> None:
+    """After a save, the saved state is the one a rollback goes back to (none needed at the end)."""
+    watch, going_on = p.watch, p.stopped_by is None and p.step < run.train.max_steps
+    if watch is not None and watch.rollback and going_on:
+        watch.snapshot = divergence.Snapshot(run, p, watch)
+
+
+def roll_back(run: "Run", p: Progress) -> None:
+    """The step the watch refused: the last good state back, the data since then skipped (the
+    loader stays past the bad step's batches), the rollback recorded and said."""
+    watch = p.watch
+    bad = watch.pending
+    watch.check_limit()
+    position = run.train_loader.state_dict()
+    watch.snapshot.restore(run, p, watch)
+    run.train_loader.load_state_dict(position)
+    step, back_to = bad["step"], p.step
+    watch.rollbacks.append(
+        {"step": step, "cause": bad["cause"], "back_to": back_to, "skipped_steps": step - back_to}
+    )
+    watch.pending = None
+    if step > run.logged_until_step:
+        run.tracker.log_metrics(step, {"rollbacks": len(watch.rollbacks)})
+    what = divergence.describe(step, bad["cause"], bad["loss"], bad["norm"], watch.factor)
+    run.reporter.say(
+        f"{what.split(':')[0]} ({bad['cause']}): rolled back to step {back_to}, skipping the "
+        f"batches of steps {back_to + 1}-{step} (rollback {len(watch.rollbacks)} of at most "
+        f"{watch.max_rollbacks})"
+    )
 
 
 def profiled_step(run: "Run", lr: float, p: Progress, prof: Any) -> torch.Tensor:
     """optimizer_step; a CUDA step that runs out of memory first leaves the allocator's history
     (train.profile.oom_snapshot) and says where."""
     if prof is None:
-        return optimizer_step(run, lr, p.loss_sum)
+        return optimizer_step(run, lr, p.loss_sum, p.step + 1, p.watch)
     try:
-        return optimizer_step(run, lr, p.loss_sum)
+        return optimizer_step(run, lr, p.loss_sum, p.step + 1, p.watch)
     except torch.cuda.OutOfMemoryError:
         path = prof.out_of_memory()
         if path is not None:
@@ -400,6 +488,9 @@ def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
     tok_s = session_tokens / train_time if train_time > 0 else None
     return {
         "params": run.num_params,
+        # N without the embeddings, and C: the model FLOPs of every token trained (scaling laws)
+        "params_non_embedding": getattr(run, "derived", {}).get("params_non_embedding"),
+        "flops": run.flops_per_token * p.tokens,
         "steps": p.step,
         "tokens": p.tokens,
         # 0: resumed at the final step (the losses are the checkpoint's)
@@ -414,6 +505,9 @@ def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
         "wall_s": wall_s,
         "mlflow_run_id": run.tracker.run_id,
         "stopped_by": p.stopped_by,
+        # each divergence rolled back: {step, cause, back_to, skipped_steps}
+        "rollbacks": [dict(r) for r in p.watch.rollbacks] if p.watch is not None else [],
+        "checkpoint_stall_s": checkpoint_saver(run).mean_stall(),  # mean s a save held the loop
         **p.hellaswag,  # the last scoring's (none when it is off)
         **p.sources,  # a mixture's last per-source evaluation
     }

@@ -66,6 +66,8 @@ class Run:
     hellaswag_config: Any = None
     # the checkpoint's latest HellaSwag figures (results of a run resumed at its last step)
     start_hellaswag: Dict[str, float] = field(default_factory=dict)
+    # the checkpoint's rollbacks and recent losses (TrainingState.divergence)
+    start_divergence: Dict[str, Any] = field(default_factory=dict)
     # search.trial.TrialLink when this run is a trial of a hyperparameter search (pruning)
     trial: Any = None
     # profiling.StepProfiler when train.profile asks for one (else the loop checks nothing)
@@ -73,6 +75,8 @@ class Run:
     derived: Dict[str, Any] = field(default_factory=dict)
     # a mixture's sources, each measured on its own: {name: (weight, validation batches)}
     val_sets: Dict[str, Tuple[float, List[Any]]] = field(default_factory=dict)
+    # checkpoint.background.Saver: the save in flight and each save's stall (made at the first save)
+    saver: Any = None
 
     @property
     def timings(self) -> List[Tuple[int, float, int]]:

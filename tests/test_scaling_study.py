@@ -150,3 +150,14 @@ def test_a_study_runs_its_grid_fits_it_and_started_again_runs_only_what_is_missi
     sweep = json.loads((folder / "sweep.json").read_text())
     parent = mlflow.MlflowClient(sweep["uri"]).get_run(sweep["parent_run_id"])
     assert "scaling/a" in parent.data.metrics and parent.data.tags["run_type"] == "scaling"
+
+
+def test_a_size_the_model_refuses_is_one_line_naming_the_point():
+    s = settings(sizes=[{"n_layer": 1, "n_embd": 30, "n_head": 4}, {"n_embd": 32}, {"n_embd": 48}])
+    point = study.points(s, [])[0]
+    job = compose_config(["model=gpt_nano", *point.overrides])
+    with pytest.raises(GptlabError) as e:
+        study.plan(point, job, [1, 1000])
+    assert str(e.value) == (
+        "scaling point 1e10_L1xD30: model.n_embd: 30 is not divisible by model.n_head=4"
+    )

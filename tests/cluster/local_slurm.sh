@@ -181,7 +181,8 @@ write_config() {
     if [ "$ACCOUNTING" = 1 ]; then
         accounting="AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
-AccountingStoragePort=$DBD_PORT"
+AccountingStoragePort=$DBD_PORT
+AccountingStorageTRES=gres/gpu"
         write_dbd_config
     fi
     # The controller listens on the bridge address only, not on every address of the machine.

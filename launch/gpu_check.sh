@@ -43,13 +43,13 @@
 # output goes to one log beside it (gpu_check.log). Exit code 0 when no step failed or timed out.
 #
 # --cpu: the same steps on the CPU with every model shrunk (hardware=cpu, fp32, no compile, gloo),
-# a dry run of this script that CI runs (tests/test_gpu_check.py); budget 360 s.
+# a dry run of this script that CI runs (tests/test_gpu_check.py); budget 480 s.
 #
 # The machine needs no network: the text is Tiny Shakespeare if found (GPTLAB_SHAKESPEARE,
 # shared/data/, ../shared/data/), else generated, tokenized by characters.
 #
 # Settings (environment):
-#   GPU_CHECK_BUDGET     seconds for the whole script (default 450; --cpu: 360)
+#   GPU_CHECK_BUDGET     seconds for the whole script (default 450; --cpu: 480)
 #   GPU_CHECK_ONLY       comma-separated steps to run (the others are recorded as skipped);
 #                        wheels and env always run
 #   GPU_CHECK_TIMEOUTS   per-step timeouts in seconds over the defaults, e.g. "gpt1b=60,fsdp=90"
@@ -93,7 +93,7 @@ fi
 
 if [ "$CPU" = 1 ]; then
   MODE=cpu
-  BUDGET=${GPU_CHECK_BUDGET:-360}
+  BUDGET=${GPU_CHECK_BUDGET:-480}
   HW=${GPU_CHECK_HARDWARE:-hardware=cpu}
   SHRINK=${GPU_CHECK_SHRINK-model.n_layer=1 model.n_embd=32 model.n_head=2 model.block_size=32 \
 model.ffn_dim=null train.batch_size=2 train.micro_batch_size=2 hardware.threads=1}

@@ -33,7 +33,7 @@ def env(tmp, **extra):
     return {**base, "PYTHON": sys.executable, "TMPDIR": str(tmp), **extra}
 
 
-def run_check(out, timeout=400, **extra):
+def run_check(out, timeout=560, **extra):
     return subprocess.run(
         ["bash", str(SCRIPT), "--cpu", str(out)],
         cwd=REPO, env=env(out.parent, **extra), capture_output=True, text=True, timeout=timeout,
@@ -49,7 +49,7 @@ def test_cpu_dry_run_measures_every_step_inside_its_budget(tmp_path):
     report = json.loads(out.read_text())
     steps = report["steps"]
     assert list(steps) == STEPS and report["complete"] and report["ok"] and report["mode"] == "cpu"
-    assert report["wall_s"] <= report["budget_s"] == 360
+    assert report["wall_s"] <= report["budget_s"] == 480
     assert steps["wheels"]["status"] == "skipped"  # this interpreter has Hydra
     ladder = steps["ladder"]
     assert ladder["status"] == "skipped" and "GPU_CHECK_LADDER" in ladder["reason"]  # off

@@ -58,8 +58,8 @@ def run_scale(cfg: Any) -> Dict[str, Any]:
             "scale.verify=true trains the predicted run of a study: give a study's folder (made by "
             "-m scaling=...) and scale.target_flops"
         )
+    objective = (held or {}).get("scaling", {}).get("objective", "best_val_loss")
     if source.is_dir():
-        objective = (held or {}).get("scaling", {}).get("objective", "best_val_loss")
         points, out = read_runs(source, objective), Path(s.out or source)
     elif source.is_file():
         points, out = read_csv(source), Path(s.out or source.parent)
@@ -69,7 +69,7 @@ def run_scale(cfg: Any) -> Dict[str, Any]:
     if held and result.get("target"):
         study.nearest_run(held, result["target"])
         if s.verify:
-            study.verify(source, result["target"])
+            study.verify(source, result["target"], objective)
     print(table(result))
     write_fit(result, points, out)
     print(f"wrote {out / 'scaling.json'} and {out / 'scaling.png'}")

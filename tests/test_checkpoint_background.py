@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from helpers import REPO, compose_config, nano_overrides
+from test_checkpoint_state import _Box, _tiny
 
 from gptlab.checkpoint import background
 from gptlab.checkpoint import state as checkpoint
@@ -101,28 +102,9 @@ def test_a_failing_background_write_is_raised_at_the_next_wait(tmp_path, shakesp
     assert not checkpoint.list_checkpoints(tmp_path / "r" / "checkpoints")
 
 
-class _Box:
-    def __init__(self, value=0):
-        self.value = value
-
-    def state_dict(self):
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
-
-
 @pytest.mark.integration
 def test_an_async_sharded_save_is_the_sync_one_with_its_digests(tmp_path, one_rank_group):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
+    model, opt = _tiny(0, shard=True)
     objects = {"model": model, "optimizer": opt, "scaler": _Box(), "loader": _Box(3)}
     saver, paths = background.Saver(), {}
     for mode in ("sync", "async"):

@@ -261,15 +261,13 @@ def nearest_run(held: Dict[str, Any], target: Dict[str, Any]) -> None:
     target["command"] = "python -m gptlab.train " + " ".join(shlex.quote(o) for o in overrides)
 
 
-def verify(folder: Path, target: Dict[str, Any]) -> None:
-    """Train the target's run (nearest_run) in <folder>/verify_<budget>/ and record its loss beside
-    the prediction (target['verify'])."""
+def verify(folder: Path, target: Dict[str, Any], objective: str) -> None:
+    """Train the target's run (nearest_run) in <folder>/verify_<budget>/ and record its `objective`
+    beside the prediction (target['verify'])."""
     import subprocess
     import sys
 
     run_dir = Path(folder) / f"verify_{budget_label(target['flops'])}"
-    held = read_study(folder) or {}
-    objective = held.get("scaling", {}).get("objective", "best_val_loss")
     args = [sys.executable, "-m", "gptlab.train", *target["overrides"], f"hydra.run.dir={run_dir}"]
     log.info(f"verifying the prediction: {target['command']} (in {run_dir})")
     done = subprocess.run(args)

@@ -6,22 +6,11 @@ gptlab loads when a study actually starts.
 
 from typing import Any, List
 
-from hydra.plugins.sweeper import Sweeper
+from hydra_plugins.gptlab_search.launching import LaunchingSweeper
 
 
-class GptlabScalingSweeper(Sweeper):
+class GptlabScalingSweeper(LaunchingSweeper):
     """Every (budget, size) point of config.scaling, each trained to its budget."""
-
-    def __init__(self) -> None:
-        self.config = self.launcher = self.hydra_context = None
-
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        from hydra.core.plugins import Plugins
-
-        self.hydra_context, self.config = hydra_context, config
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
 
     def sweep(self, arguments: List[str]) -> Any:
         from gptlab.scaling.study import Study

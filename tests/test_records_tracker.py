@@ -111,6 +111,51 @@ def test_unreachable_tracking_server_still_completes_the_run(tmp_path, shakespea
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 5
 
 
+@pytest.mark.integration
+def test_a_sink_of_ones_own_is_one_class_and_gets_every_row_metrics_jsonl_gets(
+    tmp_path, shakespeare, monkeypatch, capsys
+):
+    """A new place to record is one Sink subclass and one entry in SINKS: it receives every logged
+    row (metrics.jsonl's, exactly), the results and the end; a sink that fails is said once and
+    dropped, and the run goes on."""
+    from gptlab.records import tracker as tracking
+    from gptlab.records.sinks import Sink
+
+    class Rows(Sink):
+        rows, results, ended = [], [], []
+
+        def log_metrics(self, step, metrics):
+            Rows.rows.append({"step": step, **{k: v for k, v in metrics.items() if v is not None}})
+
+        def write_results(self, results):
+            Rows.results.append(results)
+
+        def finish(self, status, error):
+            Rows.ended.append(status)
+
+    class Broken(Sink):
+        name = "the broken store"
+        calls = 0
+
+        def log_side_metrics(self, step, metrics):
+            Broken.calls += 1
+            raise ConnectionError("gone")
+
+    monkeypatch.setattr(tracking, "SINKS", (*tracking.SINKS, Rows, Broken))
+    run_dir = tmp_path / "run"
+    results = run_training(compose_config(nano_overrides(shakespeare)), run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20] and Rows.rows == rows
+    assert Rows.results == [json.loads((run_dir / "results.json").read_text())]
+    assert Rows.ended == ["FINISHED"] and results["steps"] == 20
+    assert Broken.calls == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "broken" in line]
+    assert line.endswith(
+        "the broken store records stopped for this run (ConnectionError: gone); the run folder "
+        "still records everything"
+    )
+
+
 @pytest.mark.parametrize(
     "uri",
     [

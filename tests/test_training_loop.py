@@ -270,6 +270,57 @@ def test_results_count_this_sessions_tokens_and_time_only():
     assert half["tokens_per_s"] == 4000.0
 
 
+def test_progress_saves_and_restores_itself_under_the_checkpoints_names(tmp_path):
+    """Progress.state_dict() is what a checkpoint keeps of the loop, and load_state_dict() gives it
+    back (through a saved checkpoint too); an older checkpoint's missing entries keep their start
+    values."""
+    from gptlab.checkpoint import state as checkpoint
+    from gptlab.training.loop import Progress
+
+    cpu = torch.device("cpu")
+    p = Progress.start(cpu)
+    p.step, p.tokens, p.best_val, p.loss_count = 7, 700, 2.5, 3
+    p.loss_sum.fill_(6.0)
+    p.train_loss, p.last_val, p.best_bpb, p.last_bpb = 2.25, 2.75, 1.5, 1.75
+    p.hellaswag = {"hellaswag_acc": 0.25}
+    p.sources = {"val/books/loss": 3.0}  # the latest evaluation's: not resumable
+    state = p.state_dict()
+    assert state == {
+        "step": 7,
+        "tokens": 700,
+        "best_val_loss": 2.5,
+        "loss_window": (6.0, 3),
+        "train_loss": 2.25,
+        "val_loss": 2.75,
+        "best_val_bpb": 1.5,
+        "val_bpb": 1.75,
+        "hellaswag": {"hellaswag_acc": 0.25},
+        "divergence": {},  # no watch: nothing tested yet
+    }
+    box = type("Box", (), {"state_dict": dict, "load_state_dict": lambda self, s: None})()
+    objects = {"model": torch.nn.Linear(2, 2, device=cpu), "scaler": box, "loader": box}
+    objects["optimizer"] = torch.optim.SGD(objects["model"].parameters(), lr=0.1)
+    saved = checkpoint.TrainingState.capture(
+        objects, **state, config={}, model_config={}, tokenizer={}, mlflow_run_id=None
+    )
+    read = checkpoint.TrainingState.load(saved.save(tmp_path / "ckpt_00000007.pt"))
+    back = Progress.start(cpu)
+    back.load_state_dict({**read.progress(), "divergence": {"rollbacks": [{"step": 5}]}})
+    assert back.state_dict() == state
+    assert back.loss_sum.device == cpu and back.loss_sum.item() == 6.0
+    assert back.resumed_divergence == {"rollbacks": [{"step": 5}]}  # the watch starts from it
+    assert back.sources == {} and back.stopped_by is None
+    # a checkpoint from before the loss window, bits per byte and HellaSwag were saved
+    old = Progress.start(cpu)
+    old.load_state_dict({"step": 4, "tokens": 400, "best_val_loss": 3.0, "train_loss": None})
+    assert (old.step, old.tokens, old.best_val, old.loss_count) == (4, 400, 3.0, 0)
+    assert old.loss_sum.item() == 0.0 and math.isnan(old.train_loss)
+    assert (old.last_val, old.best_bpb, old.last_bpb, old.hellaswag) == (None, math.inf, None, {})
+    fresh = Progress.start(cpu)
+    fresh.load_state_dict({})  # a new run
+    assert (fresh.step, fresh.tokens, fresh.best_val, fresh.loss_sum.item()) == (0, 0, math.inf, 0)
+
+
 def record_calls(monkeypatch, obj, names):
     """Wrap obj's methods so each call's arguments are recorded (the real method still runs)."""
     calls = {name: [] for name in names}
@@ -295,6 +346,15 @@ def at_training_forward(run, n, action):
                 action()
 
     return run.raw_model.register_forward_pre_hook(hook)
+
+
+# a whole checkpoint's entries as format 2 has saved them, in order (the digest is checked, then
+# dropped, by checkpoint.load)
+CHECKPOINT_KEYS = [
+    *("format_version", "step", "tokens", "best_val_loss", "model", "optimizer", "scaler"),
+    *("loader", "rng", "config", "model_config", "tokenizer", "mlflow_run_id", "loss_window"),
+    *("train_loss", "val_loss", "best_val_bpb", "val_bpb", "hellaswag", "divergence"),
+]
 
 
 def train_step_losses(run):
@@ -381,9 +441,8 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
     third = saved[0][0]
     assert third.tokens == 3 * 8 * 32 and third.best_val_loss == math.inf
     # step 1 logged, so steps 2 and 3 are the train-loss average in progress
-    assert third.loss_window[1] == 2 and third.loss_window[0] == pytest.approx(
-        losses[1] + losses[2], rel=1e-6
-    )
+    window = third.progress()["loss_window"]
+    assert window[1] == 2 and window[0] == pytest.approx(losses[1] + losses[2], rel=1e-6)
     assert third.config == run.resolved_config and third.model_config == run.model_config
     assert third.tokenizer == run.tokenizer.to_meta() and third.mlflow_run_id == "run-under-test"
     assert (
@@ -394,6 +453,8 @@ def test_every_step_tells_the_reporter_tracker_and_checkpoints_what_it_did(
         "ckpt_00000009.pt",
         "ckpt_00000012.pt",
     ]
+    # a checkpoint's entries, in order, are those every earlier gptlab wrote: old ones still load
+    assert list(checkpoint.load(run.checkpoint_dir / "ckpt_00000012.pt")) == CHECKPOINT_KEYS
 
     assert (
         results["steps"] == 12
@@ -730,7 +791,7 @@ def test_a_nan_step_is_rolled_back_to_the_last_checkpoint_and_its_data_skipped(
     assert results["val_loss"] == pytest.approx(calm["val_loss"], rel=0.005)
     assert {"step": 7, "rollbacks": 1} in read_metrics(tmp_path / "nan")
     saved = checkpoint.TrainingState.load(run.checkpoint_dir / "ckpt_00000020.pt")
-    assert saved.divergence["rollbacks"] == [rollback]
+    assert saved.progress()["divergence"]["rollbacks"] == [rollback]
 
 
 @pytest.mark.integration

@@ -1,12 +1,14 @@
 """Checkpoints: what one holds (``TrainingState``), atomic save, safe load, pruning.
 
-The one module that knows a checkpoint's keys. The loop captures a ``TrainingState`` from the live
-objects and saves it; build restores one into freshly built objects; sample and export read the
-model part of one (``read_model``); runfolder.py decides which one a run continues. Adding a field
-to what a run saves is a change here only. Knows no model class: it sees objects with
-``state_dict()`` / ``load_state_dict()``, and reads the model and optimizer through
-torch.distributed.checkpoint's state-dict API, which keys both by parameter name whatever the
-wrapping (plain, DDP, FSDP), so any checkpoint restores under any strategy and world size.
+The one module that knows a checkpoint's keys, but for the loop's progress, which the loop's
+``Progress.state_dict()`` names (saved beside the fields here, read back by ``progress()``). The
+loop captures a ``TrainingState`` from the live objects and saves it; build restores one into
+freshly built objects; sample and export read the model part of one (``read_model``); runfolder.py
+decides which one a run continues. Adding a live object or a field to what a run saves is a change
+here only; a value of the loop's progress, a change to ``Progress`` only. Knows no model class:
+it sees objects with ``state_dict()`` / ``load_state_dict()``, and reads the model and optimizer
+through torch.distributed.checkpoint's state-dict API, which keys both by parameter name whatever
+the wrapping (plain, DDP, FSDP), so any checkpoint restores under any strategy and world size.
 
 Two layouts, both atomic and read without code execution:
   * ``ckpt_<step>.pt``: one file, written by rank 0 (unsharded runs: single, ddp);
@@ -27,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -387,34 +388,42 @@ class TrainingState:
     model_config: Dict[str, Any]  # GPTConfig's fields with the real vocabulary
     tokenizer: Dict[str, Any]  # the tokenizer's to_meta()
     mlflow_run_id: Optional[str]  # a resumed run goes on in the same MLflow run
-    # the train-loss average in progress: (sum of the per-step losses, averaged over ranks; steps),
-    # so a resumed run logs the same averages as one never stopped (older checkpoints: empty)
-    loss_window: Tuple[float, int] = (0.0, 0)
-    # the last logged train loss and evaluated val loss, for results.json of a resumption that has
-    # no step left to train (older checkpoints: None)
-    train_loss: Optional[float] = None
-    val_loss: Optional[float] = None
-    # bits per byte: the best and the last evaluated (older checkpoints: inf / None)
-    best_val_bpb: float = math.inf
-    val_bpb: Optional[float] = None
-    # the latest in-loop HellaSwag figures (hellaswag_acc, hellaswag_acc_norm; older: none)
-    hellaswag: Dict[str, float] = field(default_factory=dict)
-    # divergence rollbacks so far ({step, cause, back_to, skipped_steps} each: the data skipped) and
-    # the recent good losses a spike is measured against (training/divergence.py; older: none)
-    divergence: Dict[str, Any] = field(default_factory=dict)
+    # the loop's other resumable values, as training/loop.py's Progress.state_dict() names them
+    # (loss_window, train_loss, val_loss, best_val_bpb, val_bpb, hellaswag, divergence, ...):
+    # saved as entries of their own beside the fields above; an older checkpoint has fewer, and
+    # Progress.load_state_dict keeps its start value for what is missing
+    progress_entries: Dict[str, Any] = field(default_factory=dict, metadata={"flat": True})
     # a sharded checkpoint's folder
     shards: Optional[Path] = field(default=None, metadata={"saved": False})
     format_version: int = field(default=FORMAT_VERSION, metadata={"saved": False})
 
     @classmethod
-    def capture(cls, objects: Dict[str, Any], **fields_: Any) -> "TrainingState":
+    def capture(cls, objects: Dict[str, Any], **values: Any) -> "TrainingState":
         """The state now (every rank calls it): objects maps each STATEFUL name to its live
-        object."""
+        object; values: the fields above, and the loop's progress (Progress.state_dict())."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(objects["model"], objects["optimizer"])
         rest = {k: objects[k].state_dict() for k in STATEFUL if k not in SHARDED_PARTS}
-        return cls(model=model, optimizer=optimizer, **rest, rng=rng_state(), **fields_)
+        own = {f.name for f in fields(cls)}
+        return cls(
+            model=model,
+            optimizer=optimizer,
+            **rest,
+            rng=rng_state(),
+            **{k: v for k, v in values.items() if k in own},
+            progress_entries={k: v for k, v in values.items() if k not in own},
+        )
+
+    def progress(self) -> Dict[str, Any]:
+        """The loop's progress as Progress.state_dict() wrote it (Progress.load_state_dict reads
+        it)."""
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "best_val_loss": self.best_val_loss,
+            **self.progress_entries,
+        }
 
     @property
     def sharded(self) -> bool:
@@ -472,11 +481,15 @@ class TrainingState:
         restore_rng(self.rng)
 
     def _saved(self, *leave_out: str) -> Dict[str, Any]:
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.metadata.get("saved", True) and f.name not in leave_out
-        }
+        saved: Dict[str, Any] = {}
+        for f in fields(self):
+            if not f.metadata.get("saved", True) or f.name in leave_out:
+                continue
+            if f.metadata.get("flat"):  # the loop's entries, each under its own name
+                saved.update(getattr(self, f.name))
+            else:
+                saved[f.name] = getattr(self, f.name)
+        return saved
 
     def contents(self, *leave_out: str) -> Dict[str, Any]:
         """What a save writes: every saved field but those in leave_out."""
@@ -512,13 +525,17 @@ class TrainingState:
         put)."""
         if Path(path).is_dir():
             state = {**state, "model": None, "optimizer": None, "shards": Path(path)}
-        names = [f.name for f in fields(cls)]
-        missing = [f.name for f in fields(cls) if f.name not in state and f.default is MISSING]
+        names = [f.name for f in fields(cls) if not f.metadata.get("flat")]
+        required = [
+            f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+        ]
+        missing = [name for name in required if name not in state]
         if missing:
             raise GptlabError(
                 f"checkpoint {path} is not a gptlab training checkpoint (no {', '.join(missing)})"
             )
-        return cls(**{n: state[n] for n in names if n in state})
+        entries = {k: v for k, v in state.items() if k not in names}
+        return cls(**{n: state[n] for n in names if n in state}, progress_entries=entries)
 
 
 def _barrier() -> None:

@@ -1,9 +1,11 @@
-"""Rank 0's records of a training run: the run folder (always) and MLflow (when reachable).
+"""Rank 0's records of a training run: ``Tracker`` hands each record to its sinks (``SINKS``).
 
-Other ranks get ``NullTracker``, so the training loop calls the same methods everywhere and never
-branches on whether logging is on. A tracking store that is down or fails never stops training: the
-tracker warns once, stops using MLflow, and the run folder still gets everything. The optional parts
-(system metrics, TensorBoard, the loss plot) each say in one line what is missing and are skipped.
+The sinks (records/sinks.py's interface): the run folder (always), TensorBoard (when asked) and
+MLflow (``MLflowRun``, through its background ``Sender``, when reachable). Other ranks get
+``NullTracker``, so the training loop calls the same methods everywhere and never branches on
+whether logging is on. A store that is down or fails never stops training: the tracker warns once,
+stops using it, and the run folder still gets everything. The optional parts (system metrics,
+TensorBoard, the loss plot) each say in one line what is missing and are skipped.
 
 A run that is a sweep's job (records/identity.py finds the sweep) becomes a child of that sweep's
 MLflow parent run, whatever launcher ran it.
@@ -13,21 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
-import os
 import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 from gptlab.errors import never_fatal, or_none
 from gptlab.records import identity as ids
 from gptlab.records import layout, parent
 from gptlab.records.identity import RunIdentity
+from gptlab.records.sinks import Opening, RunFolder, Sink, TensorBoard
 from gptlab.records.store import (
     SUMMARY_METRICS,
     artifact_root,
@@ -49,48 +50,6 @@ if TYPE_CHECKING:
     from gptlab.config import TrackingConfig
 
 log = logging.getLogger(__name__)
-
-
-def plot_loss(rows: List[Dict[str, Any]], path: Path, title: str) -> None:
-    """PNG of train and val loss against tokens, with lr on a second axis (needs matplotlib)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    def series(key: str):
-        pts = [
-            (r["tokens"], r[key])
-            for r in rows
-            if r.get(key) is not None and r.get("tokens") is not None
-        ]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    fig = Figure(figsize=(8, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for key, style in (
-        ("train_loss", dict(color="tab:blue", lw=1.5)),
-        ("val_loss", dict(color="tab:orange", marker="o", ms=3, lw=1.5)),
-    ):
-        x, y = series(key)
-        if x:
-            ax.plot(x, y, label=key.replace("_", " "), **style)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    x, y = series("lr")
-    handles, labels = ax.get_legend_handles_labels()
-    if x:
-        ax2 = ax.twinx()
-        ax2.plot(x, y, color="tab:gray", ls="--", lw=1, label="lr")
-        ax2.set_ylabel("lr")
-        ax2.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
-        h2, l2 = ax2.get_legend_handles_labels()
-        handles, labels = handles + h2, labels + l2
-    if handles:
-        ax.legend(handles, labels, loc="upper right")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 class NullTracker:
@@ -277,9 +236,12 @@ def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
     )
 
 
-class MLflowRun:
-    """One MLflow run, written through a Sender: the run is created (or reopened) at once, and every
-    later call is queued; a store that cannot be reached at the start is one warning and a no-op."""
+class MLflowRun(Sink):
+    """The MLflow sink: one MLflow run, written through a Sender. The run is created (or reopened)
+    at once and every later call is queued; a store that cannot be reached at the start is one
+    warning and a no-op."""
+
+    name = "MLflow"
 
     def __init__(
         self,
@@ -297,6 +259,7 @@ class MLflowRun:
         later)."""
         self.uri = uri
         self.run_dir = run_dir
+        self.run_name, self.experiment = run.name, run.experiment
         self.flush_every = cfg.flush_every
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
@@ -328,6 +291,29 @@ class MLflowRun:
             self._client = client
             self.experiment_id = exp_id
             self._sender = Sender(store_name(uri))
+
+    @classmethod
+    def open(cls, opening: Opening) -> Optional["MLflowRun"]:
+        """tracking.mlflow: the run's MLflow run (a sweep's job nested under the sweep's parent, in
+        its store), with MLflow's system metrics when asked."""
+        cfg, run, uri, experiment_id = opening.cfg, opening.run, opening.uri, None
+        if not cfg.mlflow:
+            if cfg.system_metrics:
+                log.warning(
+                    "system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false"
+                )
+            return None
+        sweep = run.sweep
+        if sweep and sweep.get("parent_run_id"):
+            uri, experiment_id = sweep["uri"], sweep["experiment_id"]
+            tags = {**run.tags, **parent.child_tags(sweep, sweep["parent_run_id"])}
+            run = RunIdentity(run.experiment, run.name, tags, sweep)
+        mlflow = cls(
+            cfg, uri, run, opening.params, opening.resume_run_id, experiment_id, opening.run_dir
+        )
+        if cfg.system_metrics:
+            mlflow.start_system_metrics(gpu_expected=_cuda_available())
+        return mlflow
 
     @staticmethod
     def _reopen(client: Any, run_id: Optional[str]) -> Any:
@@ -403,7 +389,7 @@ class MLflowRun:
             return
         self._sender.put(Call(what, functools.partial(fn, self.run_id, *args, **kwargs), points))
 
-    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
+    def log_side_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
         if self._client is None:
             return
         self._buffer_points(step, mlflow_metrics(metrics))
@@ -444,9 +430,34 @@ class MLflowRun:
             inputs = lineage.dataset_inputs(datasets)
             self._send("datasets", self._client.log_inputs, datasets=inputs)
 
-    def finish(self, status: str) -> None:
-        """End the run: what is queued, then the status, waiting FINAL_FLUSH_S at most for the store
-        to take it; what it did not take is one line naming gptlab.sync."""
+    def write_results(self, results: Dict[str, Any]) -> None:
+        """The results again, once, as sortable summary/* metrics (results.json is an artifact
+        already: the run folder published it)."""
+        self.log_summary(
+            int(results.get("steps") or 0),
+            {
+                name: results[key]
+                for key, name in SUMMARY_METRICS.items()
+                if results.get(key) is not None
+            },
+        )
+
+    def finish(self, status: str, error: Optional[BaseException] = None) -> None:
+        """End the run: the error as a tag, what is queued, then the status, waiting FINAL_FLUSH_S
+        at most for the store to take it; what it did not take is one line naming gptlab.sync."""
+        if error is not None:
+            self.set_tag("error", error_text(error))
+        self._end(status)
+        if self.active:
+            how = (
+                f"open {runs_url(self.uri, self.experiment_id)}"
+                if self.uri.startswith(("http://", "https://"))
+                else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
+                f"  (or {mlflow_ui_command(self.uri)})"
+            )
+            log.info(f"MLflow run {self.run_id} ({self.run_name}) in {self.uri}\n  {how}")
+
+    def _end(self, status: str) -> None:
         if self._monitor is not None:
             # a sampler that fails to stop must not fail the run
             with contextlib.suppress(Exception):
@@ -464,10 +475,19 @@ class MLflowRun:
     def active(self) -> bool:
         return self._client is not None
 
+    @property
+    def active_run_id(self) -> Optional[str]:
+        """The run's id while MLflow records it (a checkpoint keeps it), else None."""
+        return self.run_id if self.active else None
+
+
+# where a run's records go, in this order: the run folder first (the others copy its files)
+SINKS: Tuple[Type[Sink], ...] = (RunFolder, TensorBoard, MLflowRun)
+
 
 class Tracker:
-    """Rank 0's records: metrics.jsonl and results.json in the run folder, mirrored to MLflow
-    (and to TensorBoard when asked), and loss.png at the end."""
+    """Rank 0's records: every call handed to each sink of SINKS the config turns on (the run
+    folder always, TensorBoard and MLflow when asked); what results.json says is decided here."""
 
     def __init__(
         self,
@@ -482,87 +502,79 @@ class Tracker:
         recorded as (identity.identify); params: MLflow's params; resume_run_id: the checkpoint's
         MLflow run."""
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cfg = cfg
-        self.run_name = run.name
-        self.experiment = run.experiment
         self.init_from = run.tags.get(ids.INIT_FROM_TAG)  # results.json's init_from
         # (devices, price of a device-hour): from the resolved config, for results' device_hours
         self.usage: Tuple[int, Optional[float]] = (1, None)
-        # line-buffered for the whole run, closed by finish()
-        self._metrics = open(self.run_dir / layout.METRICS, "a", buffering=1)  # noqa: SIM115
-        self.uri = cfg.uri or default_store
-        self.mlflow: Optional[MLflowRun] = None
-        self._tb = self._open_tensorboard() if cfg.tensorboard else None
-        ids.write(self.run_dir, run)
-        if cfg.mlflow:
-            experiment_id, sweep = None, run.sweep
-            # nested under the sweep's parent, in its store
-            if sweep and sweep.get("parent_run_id"):
-                self.uri, experiment_id = sweep["uri"], sweep["experiment_id"]
-                tags = {**run.tags, **parent.child_tags(sweep, sweep["parent_run_id"])}
-                run = RunIdentity(run.experiment, run.name, tags, sweep)
-            self.mlflow = MLflowRun(
-                cfg, self.uri, run, params or {}, resume_run_id, experiment_id, self.run_dir
-            )
-            if cfg.system_metrics:
-                self.mlflow.start_system_metrics(gpu_expected=_cuda_available())
-        elif cfg.system_metrics:
-            log.warning(
-                "system metrics skipped: they are recorded in MLflow, and tracking.mlflow=false"
-            )
+        uri, params = cfg.uri or default_store, params or {}
+        opening = Opening(self.run_dir, cfg, uri, run, params, resume_run_id, self.log_artifact)
+        self.sinks: List[Sink] = []
+        for kind in SINKS:
+            sink = self._open(kind, opening)
+            if sink is not None:
+                self.sinks.append(sink)
+        # the store MLflow records in (a sweep's job: its parent's), where log_model logs
+        self.uri = getattr(self.mlflow, "uri", opening.uri)
 
-    def _open_tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            log.warning(
-                "TensorBoard event files skipped: the tensorboard package is not installed (pip "
-                "install tensorboard)"
-            )
-            return None
-        return SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+    def _open(self, kind: Type[Sink], opening: Opening) -> Optional[Sink]:
+        """kind's sink for this run; one that is not essential and fails to open is said and
+        skipped."""
+        if kind.essential:
+            return kind.open(opening)
+        sink: Optional[Sink] = None
+        with never_fatal(lambda e: log.warning(f"{kind.name} records skipped: {error_text(e)}")):
+            sink = kind.open(opening)
+        return sink
+
+    def _each(self, call: str, *args: Any) -> None:
+        """Hand a call to every sink; one that is not essential and fails is said once and dropped
+        (records never stop a run)."""
+        for sink in list(self.sinks):
+            if sink.essential:
+                getattr(sink, call)(*args)
+                continue
+            with never_fatal(lambda e, sink=sink: self._drop(sink, e)):
+                getattr(sink, call)(*args)
+
+    def _drop(self, sink: Sink, e: BaseException) -> None:
+        self.sinks.remove(sink)
+        log.warning(
+            f"{sink.name} records stopped for this run ({error_text(e)}); the run folder still "
+            "records everything"
+        )
+
+    @property
+    def mlflow(self) -> Optional[MLflowRun]:
+        """The run's MLflow sink, when it has one (log_model reads what it left unsent)."""
+        return next((s for s in self.sinks if isinstance(s, MLflowRun)), None)
 
     @property
     def run_id(self) -> Optional[str]:
-        return self.mlflow.run_id if self.mlflow and self.mlflow.active else None
+        """The MLflow run's id while it records (a checkpoint keeps it), else None."""
+        return getattr(self.mlflow, "active_run_id", None)
 
-    def log_metrics(self, step: int, metrics: Dict[str, float]) -> None:
-        row = {"step": step, **{k: v for k, v in metrics.items() if v is not None}}
-        self._metrics.write(json.dumps(row) + "\n")
-        self.log_side_metrics(step, metrics)
+    def log_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
+        """A logged step's figures: its metrics.jsonl row, and points in every store."""
+        self._each("log_metrics", step, metrics)
 
-    def log_side_metrics(self, step: int, metrics: Dict[str, float]) -> None:
-        """Figures of a step that are not its training row (a checkpoint's stall): MLflow and
-        TensorBoard only, so metrics.jsonl keeps one row per logged step and a save logs none."""
-        if self.mlflow:
-            self.mlflow.log_metrics(step, metrics)
-        if self._tb is not None:
-            for name, value in mlflow_metrics(metrics).items():
-                self._tb.add_scalar(name, value, step)
+    def log_side_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
+        """Figures of a step that are not its training row (a checkpoint's stall): the stores only,
+        so metrics.jsonl keeps one row per logged step and a save logs none."""
+        self._each("log_side_metrics", step, metrics)
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
-        if self.mlflow:
-            self.mlflow.log_artifact(path, artifact_path)
+        self._each("log_artifact", path, artifact_path)
 
     def set_tag(self, key: str, value: str) -> None:
-        if self.mlflow:
-            self.mlflow.set_tag(key, value)
+        self._each("set_tag", key, value)
 
     def log_inputs(self, datasets: List[Dict[str, Any]]) -> None:
-        if self.mlflow:
-            self.mlflow.log_inputs(datasets)
+        self._each("log_inputs", datasets)
 
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
-        """The resolved config (interpolations filled in) as config_resolved.yaml, also an artifact,
+        """The resolved config (interpolations filled in: config_resolved.yaml, also an artifact)
         and the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync
         too)."""
-        import yaml
-
-        path = self.run_dir / layout.CONFIG
-        path.write_text(yaml.safe_dump(resolved, sort_keys=False))
-        self.log_artifact(path)
-        (self.run_dir / layout.DERIVED).write_text(json.dumps(derived, indent=1) + "\n")
+        self._each("write_config", resolved, derived)
         hw = resolved.get("hardware") or {}
         self.usage = (
             int(hw.get("nodes") or 1) * int(hw.get("nproc_per_node") or 1),
@@ -570,10 +582,8 @@ class Tracker:
         )
 
     def write_results(self, results: Dict[str, Any]) -> None:
-        """results.json, atomically, as strict JSON: a figure that is not a finite number is
-        null."""
-        path = self.run_dir / layout.RESULTS
-        tmp = path.with_suffix(".json.tmp")
+        """The loop's results with init_from, device_hours and cost, as strict JSON (a figure
+        that is not a finite number is null): results.json, and each store's summary."""
         if self.init_from:
             results = {**results, "init_from": self.init_from}
         results = {**results, **device_usage(self.run_dir, results.get("wall_s"), *self.usage)}
@@ -581,62 +591,12 @@ class Tracker:
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in results.items()
         }
-        tmp.write_text(json.dumps(strict, indent=2, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-        results = strict
-        self.log_artifact(path)
-        if self.mlflow:
-            self.mlflow.log_summary(
-                int(results.get("steps") or 0),
-                {
-                    name: results[key]
-                    for key, name in SUMMARY_METRICS.items()
-                    if results.get(key) is not None
-                },
-            )
-
-    def _plot(self) -> None:
-        rows = layout.read_metrics(self.run_dir)
-        if not rows:
-            return
-        path = self.run_dir / layout.LOSS_PLOT
-        plotted = False
-        # a plot must never fail a run
-        with never_fatal(lambda e: log.warning(f"{layout.LOSS_PLOT} skipped: {error_text(e)}")):
-            try:
-                plot_loss(rows, path, self.run_name)
-            except ImportError:
-                log.warning(
-                    f"{layout.LOSS_PLOT} skipped: matplotlib is not installed (pip install "
-                    "matplotlib)"
-                )
-                return
-            plotted = True
-        if plotted:
-            self.log_artifact(path)
+        self._each("write_results", strict)
 
     def finish(self, status: str = "FINISHED") -> None:
         # Called from a `finally:` block: on a failure the exception is still in flight here.
         error = sys.exc_info()[1] if status != "FINISHED" else None
-        self._metrics.close()
-        if self._tb is not None:
-            self._tb.close()
-        if self.cfg.plots:
-            self._plot()
-        if self.mlflow:
-            if error is not None:
-                self.mlflow.set_tag("error", error_text(error))
-            self.mlflow.finish(status)
-            if self.mlflow.active:
-                how = (
-                    f"open {runs_url(self.uri, self.mlflow.experiment_id)}"
-                    if self.uri.startswith(("http://", "https://"))
-                    else f"open the UI with: {ui_command(self.uri, self.experiment)}\n"
-                    f"  (or {mlflow_ui_command(self.uri)})"
-                )
-                log.info(
-                    f"MLflow run {self.mlflow.run_id} ({self.run_name}) in {self.uri}\n  {how}"
-                )
+        self._each("finish", status, error)
 
 
 def device_usage(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import random
 import shutil
 import tempfile
@@ -491,16 +490,7 @@ def resume(
         verify=run.train.verify_checkpoints,
     )
     log.info(f"resuming from {path} (step {state.step})")
-    run.start_step, run.start_tokens, run.start_best_val = (
-        state.step,
-        state.tokens,
-        state.best_val_loss,
-    )
-    run.start_loss_window = tuple(state.loss_window)
-    run.start_losses = (math.nan if state.train_loss is None else state.train_loss, state.val_loss)
-    run.start_bpb = (state.best_val_bpb, state.val_bpb)
-    run.start_hellaswag = dict(state.hellaswag or {})
-    run.start_divergence = dict(state.divergence or {})
+    run.resumed = state.progress()  # the loop's Progress.load_state_dict reads it
     # steps logged after the checkpoint (a crash) are not logged again: a resume recomputes them
     run.logged_until_step = last_logged_step(run.run_dir)
     return state.mlflow_run_id

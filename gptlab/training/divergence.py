@@ -57,8 +57,8 @@ class Watch:
             self.recent[WINDOW - len(kept) :] = torch.tensor(kept, device=self.device)
 
     def state(self) -> Dict[str, Any]:
-        """What a checkpoint keeps (TrainingState.divergence): a resumed run tests and skips as the
-        uninterrupted one would."""
+        """What a checkpoint keeps (Progress.state_dict's divergence): a resumed run tests and
+        skips as the uninterrupted one would."""
         recent = [x for x in self.recent.tolist() if not math.isnan(x)]
         return {"rollbacks": [dict(r) for r in self.rollbacks], "recent_losses": recent}
 

@@ -183,20 +183,9 @@ def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
     Every rank then waits, so nobody races ahead of a slow save. The seconds this held the loop
     are the save's stall: checkpoint/stall_s, and results.json's mean checkpoint_stall_s."""
     start = time.perf_counter()
-    # the loss average in progress: every rank's sum averaged over ranks (a collective: all ranks)
-    window = distributed.all_reduce_mean(p.loss_sum.detach().clone()).item()
     state = checkpoint.TrainingState.capture(
         run.stateful(),
-        step=p.step,
-        tokens=p.tokens,
-        best_val_loss=p.best_val,
-        best_val_bpb=p.best_bpb,
-        val_bpb=p.last_bpb,
-        hellaswag=dict(p.hellaswag),
-        divergence=p.watch.state() if p.watch is not None else {},
-        loss_window=(window, p.loss_count),
-        train_loss=p.train_loss,
-        val_loss=p.last_val,
+        **p.state_dict(),  # a collective: every rank's train-loss sum averaged over ranks
         config=run.resolved_config,
         model_config=run.model_config,
         tokenizer=run.tokenizer.to_meta(),
@@ -261,7 +250,11 @@ def optimizer_step(
 
 @dataclass
 class Progress:
-    """Where the loop stands: what it has trained, the latest losses, and why it stopped."""
+    """Where the loop stands: what it has trained, the latest losses, and why it stopped.
+
+    state_dict() / load_state_dict() are what a checkpoint keeps of it, under the checkpoint's
+    names: a value a resumed run needs is added there, and nowhere else.
+    """
 
     step: int
     tokens: int
@@ -276,6 +269,52 @@ class Progress:
     hellaswag: Dict[str, float] = field(default_factory=dict)  # the latest scoring's figures
     sources: Dict[str, float] = field(default_factory=dict)  # a mixture's latest per-source figures
     watch: Optional[divergence.Watch] = None  # the divergence test, its rollbacks and snapshot
+    # the checkpoint's rollbacks and recent losses, which the watch starts from (Watch.state())
+    resumed_divergence: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, device: torch.device) -> "Progress":
+        """Step 0 of a new run, its train-loss sum on the device."""
+        return cls(0, 0, math.inf, torch.zeros((), device=device))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the loop (its TrainingState entries). Every rank calls it:
+        the train-loss sum in progress is averaged over the ranks (a collective)."""
+        window = distributed.all_reduce_mean(self.loss_sum.detach().clone()).item()
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "best_val_loss": self.best_val,
+            # the train-loss average in progress, so a resumed run logs the same averages
+            "loss_window": (window, self.loss_count),
+            # the last logged and evaluated losses: results of a resumption with no step left
+            "train_loss": self.train_loss,
+            "val_loss": self.last_val,
+            "best_val_bpb": self.best_bpb,
+            "val_bpb": self.last_bpb,
+            "hellaswag": dict(self.hellaswag),
+            "divergence": self.watch.state() if self.watch is not None else {},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a checkpoint's state_dict() (empty: a new run). What an older checkpoint
+        lacks keeps its value at the start; the train-loss sum stays on its device."""
+        if not state:
+            return
+        self.step, self.tokens, self.best_val = (
+            state["step"],
+            state["tokens"],
+            state["best_val_loss"],
+        )
+        window_sum, window_count = state.get("loss_window", (0.0, 0))
+        self.loss_sum.fill_(float(window_sum))
+        self.loss_count = int(window_count)
+        train_loss = state.get("train_loss")
+        self.train_loss = math.nan if train_loss is None else train_loss
+        self.last_val = state.get("val_loss")
+        self.best_bpb, self.last_bpb = state.get("best_val_bpb", math.inf), state.get("val_bpb")
+        self.hellaswag = dict(state.get("hellaswag") or {})
+        self.resumed_divergence = dict(state.get("divergence") or {})
 
 
 def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
@@ -293,14 +332,9 @@ def due(t: Any, p: Progress) -> Tuple[bool, bool, bool]:
 
 
 def start_progress(run: "Run") -> Progress:
-    """Where the loop starts: step 0, or the resumed checkpoint's step, tokens and loss window."""
-    window_sum, window_count = run.start_loss_window
-    loss_sum = torch.tensor(float(window_sum), device=run.dist.device)
-    p = Progress(run.start_step, run.start_tokens, run.start_best_val, loss_sum)
-    p.loss_count = int(window_count)
-    p.train_loss, p.last_val = run.start_losses  # a resumption at the last step logs none
-    p.best_bpb, p.last_bpb = run.start_bpb
-    p.hellaswag = dict(run.start_hellaswag)
+    """Where the loop starts: step 0, or where the resumed checkpoint's progress stood."""
+    p = Progress.start(run.dist.device)
+    p.load_state_dict(run.resumed)
     return p
 
 
@@ -418,7 +452,7 @@ def watch_divergence(run: "Run", p: Progress) -> None:
     """The divergence test of every step (training/divergence.py), and with on_divergence=rollback
     the first good state to go back to: the start."""
     norm_counts = run.grad_clip > 0 and not run.scaler.is_enabled()
-    p.watch = divergence.Watch(run.train, run.dist.device, norm_counts, run.start_divergence)
+    p.watch = divergence.Watch(run.train, run.dist.device, norm_counts, p.resumed_divergence)
     if p.watch.rollback:
         p.watch.snapshot = divergence.Snapshot(run, p, p.watch)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -47,27 +46,17 @@ class Run:
     resolved_config: Dict[str, Any]
     model_config: Dict[str, Any]
     summary: str = ""
-    start_step: int = 0
-    start_tokens: int = 0
-    start_best_val: float = math.inf
+    # the resumed checkpoint's progress as loop.Progress.state_dict() wrote it ({}: a new run); the
+    # loop starts from it (Progress.load_state_dict)
+    resumed: Dict[str, Any] = field(default_factory=dict)
     # on resume after a crash, steps already in metrics.jsonl / MLflow (logged after the checkpoint)
     # are not logged again: an exact resume recomputes the same values
     logged_until_step: int = 0
-    # the train-loss average in progress (TrainingState)
-    start_loss_window: Tuple[float, int] = (0.0, 0)
-    # the checkpoint's last train and val loss
-    start_losses: Tuple[float, Optional[float]] = (math.nan, None)
-    # the checkpoint's best and last val bits per byte
-    start_bpb: Tuple[float, Optional[float]] = (math.inf, None)
     # each token id's UTF-8 length in bytes, on the device (special tokens: 0), for val_bpb
     token_bytes: Optional[torch.Tensor] = None
     # HellaSwag's rendered examples and eval.hellaswag, when the loop scores it (every > 0)
     hellaswag: Optional[List[Any]] = None
     hellaswag_config: Any = None
-    # the checkpoint's latest HellaSwag figures (results of a run resumed at its last step)
-    start_hellaswag: Dict[str, float] = field(default_factory=dict)
-    # the checkpoint's rollbacks and recent losses (TrainingState.divergence)
-    start_divergence: Dict[str, Any] = field(default_factory=dict)
     # search.trial.TrialLink when this run is a trial of a hyperparameter search (pruning)
     trial: Any = None
     # profiling.StepProfiler when train.profile asks for one (else the loop checks nothing)
@@ -77,6 +66,16 @@ class Run:
     val_sets: Dict[str, Tuple[float, List[Any]]] = field(default_factory=dict)
     # checkpoint.background.Saver: the save in flight and each save's stall (made at the first save)
     saver: Any = None
+
+    @property
+    def start_step(self) -> int:
+        """The step this session starts at: 0, or the resumed checkpoint's."""
+        return int(self.resumed.get("step", 0))
+
+    @property
+    def start_tokens(self) -> int:
+        """The tokens trained before this session: 0, or the resumed checkpoint's."""
+        return int(self.resumed.get("tokens", 0))
 
     @property
     def timings(self) -> List[Tuple[int, float, int]]:

@@ -178,6 +178,7 @@ def conf_with_local(tmp_path) -> Path:
 
 
 LAUNCHERS = [[], ["hydra/launcher=slurm_a100x8"], ["hydra/launcher=slurm_local"]]
+RESTARTING_LAUNCHER = "hydra_plugins.gptlab_slurm.launcher.RestartingSlurmLauncher"
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda chosen: " ".join(chosen) or "its own")
@@ -186,7 +187,8 @@ def test_the_local_example_gives_slurm_its_partition_and_account(conf_with_local
     copied = compose_with_hydra(launcher, conf_with_local)  # as conf/local/default.yaml
     chosen = compose_with_hydra(["local=slurm_example", *launcher])  # tried without copying
     for cfg in copied, chosen:
-        assert cfg.hydra.launcher._target_.endswith(".SlurmLauncher")
+        # the presets' launcher: submitit's, which submits a failed job again
+        assert cfg.hydra.launcher._target_ == RESTARTING_LAUNCHER
         assert (cfg.hydra.launcher.partition, cfg.hydra.launcher.account) == ("gpu", "myproject")
 
 

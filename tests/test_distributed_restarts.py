@@ -125,3 +125,27 @@ def test_a_negative_restart_budget_is_one_line():
 
     with pytest.raises(GptlabError, match=r"^train.max_restarts: must be >= 0"):
         to_config(compose_config(["train.max_restarts=-1"]))
+
+
+def test_steps_are_marked_in_a_slurm_task_whose_job_the_launcher_may_submit_again(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    run = _run(tmp_path, start_step=0, rank=0, world_size=1)
+    assert restarts.begin(run) == []
+    run.lr_at(3)
+    assert restarts.furthest_step(tmp_path) == 4
+
+
+def test_a_slurm_jobs_failure_is_recorded_with_the_launchers_cause(tmp_path, monkeypatch):
+    from gptlab.distributed.slurm_launcher import slurm_failure
+
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    dead = {"rank": 1, "node": "gptlab-n2", "ended": "Killed"}
+    restarts.leave_failure(tmp_path, slurm_failure("105", "FAILED", dead, 12, started_at=None))
+    (event,) = restarts.begin(_run(tmp_path, start_step=10))
+    assert event["cause"] == "SLURM job 105: rank 1 on gptlab-n2: Killed"
+    assert (event["launcher"], event["rank"], event["node"]) == ("slurm", 1, "gptlab-n2")
+    assert (event["died_at_step"], event["resumed_from"], event["steps_lost"]) == (12, 10, 2)

@@ -320,3 +320,191 @@ def test_free_port_is_a_free_unprivileged_loopback_port():
     assert isinstance(port, int) and 1024 <= port <= 65535
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+# ------------------------------------------------------------------ the restarting launcher
+
+KILLED = "srun: error: gptlab-n2: task 1: Killed\nsrun: error: gptlab-n1: task 0: Terminated\n"
+
+
+def test_the_first_task_srun_reported_dead_is_the_failure():
+    from gptlab.distributed.slurm_launcher import first_failure
+
+    lines = slurm.srun_failures(KILLED)[0]
+    assert slurm.failure_parts(lines[0]) == ("1", "gptlab-n2", "Killed")
+    assert slurm.failure_parts("srun: something else") is None
+    assert first_failure(lines) == {"rank": 1, "node": "gptlab-n2", "ended": "Killed"}
+    assert first_failure(["ranks 8-15 on n7: Exited with exit code 1"]) == {
+        "rank": None,
+        "node": "n7",
+        "ended": "Exited with exit code 1",
+    }
+    assert first_failure([]) == {}
+
+
+def test_the_node_left_out_is_the_one_that_failed_if_the_partition_can_spare_it():
+    from gptlab.distributed.slurm_launcher import node_to_exclude
+
+    two = ["gptlab-n1", "gptlab-n2"]
+    named = {"node": "gptlab-n2", "rank": 1, "ended": "Killed"}
+    assert node_to_exclude(named, two, two, set(), need=1) == "gptlab-n2"
+    # a 2-node job on a 2-node partition: leaving one out would leave the job nowhere to run
+    assert node_to_exclude(named, two, two, set(), need=2) is None
+    assert node_to_exclude(named, two, ["gptlab-n2"], set(), need=1) is None  # a 1-node cluster
+    assert node_to_exclude(named, two, two, {"gptlab-n2"}, need=1) is None  # out already
+    # a lost node that srun did not name: the job's only node, else none
+    lost = {"ended": "NODE_FAIL"}
+    assert node_to_exclude(lost, ["gptlab-n1"], two, set(), need=1) == "gptlab-n1"
+    assert node_to_exclude(lost, two, two + ["gptlab-n3"], set(), need=1) is None
+
+
+def _slurm_failure(job_id="105", step=12, ended="Killed", node="gptlab-n2"):
+    from gptlab.distributed.slurm_launcher import slurm_failure
+
+    return slurm_failure(job_id, "FAILED", {"rank": 1, "node": node, "ended": ended}, step)
+
+
+def test_a_failed_job_is_resubmitted_until_the_budget_is_spent_or_it_fails_again_alike():
+    from gptlab.distributed.slurm_launcher import not_resubmitted, resubmitted_line, stop_line
+
+    first = _slurm_failure("105", 12)
+    assert first["cause"] == "SLURM job 105: rank 1 on gptlab-n2: Killed"
+    assert stop_line([first], 3) is None
+    assert resubmitted_line(first, "106", "gptlab-n2", 1, 3) == (
+        "SLURM job 105 failed (rank 1 on gptlab-n2: Killed): resubmitted as job 106 without "
+        "gptlab-n2 (restart 1 of train.max_restarts=3)"
+    )
+    assert resubmitted_line(first, "106", None, 1, 3).endswith(
+        "resubmitted as job 106 (restart 1 of train.max_restarts=3)"
+    )
+    progressed = [first, _slurm_failure("106", 30, node="gptlab-n1")]
+    assert stop_line(progressed, 3) is None  # further than the time before
+    assert stop_line([first, _slurm_failure("106", 12)], 3) == (
+        "SLURM job 106 failed (rank 1 on gptlab-n2: Killed) at step 12, as job 105 did: a repeated "
+        "failure, not resubmitted (1 of train.max_restarts=3 restarts used)"
+    )
+    before = [_slurm_failure("105", None), _slurm_failure("106", None)]
+    assert "before its first step, as job 105 did" in stop_line(before, 3)
+    spent = [_slurm_failure(str(105 + i), 10 * i) for i in range(3)]
+    assert stop_line(spent, 2) == (
+        "SLURM job 107 failed (rank 1 on gptlab-n2: Killed) 3 times; no restarts left "
+        "(train.max_restarts=2)"
+    )
+    assert stop_line([first], 0) == (
+        "SLURM job 105 failed (rank 1 on gptlab-n2: Killed); not resubmitted (train.max_restarts=0)"
+    )
+    # a user error, or an exception the job raised, is the same at every start
+    assert "user error" in not_resubmitted(_slurm_failure(ended="Exited with exit code 2"), False)
+    assert not_resubmitted(first, raised=True) is not None
+    assert not_resubmitted(first, raised=False) is None
+
+
+class _FakeJob:
+    """A submitit job that ended: its state, its folder (with srun's lines), its result."""
+
+    def __init__(self, job_id, state, folder, srun_lines="", result=None):
+        self.job_id, self.state, self.result = job_id, state, result
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{job_id}_0_log.err").write_text(srun_lines)
+        self.paths = SimpleNamespace(folder=folder, result_pickle=folder / "none.pkl")
+
+    def done(self):
+        return True
+
+    def get_info(self, mode="standard"):
+        return {"NodeList": "gptlab-n2"}
+
+    def results(self):
+        if self.result is None:
+            raise RuntimeError(f"submitit: job {self.job_id} has not produced any output")
+        return [self.result]
+
+
+class _FakeExecutor:
+    def __init__(self, jobs):
+        self.jobs, self.submitted, self.parameters = list(jobs), [], {}
+
+    def update_parameters(self, **kwargs):
+        self.parameters.update(kwargs)
+
+    def submit(self, fn, *args):
+        self.submitted.append((args, dict(self.parameters)))
+        return self.jobs.pop(0)
+
+
+def _sweep(monkeypatch, tmp_path, jobs, max_restarts=3):
+    """A _Sweep of one Hydra job (run folder tmp_path/sweep/0) whose submissions are `jobs`."""
+    from omegaconf import OmegaConf
+
+    from gptlab.distributed import slurm_launcher
+
+    cfg = {"hydra": {"sweep": {"dir": str(tmp_path / "sweep"), "subdir": "${hydra.job.num}"},
+                     "job": {"num": -1}},
+           "train": {"max_restarts": max_restarts}}  # fmt: skip
+    loader = SimpleNamespace(load_sweep_config=lambda config, overrides: OmegaConf.create(cfg))
+    launcher = SimpleNamespace(
+        params={"nodes": 1, "partition": "local", "submitit_folder": str(tmp_path)},
+        hydra_context=SimpleNamespace(config_loader=loader),
+        config=OmegaConf.create(cfg),
+    )
+    executor = _FakeExecutor(jobs[1:])
+    monkeypatch.setattr(slurm_launcher._Sweep, "_executor", lambda self: executor)
+    monkeypatch.setattr(slurm_launcher, "partition_nodes", lambda p: ["gptlab-n1", "gptlab-n2"])
+    monkeypatch.setattr(slurm_launcher, "started_at", lambda job_id: None)
+    monkeypatch.setattr(slurm_launcher, "POLL_S", 0.0)
+    sweep = slurm_launcher._Sweep(launcher)
+    args = (["x=1"], "hydra.sweep.dir", 0, "job_id_for_0", {})
+    return sweep, [slurm_launcher._Watched(jobs[0], args)], executor
+
+
+def test_the_launcher_resubmits_a_failed_job_without_its_node_and_leaves_the_failure(
+    monkeypatch, tmp_path, caplog
+):
+    import json
+
+    from gptlab.distributed import restarts
+    from gptlab.records import layout
+
+    run_dir = tmp_path / "sweep" / "0"
+    run_dir.mkdir(parents=True)
+    restarts.StepMarks(run_dir, 1).mark(12)
+    failed = _FakeJob("105", "FAILED", tmp_path / "105", KILLED)
+    finished = _FakeJob("106", "COMPLETED", tmp_path / "106", result="job return")
+    sweep, watched, executor = _sweep(monkeypatch, tmp_path, [failed, finished])
+    assert sweep.wait(watched) == ["job return"]
+    ((args, parameters),) = executor.submitted
+    assert args[2] == 0 and parameters["slurm_exclude"] == "gptlab-n2"  # same job number
+    (left,) = json.loads((run_dir / layout.FAILURE).read_text())["failures"]
+    assert left["cause"] == "SLURM job 105: rank 1 on gptlab-n2: Killed"
+    assert (left["launcher"], left["died_at_step"]) == ("slurm", 12)
+    assert restarts.furthest_step(run_dir) is None  # the next start's marks are its own
+    assert (
+        "SLURM job 105 failed (rank 1 on gptlab-n2: Killed): resubmitted as job 106 without "
+        "gptlab-n2 (restart 1 of train.max_restarts=3)"
+    ) in caplog.text
+
+
+def test_the_launcher_stops_a_job_that_fails_again_at_the_same_step_with_one_line(
+    monkeypatch, tmp_path
+):
+    from gptlab.distributed import restarts
+
+    run_dir = tmp_path / "sweep" / "0"
+    run_dir.mkdir(parents=True)
+    jobs = [_FakeJob(str(105 + i), "FAILED", tmp_path / str(105 + i), KILLED) for i in range(3)]
+    sweep, watched, executor = _sweep(monkeypatch, tmp_path, jobs)
+    # each start dies at step 12 again
+    monkeypatch.setattr(restarts, "furthest_step", lambda run_dir: 12)
+    with pytest.raises(GptlabError) as e:
+        sweep.wait(watched)
+    assert str(e.value).startswith("SLURM job 106 failed (rank 1 on gptlab-n2: Killed) at step 12")
+    assert len(executor.submitted) == 1
+
+
+def test_the_launcher_does_not_resubmit_a_user_error(monkeypatch, tmp_path):
+    user_error = "srun: error: gptlab-n1: task 0: Exited with exit code 2\n"
+    failed = _FakeJob("105", "FAILED", tmp_path / "105", user_error)
+    sweep, watched, executor = _sweep(monkeypatch, tmp_path, [failed])
+    with pytest.raises(RuntimeError, match="has not produced any output"):  # submitit's own error
+        sweep.wait(watched)
+    assert executor.submitted == []

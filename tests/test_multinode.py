@@ -444,6 +444,7 @@ def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp
         "train.eval_every=100000",
         "train.eval_steps=2",
         "train.sample_tokens=0",
+        "train.max_restarts=0",  # not submitted again (the test below is the one that is)
     )
     cwd = tmp_path / "kill"
     try:
@@ -477,6 +478,59 @@ def test_a_task_killed_on_the_second_node_fails_the_job_naming_rank_and_node(tmp
     run = _mlflow_run(cwd, run_dir)
     assert run.info.status == "FAILED"
     assert "rank 1 on gptlab-n2: Killed" in run.data.tags.get("slurm_error", ""), run.data.tags
+
+
+@on_two_nodes
+def test_a_job_that_lost_its_node_is_resubmitted_without_it_and_finishes(tmp_path, shakespeare):
+    """A one-node job on the 2-node cluster: its task is SIGKILLed mid-run (as a node's loss kills
+    it); the launcher submits the job again without that node, and it resumes on the other one
+    from its latest checkpoint, in the same run folder, and finishes."""
+    cwd = tmp_path / "lost"
+    proc = _sweep(
+        cwd, "model=gpt_nano", f"data.path={shakespeare}", "train.max_steps=300",
+        "train.log_every=10", "train.checkpoint_every=20", "train.eval_every=300",
+        "train.eval_steps=2", "train.sample_tokens=0",
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        checkpoints = lambda: list(cwd.glob("outputs/sweeps/*/0/checkpoints/ckpt_*"))  # noqa: E731
+        _wait(checkpoints, 180, "a first checkpoint", proc)
+        run_dir = checkpoints()[0].parent.parent
+        job_id = str(json.loads((run_dir / "slurm.json").read_text())["job_id"])
+        pid, node = _wait(
+            lambda: _task_pid(job_id, 0) if _task_pid(job_id, 0)[0] else None, 30, "rank 0's pid"
+        )
+        os.kill(pid, signal.SIGKILL)
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    print(
+        f"\nSIGKILL of rank 0 on {node} -> resubmitted -> finished: {time.monotonic() - t0:.1f} s"
+    )
+    assert proc.returncode == 0, out[-3000:] + _job_records(job_id)
+    (other,) = set(NODES) - {node}
+    line = re.search(
+        rf"SLURM job {job_id} failed \(rank 0 on {node}: Killed\): resubmitted as job (\d+) "
+        rf"without {node} \(restart 1 of train.max_restarts=3\)",
+        out,
+    )
+    assert line, out[-3000:]
+    new_job = line.group(1)
+    # the new job asked SLURM to leave the node out, and ran on the other one
+    script = next(cwd.glob(f"outputs/sweeps/*/.submitit/{new_job}/{new_job}_submission.sh"))
+    assert f"#SBATCH --exclude={node}" in script.read_text()
+    job = json.loads((run_dir / "slurm.json").read_text())
+    assert (str(job["job_id"]), job["nodes"]) == (new_job, [other])
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 300 and results["stopped_by"] is None
+    (restart,) = results["restarts"]
+    assert restart["cause"] == f"SLURM job {job_id}: rank 0 on {node}: Killed"
+    assert restart["resumed_from"] % 20 == 0 and restart["resumed_from"] > 0, restart
+    assert restart["died_at_step"] >= restart["resumed_from"], restart
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "train_loss" in r]
+    assert steps == [1, *range(10, 301, 10)], steps  # each step logged once, none missing
 
 
 @on_two_nodes

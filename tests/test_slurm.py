@@ -497,3 +497,96 @@ def test_ddp_sweep_on_slurm_is_one_mlflow_parent_with_two_finished_children(
     assert len(kids) == 2, [k.info.run_name for k in kids]  # one run per job, not one per rank
     assert {k.info.status for k in kids} == {"FINISHED"} and parent.info.status == "FINISHED"
     assert sorted(k.data.params["optimizer.lr"] for k in kids) == ["0.001", "0.003"]
+
+
+# a 20-step run that saves every 5 steps (debug=smoke); rank 0 exits abruptly (exit 17) at step 12
+RESTARTED = [
+    "gptlab.train",
+    "-m",
+    "hydra/launcher=slurm_local",
+    "debug=smoke",
+    "train.checkpoint_every=5",
+    "train.sample_tokens=0",
+    "data.progress=false",
+    "train.faults.crash_rank=0",
+]
+
+
+def test_a_job_whose_task_died_is_resubmitted_and_ends_as_the_undisturbed_job(
+    shakespeare, tmp_path, tracking_server
+):
+    """Two jobs of one array, the same but for a crash: job 0's task exits 17 at step 12 (once),
+    its SLURM job FAILS, and the launcher submits the same Hydra job again, which resumes from step
+    10 in the same run folder and MLflow run; it ends with job 1's losses, the restart recorded."""
+    experiment = new_experiment("slurm-restart")
+    r = run_cli(
+        [
+            *RESTARTED,
+            f"data.path={shakespeare}",
+            "train.faults.crash_once=true",
+            "train.faults.crash_at_step=12,null",
+            "tracking.mlflow=true",
+            "tracking.log_model=false",
+            f"tracking.uri={tracking_server}",
+            f"tracking.experiment={experiment}",
+        ],
+        cwd=tmp_path,
+        timeout=400,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    line = re.search(
+        r"SLURM job (\d+_0) failed \(rank 0 on (\S+): Exited with exit code 17\): resubmitted as "
+        r"job (\d+) \(restart 1 of train.max_restarts=3\)",
+        out,
+    )
+    assert line, out[-3000:]  # the 1-node cluster cannot spare its node: none is left out
+    failed_job, node, new_job = line.groups()
+    (sweep,) = (tmp_path / "outputs" / "sweeps").iterdir()
+    crashed, undisturbed = (json.loads((sweep / n / "results.json").read_text()) for n in "01")
+    (restart,) = crashed["restarts"]
+    assert restart["cause"] == f"SLURM job {failed_job}: rank 0 on {node}: Exited with exit code 17"
+    assert (restart["launcher"], restart["rank"], restart["node"]) == ("slurm", 0, node)
+    assert (restart["died_at_step"], restart["resumed_from"], restart["steps_lost"]) == (12, 10, 2)
+    assert undisturbed["restarts"] == [] and crashed["steps"] == undisturbed["steps"] == 20
+    for key in ("train_loss", "val_loss", "best_val_loss"):
+        assert crashed[key] == undisturbed[key], key
+    # the run folder names the job that finished it
+    assert json.loads((sweep / "0" / "slurm.json").read_text())["job_id"] == new_job
+    # one MLflow run per Hydra job: the restart went on in the crashed start's run (the one its
+    # checkpoint names) instead of opening another, and recorded the restart there
+    parent, kids = sweep_runs(tracking_server, experiment)
+    assert [k.info.status for k in kids] == ["FINISHED"] * 2 and parent.info.status == "FINISHED"
+    restarted = next(k for k in kids if k.info.run_id == crashed["mlflow_run_id"])
+    assert restarted.data.tags["run_dir"] == str((sweep / "0").resolve())
+    assert restarted.data.tags["restarts"] == "1" and restarted.data.metrics["restarts"] == 1
+
+
+def test_a_job_that_fails_at_the_same_step_again_stops_with_one_line(shakespeare, tmp_path):
+    """A task that dies at step 3 at every start (before the first checkpoint): the launcher submits
+    the job once more, and when it dies at the same step again, ends the sweep with one line
+    instead of spending the rest of train.max_restarts."""
+    r = run_cli(
+        [
+            *RESTARTED,
+            f"data.path={shakespeare}",
+            "train.faults.crash_once=false",
+            "train.faults.crash_at_step=3",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    jobs = sorted(
+        (p.parent.name for p in tmp_path.glob("outputs/sweeps/*/.submitit/*/*.sh")), key=int
+    )
+    assert len(jobs) == 2, jobs  # the job and its one resubmission
+    errors = [x for x in r.stderr.splitlines() if x.startswith("gptlab.train: error:")]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert re.fullmatch(
+        rf"gptlab.train: error: SLURM job {jobs[1]} failed \(rank 0 on \S+: Exited with exit code "
+        rf"17\) at step 3, as job {jobs[0]} did: a repeated failure, not resubmitted \(1 of "
+        r"train.max_restarts=3 restarts used\)",
+        errors[0],
+    ), errors

@@ -2,8 +2,9 @@
 the run.
 
 gptlab's own launcher (world.spawn) starts every worker again after one dies, up to
-train.max_restarts times; torchrun's --max-restarts does the same for its workers. Either way the
-new start resumes from the latest checkpoint (train.resume=auto) in the same run folder and MLflow
+train.max_restarts times; torchrun's --max-restarts does the same for its workers, and the SLURM
+presets' launcher (distributed/slurm_launcher.py) submits a failed job again. Either way the new
+start resumes from the latest checkpoint (train.resume=auto) in the same run folder and MLflow
 run. This module keeps what recording those restarts needs:
 
 - progress marks: each rank's step in progress, 8 bytes at 8 x rank in <run>/.gptlab.progress,
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from gptlab.checkpoint import state as checkpoint
+from gptlab.distributed import slurm
 from gptlab.records import layout
 
 log = logging.getLogger(__name__)
@@ -103,16 +105,24 @@ def died(f: Dict[str, Any]) -> str:
     return f"rank {f['rank']} died {at} ({f['ended']})"
 
 
-def budget_line(failures: List[Dict[str, Any]], max_restarts: int) -> str:
-    """The one line when the failures have used up train.max_restarts."""
+def budget_line(
+    failures: List[Dict[str, Any]],
+    max_restarts: int,
+    said: Callable[[Dict[str, Any]], str] = died,
+    alike: Optional[Callable[[Dict[str, Any]], str]] = None,
+) -> str:
+    """The one line when the failures have used up train.max_restarts; `said` puts the last
+    failure in words, and failures are counted as the same when `alike` (default: said) says so
+    (the SLURM launcher's own words, without the job ids)."""
+    alike = alike or said
     last = failures[-1]
     same = 0
     for f in reversed(failures):
-        if died(f) != died(last):
+        if alike(f) != alike(last):
             break
         same += 1
     times = f" {same} times" if same > 1 else f", after {len(failures) - 1} restart(s)"
-    return f"{died(last)}{times}; no restarts left (train.max_restarts={max_restarts})"
+    return f"{said(last)}{times}; no restarts left (train.max_restarts={max_restarts})"
 
 
 def leave_failure(run_dir: Path, f: Dict[str, Any]) -> None:
@@ -181,7 +191,7 @@ def complete(
     return {
         "restart": n,
         **f,
-        "cause": died(f) if f["launcher"] == "gptlab" else f["ended"],
+        "cause": died(f) if f["launcher"] == "gptlab" else f.get("cause") or f["ended"],
         "resumed_from": resumed_from,
         "steps_lost": None if step is None else max(0, step - resumed_from),
         "seconds_lost": None if since is None else round(now - since, 3),
@@ -215,9 +225,12 @@ def record(run: Any) -> List[Dict[str, Any]]:
 
 def begin(run: Any) -> List[Dict[str, Any]]:
     """Every rank, after the run was built: mark each step as it starts where a launcher may start
-    the job again (several ranks, or torchrun); on rank 0, record the failures that led to this
-    start. The run's restarts so far (rank 0; [] elsewhere)."""
-    restartable = run.dist.world_size > 1 or "TORCHELASTIC_RESTART_COUNT" in os.environ
+    the job again (several ranks, torchrun, or a SLURM task: the launcher may submit its job again);
+    on rank 0, record the failures that led to this start. The run's restarts so far (rank 0; []
+    elsewhere)."""
+    restartable = (
+        run.dist.world_size > 1 or "TORCHELASTIC_RESTART_COUNT" in os.environ or slurm.slurm_task()
+    )
     history = record(run) if run.dist.is_main else []
     if restartable:
         run.lr_at = StepMarks(run.run_dir, run.dist.rank).marking(run.lr_at)

@@ -223,6 +223,16 @@ def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
     return found, requeued
 
 
+_FAILURE_LINE = re.compile(r"^ranks? (?P<ranks>[0-9][0-9,-]*) on (?P<node>\S+): (?P<what>.+)$")
+
+
+def failure_parts(line: str) -> Optional[Tuple[str, str, str]]:
+    """(ranks, node, how it ended) of one of srun_failures' lines: `rank 1 on gptlab-n2: Killed`
+    -> ("1", "gptlab-n2", "Killed"); None for any other text."""
+    m = _FAILURE_LINE.match(line)
+    return (m["ranks"], m["node"], m["what"]) if m else None
+
+
 def job_failures(job_folder: Path) -> List[str]:
     """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job). srun writes to
     the batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`."""

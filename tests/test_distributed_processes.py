@@ -141,15 +141,7 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
             120,
             "training to start",
         )
-        # the spawned ranks, in start order (the resource tracker is not one of them)
-        workers = sorted(
-            (
-                p
-                for p in psutil.Process(proc.pid).children()
-                if "spawn_main" in " ".join(p.cmdline())
-            ),
-            key=lambda p: p.create_time(),
-        )
+        workers = _spawned_workers(proc.pid)
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGKILL)
         t0 = time.time()
@@ -221,14 +213,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
             120,
             "training to start",
         )
-        workers = sorted(
-            (
-                p
-                for p in psutil.Process(proc.pid).children()
-                if "spawn_main" in " ".join(p.cmdline())
-            ),
-            key=lambda p: p.create_time(),
-        )
+        workers = _spawned_workers(proc.pid)
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
@@ -243,10 +228,11 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
 
 
 def _spawned_workers(launcher: int):
-    """The ranks a launcher spawned, in start order (the resource tracker is not one of them)."""
-    children = psutil.Process(launcher).children()
+    """The ranks a launcher started, in start order: the children of its fork server (neither the
+    server itself nor the resource tracker)."""
+    children = psutil.Process(launcher).children(recursive=True)
     return sorted(
-        (p for p in children if "spawn_main" in " ".join(p.cmdline())),
+        (p for p in children if p.ppid() != launcher and "forkserver" in " ".join(p.cmdline())),
         key=lambda p: p.create_time(),
     )
 

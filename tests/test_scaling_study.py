@@ -119,8 +119,8 @@ def test_a_study_runs_its_grid_fits_it_and_started_again_runs_only_what_is_missi
     outputs = tmp_path / "outputs"
     args = [
         "gptlab.train", "-m", "scaling=char_cpu", f"data.path={shakespeare}",
-        f"paths.outputs={outputs}", "scaling.budgets=[1e10,3e10]",
-        "scaling.tokens_per_param=[0.1,1e5]",
+        f"paths.outputs={outputs}", "scaling.budgets=[2e9,6e9]",
+        "scaling.tokens_per_param=[0.01,1e5]",
         "scaling.sizes=[{n_layer:1,n_embd:16,n_head:1},{n_layer:1,n_embd:32,n_head:2},"
         "{n_layer:2,n_embd:48,n_head:2}]",
         "train.batch_size=8", "train.eval_steps=4", "model.block_size=32",
@@ -136,7 +136,7 @@ def test_a_study_runs_its_grid_fits_it_and_started_again_runs_only_what_is_missi
         assert results["flops"] <= p["budget"]
     assert (folder / "scaling.json").is_file() and (folder / "scaling.png").is_file()
     # stopped with one point unfinished: the same command runs that one only
-    (folder / "3e10_L1xD32" / "results.json").unlink()
+    (folder / "6e9_L1xD32" / "results.json").unlink()
     again = run_cli(args, cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     log = again.stdout + again.stderr

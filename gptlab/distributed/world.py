@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import select
 import signal
 import sys
 import threading
@@ -197,9 +198,12 @@ CRASHED = 70
 
 
 def _worker(local_rank: int, launch: tuple, fn, args) -> None:
-    """One spawned rank. launch: (nprocs, rendezvous port, the launcher's pid)."""
-    nprocs, port, launcher = launch
+    """One spawned rank. launch: (nprocs, rendezvous port, the launcher's pid[, environment])."""
+    nprocs, port, launcher, *env = launch
     follow_launcher(launcher)
+    if env:  # forked from the fork server: the launcher's environment now, not the server's
+        os.environ.clear()
+        os.environ.update(env[0])
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -228,26 +232,57 @@ def follow_launcher(launcher: int) -> None:
     """Bind a spawned worker to the launcher (pid `launcher`) that started it.
 
     It ends when the launcher ends, however that ends (kill -9, the OOM killer, a closed terminal):
-    the kernel sends it SIGKILL (prctl's parent-death signal; where there is no prctl, a thread
-    watching the parent pid does it). SIGKILL, not a signal the loop stops on: an orphan must not
-    save (its peers may be gone, and nobody waits for the run), and a kill cannot leave a
-    half-written checkpoint (every save is written aside and renamed: checkpoint.save and
-    save_sharded). A launcher that died before the kernel was told is no longer the parent: then the
-    worker ends here. The run folder's lock (an flock of rank 0's) goes with the process.
+    the kernel sends it SIGKILL where the launcher is its parent (prctl's parent-death signal), and
+    a thread waiting on the launcher's pidfd does it where the launcher's fork server is (which
+    outlives the launcher while workers hold it open); failing both, a thread polls. SIGKILL, not a
+    signal the loop stops on: an orphan must not save (its peers may be gone, and nobody waits for
+    the run), and a kill cannot leave a half-written checkpoint (every save is written aside and
+    renamed: checkpoint.save and save_sharded). A launcher that died before it was watched is no
+    longer the parent nor the fork server's: then the worker ends here. The run folder's lock (an
+    flock of rank 0's) goes with the process.
 
     It gets a session of its own, as torchrun's workers do, so that a terminal's Ctrl-C reaches the
     launcher alone, which forwards one stop to every worker (spawn); and SIGINT, ignored while the
     launcher started it, gets Python's handler back.
     """
-    if not _killed_with_parent():
+    direct = os.getppid() == launcher
+    if not (_killed_with_parent() if direct else _killed_with(launcher)):
         threading.Thread(
-            target=_watch_parent, args=(launcher,), name="gptlab-launcher-watch", daemon=True
+            target=_watch_launcher, args=(launcher,), name="gptlab-launcher-watch", daemon=True
         ).start()
-    if os.getppid() != launcher:
+    if launcher not in (os.getppid(), _parent_of(os.getppid())):
         os.kill(os.getpid(), signal.SIGKILL)
     with suppress(OSError):  # already a session leader: nothing to leave
         os.setsid()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _killed_with(launcher: int) -> bool:
+    """SIGKILL this process as soon as process `launcher` ends (a thread waiting on its pidfd);
+    False where there are no pidfds."""
+    try:
+        fd = os.pidfd_open(launcher)
+    except ProcessLookupError:  # already gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):
+        return False
+
+    def wait() -> None:
+        select.select([fd], [], [])  # readable once the process has ended
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="gptlab-launcher-pidfd", daemon=True).start()
+    return True
+
+
+def _parent_of(pid: int) -> Optional[int]:
+    """The parent of process pid (a worker's parent is the launcher's fork server, whose parent is
+    the launcher, and which ends as soon as the launcher does); None where /proc cannot say."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[1])  # the fields after the command's name
 
 
 def _killed_with_parent() -> bool:
@@ -263,8 +298,8 @@ def _killed_with_parent() -> bool:
     return prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
 
 
-def _watch_parent(launcher: int, every_s: float = 0.5) -> None:
-    while os.getppid() == launcher:
+def _watch_launcher(launcher: int, every_s: float = 0.5) -> None:
+    while launcher in (os.getppid(), _parent_of(os.getppid())):
         time.sleep(every_s)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -346,17 +381,26 @@ def restarts_so_far(run: Any) -> List[Dict[str, Any]]:
     return restarts.begin(run)
 
 
+# What a worker imports before its run, loaded once by the fork server that every worker (and every
+# restart's) is forked from, instead of once per worker: torch's dynamo comes with the first
+# optimizer (torch._disable_dynamo).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gptlab.training.build"]
+
+
 def _start(nprocs: int, fn, args: tuple) -> list:
-    """The started workers (multiprocessing's spawn: fresh interpreters, safe with threads and
-    CUDA).
+    """The started workers, forked from a fork server (multiprocessing's forkserver: a fresh
+    interpreter with nothing but imports in it, so safe with threads and CUDA) that has imported
+    PRELOAD and fn's module once.
 
     SIGINT is ignored while they start, so that they inherit it ignored until follow_launcher has
     taken them out of the terminal's reach: a Ctrl-C then reaches this launcher alone.
     """
     import multiprocessing
 
-    ctx = multiprocessing.get_context("spawn")
-    launch = (nprocs, _free_port(), os.getpid())
+    ctx = multiprocessing.get_context("forkserver")
+    main = fn.__module__ == "__main__"  # each worker runs a __main__ itself, as __mp_main__
+    ctx.set_forkserver_preload([*PRELOAD, *([] if main else [fn.__module__])])  # read at its start
+    launch = (nprocs, _free_port(), os.getpid(), dict(os.environ))
     workers = [
         ctx.Process(target=_worker, args=(i, launch, fn, args), name=f"rank {i}")
         for i in range(nprocs)

@@ -358,10 +358,22 @@ class Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.fixture(scope="module")
+def fifteen_fsdp(tmp_path_factory, shakespeare):
+    """The first 15 steps of straight_fsdp's run, as their own run: each damage test copies it."""
+    tmp = tmp_path_factory.mktemp("fifteen")
+    train(
+        [*base(shakespeare, "train.max_steps=15"), "hardware=cpu_x2", "parallelism=fsdp"],
+        tmp / "run",
+        tmp,
+    )
+    return tmp / "run"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["random_bytes", "crafted_pickle"])
 def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(  # noqa: E501
-    tmp_path, shakespeare, straight_fsdp, damage
+    tmp_path, shakespeare, straight_fsdp, fifteen_fsdp, damage
 ):
     """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would
     run code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names
@@ -370,7 +382,7 @@ def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_
     load unsafely."""
     run_dir, marker = tmp_path / "run", tmp_path / "pwned"
     args = [*base(shakespeare), "hardware=cpu_x2", "parallelism=fsdp"]
-    train([*args, "train.max_steps=15"], run_dir, tmp_path)
+    shutil.copytree(fifteen_fsdp, run_dir)
     newest = run_dir / "checkpoints" / "ckpt_00000015"
     sizes = {f.name: f.stat().st_size for f in newest.iterdir()}
     if damage == "random_bytes":  # a moment tensor: its zip archive is gone, torch.load fails on it

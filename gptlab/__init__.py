@@ -51,8 +51,11 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
 
 
 def moved_attribute(package: str, module: str, submodules: set, name: str):
-    """A package's __getattr__ for the names of the flat module it replaced (gptlab.model's GPT is
-    gptlab.model.gpt's): the name, with a deprecation warning; its own submodules import as such."""
+    """A package's __getattr__ for the names of the flat module it replaced.
+
+    gptlab.model's GPT is gptlab.model.gpt's: the name, with a deprecation warning; its own
+    submodules import as such.
+    """
     if name.startswith("__") or name in submodules:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

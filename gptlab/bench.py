@@ -165,8 +165,11 @@ def _peak_source(device: str, hw) -> str:
 
 
 def _prediction(config: BenchConfig, stands_for: int) -> Tuple[BenchConfig, Dict[str, Any]]:
-    """The config as the planner resolves it (compile=auto, micro_batch_size=auto) and the
-    planner's figures for it (memory, tokens/s, MFU), to print beside the measured ones."""
+    """The config as the planner resolves it, and the planner's figures for it.
+
+    It resolves compile=auto and micro_batch_size=auto; the figures (memory, tokens/s, MFU) are
+    printed beside the measured ones.
+    """
     # torch: off the start-up path of --help and config errors
     from gptlab.perf.costs import (
         DEFAULT_MFU,

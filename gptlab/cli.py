@@ -1,5 +1,6 @@
-"""Entry-point plumbing shared by the ``python -m gptlab.*`` commands: one grammar, one kind of
-error.
+"""Entry-point plumbing shared by the ``python -m gptlab.*`` commands.
+
+One grammar, one kind of error.
 
 Every command is a Hydra app with a root config of its own under conf/ (``conf/<command>.yaml``;
 train's is ``conf/config.yaml``), so every command takes the same words: ``key=value`` and
@@ -69,8 +70,10 @@ def condense(message: str) -> str:
 
 
 def describe(error: BaseException) -> str:
-    """One line for a Hydra / OmegaConf error and the errors that caused it (the cause names the
-    key)."""
+    """One line for a Hydra / OmegaConf error and the errors that caused it.
+
+    The cause names the key.
+    """
     options, missing = getattr(error, "options", None), getattr(error, "missing_cfg_file", None)
     # a group's choice that does not exist: the choices, nothing else
     if options and missing and "/" in missing:
@@ -86,8 +89,10 @@ def describe(error: BaseException) -> str:
 
 
 def fail(prog: str, error: Exception) -> None:
-    """Print a user error as one line and exit 2 (SystemExit passes Hydra's job logging
-    silently)."""
+    """Print a user error as one line and exit 2.
+
+    SystemExit passes Hydra's job logging silently.
+    """
     print(f"{prog}: error: {error}", file=sys.stderr)
     sys.exit(2)
 
@@ -115,8 +120,11 @@ _FOLDERS = " (the run folder is hydra.run.dir=..., the data cache data.cache_dir
 
 
 def _override_naming(path: str) -> Optional[str]:
-    """The command-line `key=value` (or $GPTLAB_CACHE_DIR) that `path` comes from: its value is
-    `path` or a folder above it, else (a folder made on the way to it) a path below `path`."""
+    """The command-line `key=value` (or $GPTLAB_CACHE_DIR) that `path` comes from.
+
+    Its value is `path` or a folder above it, else (a folder made on the way to it) a path below
+    `path`.
+    """
     target = Path(path).expanduser().absolute()
     words = [*sys.argv[1:], f"$GPTLAB_CACHE_DIR={os.environ.get('GPTLAB_CACHE_DIR', '')}"]
     found = []
@@ -132,8 +140,9 @@ def _override_naming(path: str) -> Optional[str]:
 
 
 def os_error_message(error: OSError) -> Optional[str]:
-    """One line for an OSError caused by a path or the machine (None: a bug, which keeps its
-    traceback).
+    """One line for an OSError caused by a path or the machine.
+
+    None: a bug, which keeps its traceback.
 
     It names the path, the override it came from when there is one, and what to do.
     """
@@ -187,8 +196,10 @@ def run_entry(main: Callable[[], Any], prog: str) -> None:
 
 
 def text_keys(schema: type, prefix: str = "") -> Dict[str, bool]:
-    """The text fields of a dataclass schema: `prefix + name` -> whether it may be null
-    (Optional[str])."""
+    """The text fields of a dataclass schema, each with whether it may be null.
+
+    `prefix + name` -> whether it may be null (Optional[str]).
+    """
     hints = typing.get_type_hints(schema)
     keys = {}
     for f in dataclasses.fields(schema):
@@ -287,9 +298,11 @@ def _leaves(node: Mapping[str, Any], prefix: str = "") -> List[str]:
 def config_keys(
     config_name: str, overrides: Sequence[str] = ()
 ) -> "tuple[List[str], Dict[str, List[str]]]":
-    """Every key of the config `python -m gptlab.<config_name> OVERRIDES` composes (hydra.*
-    included), and its config groups with their options. The overrides are dropped when they do not
-    compose."""
+    """Every key of the config `python -m gptlab.<config_name> OVERRIDES` composes.
+
+    hydra.* included, and its config groups with their options. The overrides are dropped when they
+    do not compose.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -322,12 +335,14 @@ def config_keys(
 
 
 def nearest_keys(word: str, keys: Sequence[str], groups: Mapping[str, Sequence[str]]) -> List[str]:
-    """The keys or config groups that `word` most likely means (none, one, or the few equally
-    likely): itself, the keys that end in it (`seed` -> `data.seed`, `train.seed`; a deeper one,
-    `train.profile.steps`, only when nothing else fits), the closest
+    """The keys or config groups that `word` most likely means.
+
+    None, one, or the few equally likely: itself, the keys that end in it (`seed` -> `data.seed`,
+    `train.seed`; a deeper one, `train.profile.steps`, only when nothing else fits), the closest
     whole key by difflib (`train.max_step`), else a key whose last part holds it as a word (`steps`
     -> `train.max_steps`) or is close to it. hydra.* keys are candidates only for a word that starts
-    with hydra; a section is never offered for a key below it."""
+    with hydra; a section is never offered for a key below it.
+    """
     word = word.replace("-", "_")
     keys = [
         k
@@ -394,9 +409,11 @@ def _flags(args: Sequence[str]) -> List["tuple[str, str, str]"]:
 
 
 def flag_error(config_name: str, command_name: str, args: Sequence[str]) -> Optional[str]:
-    """One line for options that are not Hydra's (`--steps 3`), naming the key=value meant
-    (`bench.steps=3`): Hydra's argparse would print its usage instead. None when every option is
-    Hydra's."""
+    """One line for options that are not Hydra's, naming the key=value meant.
+
+    `--steps 3` -> `bench.steps=3`: Hydra's argparse would print its usage instead. None when every
+    option is Hydra's.
+    """
     flags = _flags(args)
     if not flags:
         return None
@@ -418,8 +435,10 @@ def flag_error(config_name: str, command_name: str, args: Sequence[str]) -> Opti
 
 
 def optional_groups(config_name: str) -> List[str]:
-    """The optional config groups a command's root config names in its defaults list, through the
-    root configs it builds on (`config`); read from the YAML files, without Hydra."""
+    """The optional config groups a command's root config names in its defaults list.
+
+    Found through the root configs it builds on (`config`); read from the YAML files, without Hydra.
+    """
     import yaml
 
     groups: List[str] = []
@@ -443,9 +462,11 @@ def group_options(group: str) -> List[str]:
 
 
 def group_choice_error(config_name: str, args: Sequence[str]) -> Optional[str]:
-    """One line for `group=name` of an optional group (experiment, hparams_search, local, debug)
-    where no file of the group has that name: Hydra says nothing there and runs the default job.
-    A sweep's comma list is checked name by name."""
+    """One line for `group=name` of an optional group where no file of the group has that name.
+
+    The optional groups are experiment, hparams_search, local, debug. Hydra says nothing there and
+    runs the default job. A sweep's comma list is checked name by name.
+    """
     groups = optional_groups(config_name)
     for word in args:
         if word.startswith("-") or "=" not in word:
@@ -465,9 +486,11 @@ def group_choice_error(config_name: str, args: Sequence[str]) -> Optional[str]:
 
 
 def typo_error(error: BaseException, config_name: str, overrides: Sequence[str]) -> Optional[str]:
-    """One line for an override of a key the config lacks, naming the nearest key (`did you mean
-    train.max_steps=10?`), in place of Hydra's advice to add it with `+`, which only a free-form
-    section (`expected`) takes. None for other errors."""
+    """One line for an override of a key the config lacks, naming the nearest key.
+
+    `did you mean train.max_steps=10?`, in place of Hydra's advice to add it with `+`, which only a
+    free-form section (`expected`) takes. None for other errors.
+    """
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
     found = re.match(r"Could not override '([^']+)'", str(error))
@@ -602,8 +625,11 @@ def command(
 
 
 def _start(app: Callable[[], Any], config_name: str, name: str) -> None:
-    """Run a command's Hydra app; options that are not Hydra's, mistyped keys and misused Hydra
-    options raise GptlabError, which run_entry prints as one line."""
+    """Run a command's Hydra app, raising GptlabError for a misused command line.
+
+    Options that are not Hydra's, mistyped keys and misused Hydra options raise GptlabError, which
+    run_entry prints as one line.
+    """
     from hydra.errors import ConfigCompositionException
 
     flags = flag_error(config_name, name, sys.argv[1:])  # before Hydra's argparse prints its usage
@@ -635,10 +661,12 @@ def _log_files() -> List[Path]:
 
 
 def made_for_this_start() -> Optional[Path]:
-    """This job's output folder when it holds only what Hydra wrote for this start (.hydra/ and an
-    empty log file): the folder a start that fails may remove. None for a folder that held anything
-    before (a run, whose files are kept), in a process that is not the job's rank 0 (which decides),
-    and for commands that write no folder (`common/read_only`)."""
+    """This job's output folder when it holds only what Hydra wrote for this start.
+
+    That is .hydra/ and an empty log file: the folder a start that fails may remove. None for a
+    folder that held anything before (a run, whose files are kept), in a process that is not the
+    job's rank 0 (which decides), and for commands that write no folder (`common/read_only`).
+    """
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
@@ -655,9 +683,12 @@ def made_for_this_start() -> Optional[Path]:
 
 
 def remove_failed_start(folder: Path) -> None:
-    """Remove what a start that failed left in `folder` (made_for_this_start): .hydra/, its log and
-    the run folder's lock, then the folder and the empty folders above it up to the working
-    directory. A folder that now holds anything else (records this start wrote) is kept whole."""
+    """Remove what a start that failed left in `folder` (made_for_this_start).
+
+    Removes .hydra/, its log and the run folder's lock, then the folder and the empty folders above
+    it up to the working directory. A folder that now holds anything else (records this start wrote)
+    is kept whole.
+    """
     from hydra.core.hydra_config import HydraConfig
 
     from gptlab.records.layout import LOCK

@@ -1,5 +1,6 @@
-"""python -m gptlab.compare TARGET [tracking.uri=...] [compare.out=PNG]: a sweep's runs side by
-side.
+"""python -m gptlab.compare TARGET: a sweep's runs side by side, as a table and a PNG.
+
+Usage: python -m gptlab.compare TARGET [tracking.uri=...] [compare.out=PNG].
 
 TARGET is a sweep folder (outputs/sweeps/<date>_<time>; any folder of run folders works), an MLflow
 run id (a sweep's parent run: its children; any other run: itself), or an MLflow experiment name
@@ -178,16 +179,21 @@ def _run_wall_s(run: Any) -> Optional[float]:
 
 
 def runs_of_sweep(folder: Path) -> List[Path]:
-    """The run folders directly under `folder`, then those of a search's trials over seeds
-    (<trial>/seed_<seed>/, hydra.sweeper.seeds), in trial order."""
+    """The run folders under `folder`, then each seed's of a search's trials, in trial order.
+
+    First the run folders directly under `folder`, then those of a search's trials over seeds
+    (<trial>/seed_<seed>/, hydra.sweeper.seeds), in trial order.
+    """
     nested = [d for d in Path(folder).glob("*/seed_*") if d.is_dir() and layout.is_run_folder(d)]
     nested.sort(key=lambda d: (layout.job_order(d.parent), d.name))
     return layout.runs_in(folder) + nested
 
 
 def from_folder(folder: Path) -> List[RunRecord]:
-    """Each run folder directly under `folder` (a sweep's jobs, or outputs/runs), and each seed's
-    of a search's trials."""
+    """Each run folder under `folder` (a sweep's jobs, or outputs/runs), and each trial seed's.
+
+    The run folders directly under `folder`, and each seed's of a search's trials.
+    """
     run_dirs = runs_of_sweep(folder)
     if not run_dirs:
         if layout.is_run_folder(folder):
@@ -231,8 +237,11 @@ def from_folder(folder: Path) -> List[RunRecord]:
 
 
 def folder_usage(run_dir: Path, results: Dict[str, Any]) -> Dict[str, Optional[float]]:
-    """A run folder's device_hours and cost: results.json's, else (a run recorded before they were)
-    its wall time x the devices and price of its config."""
+    """A run folder's device_hours and cost, from results.json or else from its wall time.
+
+    results.json's figures where it has them; else (a run recorded before they were) its wall time x
+    the devices and price of its config.
+    """
     hours, cost = _finite(results.get("device_hours")), _finite(results.get("cost"))
     wall = _finite(results.get("wall_s"))
     if hours is None and wall is not None:
@@ -288,8 +297,10 @@ def _statuses_from_mlflow(records: List[RunRecord], sweep: Dict[str, Any]) -> No
 
 
 def folder_scores(run_dir: Path, rows: List[Dict[str, Any]]) -> Dict[str, float]:
-    """A run folder's latest downstream scores: the in-loop HellaSwag's (metrics.jsonl) and
-    gptlab.eval's (eval.json, without stderrs)."""
+    """A run folder's latest downstream scores, from metrics.jsonl and eval.json.
+
+    The in-loop HellaSwag's (metrics.jsonl) and gptlab.eval's (eval.json, without stderrs).
+    """
     scores = {}
     for r in rows:
         scores.update({k: r[k] for k in SCORE_KEYS if _finite(r.get(k)) is not None})
@@ -346,8 +357,10 @@ def _record_from_run(client: Any, run: Any, job_names: bool) -> RunRecord:
 
 
 def from_mlflow(uri: str, target: str) -> Tuple[List[RunRecord], str, List[ParentRecord]]:
-    """(records, a title, the sweeps' and searches' parent runs) for a run id or an experiment name
-    in the store at uri."""
+    """The records of a run id or an experiment name in the store at uri.
+
+    Returns (records, a title, the sweeps' and searches' parent runs).
+    """
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         raise GptlabError(
@@ -383,9 +396,12 @@ PARENT_KINDS = ("sweep", "search")
 
 
 def experiment_runs(client: Any, runs: List[Any]) -> Tuple[List[RunRecord], List[ParentRecord]]:
-    """An experiment's runs as jobs and parents: a sweep's or search's parent run (its run_type, or
-    a run other runs name as their mlflow.parentRunId) is no job; each job of one is named
-    <letter>/<job number>, the letter its parent's."""
+    """An experiment's runs as jobs and parents.
+
+    A sweep's or search's parent run (its run_type, or a run other runs name as their
+    mlflow.parentRunId) is no job; each job of one is named <letter>/<job number>, the letter its
+    parent's.
+    """
     nesting = {r.data.tags.get(PARENT_TAG) for r in runs} - {None}
     parents: Dict[str, ParentRecord] = {}
     records = []
@@ -480,8 +496,11 @@ def clip(text: str, width: int) -> str:
 
 
 def key_heads(keys: List[str]) -> List[str]:
-    """Column heads of override keys: a long key by its last part (optimizer.weight_decay ->
-    weight_decay) where that names one key, cut to VALUE_WIDTH."""
+    """Column heads of override keys, a long key by its last part where that names one key.
+
+    optimizer.weight_decay -> weight_decay where that names one key; each head is cut to
+    VALUE_WIDTH.
+    """
     tails = [k.rsplit(".", 1)[-1] for k in keys]
     return [
         clip(k if len(k) <= KEY_WIDTH or tails.count(t) > 1 else t, VALUE_WIDTH)
@@ -490,8 +509,11 @@ def key_heads(keys: List[str]) -> List[str]:
 
 
 def groups(records: List[RunRecord], metric: str, parents: List[ParentRecord]) -> List[Group]:
-    """The rows in order: best first by metric; with parents, each parent's jobs under it (the
-    groups best first too) and the runs of no sweep under their own heading."""
+    """The rows in order: best first by metric, and with parents each parent's jobs under it.
+
+    With parents, the groups go best first too, and the runs of no sweep sit under their own
+    heading.
+    """
 
     def best_first(rs: List[RunRecord]) -> List[RunRecord]:
         return sorted(rs, key=lambda r: sort_key(r, metric))
@@ -509,8 +531,10 @@ def groups(records: List[RunRecord], metric: str, parents: List[ParentRecord]) -
 
 
 def shared_prefix(names: List[str]) -> str:
-    """The words that begin every name, when a name is too long for its column and each has more
-    ("" otherwise): said once rather than in every row."""
+    """The words that begin every name, said once rather than in every row ("" if none).
+
+    Given only when a name is too long for its column and each name has more words; "" otherwise.
+    """
     if len(names) < 2 or max(map(len, names)) <= NAME_WIDTH:
         return ""
     common = os.path.commonprefix(names)
@@ -519,9 +543,11 @@ def shared_prefix(names: List[str]) -> str:
 
 
 def columns(rows: List[RunRecord], indent: str, metric: str, cut: int = 0) -> List[Column]:
-    """Every column of the table for rows (in order): the run's name (less its first cut
-    characters), the best figures (the one the rows are sorted by first), status, the overrides
-    that differ, downstream scores, speed."""
+    """Every column of the table for rows, in order.
+
+    The run's name (less its first cut characters), the best figures (the one the rows are sorted by
+    first), status, the overrides that differ, downstream scores, speed.
+    """
     keys = differing_keys(rows)
     scores: List[str] = []
     for r in rows:
@@ -567,8 +593,10 @@ def usage_columns(
 
 
 def blocks(cols: List[Column], width: int = WIDTH) -> List[List[Column]]:
-    """The columns in blocks of at most width characters, each led by the run column: a table
-    too wide for one continues below."""
+    """The columns in blocks of at most width characters, each led by the run column.
+
+    A table too wide for one block continues below.
+    """
 
     def span(col: Column) -> int:
         return max(len(x) for x in [col[0], *col[1]])
@@ -608,11 +636,14 @@ def render(cols: List[Column], grouped: List[Group]) -> List[str]:
 def table(
     records: List[RunRecord], metric: str = "loss", parents: Optional[List[ParentRecord]] = None
 ) -> str:
-    """Plain-text table in lines of at most WIDTH characters, best first by `metric` (loss or bpb):
-    the best figures, status, the overrides that differ, each run's latest downstream scores where
-    any run has them, speed; a column the same in every row is said once above it (and the words
-    every long name begins with), the columns past WIDTH continue below; with parents (an
-    experiment's sweeps and searches), each one's jobs under a heading of it, never a row."""
+    """Plain-text table of the runs in lines of at most WIDTH characters, best first by `metric`.
+
+    `metric` is loss or bpb. Columns: the best figures, status, the overrides that differ, each
+    run's latest downstream scores where any run has them, speed; a column the same in every row is
+    said once above it (and the words every long name begins with), the columns past WIDTH continue
+    below; with parents (an experiment's sweeps and searches), each one's jobs under a heading of
+    it, never a row.
+    """
     grouped = groups(records, metric, parents or [])
     rows = [r for _, members in grouped for r in members]
     prefix = shared_prefix([r.name for r in rows])
@@ -653,8 +684,11 @@ def _short_value(value: str) -> str:
 def legend_label(
     r: RunRecord, keys: List[str], best: Optional[float], width: int, cut: int = 0
 ) -> str:
-    """A run's legend entry in at most width characters: its name (less its first cut characters),
-    best figure and its values of the keys that differ (3 significant digits)."""
+    """A run's legend entry in at most width characters.
+
+    Its name (less its first cut characters), best figure and its values of the keys that differ (3
+    significant digits).
+    """
     head = clip(r.name[cut:], max(12, width // 3))
     head += f" (best {best:.4g})" if best is not None else ""
     values = " ".join(
@@ -668,8 +702,11 @@ LEGEND_LAYOUTS = ((10, 90), (30, 55), (10**9, 40))
 
 
 def val_figure(records: List[RunRecord], title: str, metric: str = "loss") -> Any:
-    """The matplotlib Figure of the runs' validation loss (or bits per byte) against tokens, its
-    legend below the axes in as many columns as the entries need and the figure as tall."""
+    """The matplotlib Figure of the runs' validation loss (or bits per byte) against tokens.
+
+    Its legend sits below the axes in as many columns as the entries need, and the figure is as
+    tall.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -707,8 +744,10 @@ def val_figure(records: List[RunRecord], title: str, metric: str = "loss") -> An
 
 
 def plot_val_curves(records: List[RunRecord], path: Path, title: str, metric: str = "loss") -> None:
-    """PNG overlaying the runs' validation loss (or bits per byte) against tokens (needs
-    matplotlib)."""
+    """PNG overlaying the runs' validation loss (or bits per byte) against tokens.
+
+    Needs matplotlib.
+    """
     fig = val_figure(records, title, metric)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -749,8 +788,10 @@ class Replicates:
 
 
 def configurations(records: List[RunRecord], metric: str) -> List[Replicates]:
-    """The runs grouped by their overrides less train.seed (and a search trial's own), best mean
-    first."""
+    """The runs grouped by their overrides less train.seed, best mean first.
+
+    The keys a search trial sets for itself are left out as train.seed is.
+    """
     groups: Dict[Tuple[Tuple[str, str], ...], Replicates] = {}
     for r in records:
         own = {k: v for k, v in r.overrides.items() if k != stats.SEED_KEY and k not in SEARCH_KEYS}
@@ -810,8 +851,10 @@ def find_baseline(configs: List[Replicates], spec: Optional[str], metric: str) -
 
 
 def t_tests(configs: List[Replicates], base: Replicates, metric: str, alpha: float) -> None:
-    """Each configuration with 2 seeds or more against the baseline's: Welch's t-test, and whether
-    its p-value is under alpha."""
+    """Welch's t-test of each configuration with 2 seeds or more against the baseline's.
+
+    Each result says whether its p-value is under alpha.
+    """
     base.baseline = True
     ref = base.objective(metric)
     if len(ref) < 2:
@@ -824,8 +867,10 @@ def t_tests(configs: List[Replicates], base: Replicates, metric: str, alpha: flo
 
 
 def config_label(c: Replicates, configs: List[Replicates]) -> str:
-    """A configuration by the overrides that differ between configurations (its run's name when
-    none do)."""
+    """A configuration named by the overrides that differ between configurations.
+
+    Its run's name when none do.
+    """
     keys = differing_keys([Replicates(x.overrides, []) for x in configs])  # type: ignore[misc]
     words = [f"{h}={shown(c.overrides.get(k))}" for h, k in zip(key_heads(keys), keys)]
     return " ".join(words) or c.runs[0].name
@@ -851,8 +896,11 @@ def _test_cells(c: Replicates) -> Tuple[str, str, str]:
 
 
 def seed_columns(configs: List[Replicates], metric: str, alpha: float) -> List[Column]:
-    """The seeds table's columns: the configuration, n, mean ± std of every final figure (the
-    objective first), the t-test against the baseline, device-hours and cost summed over seeds."""
+    """The seeds table's columns.
+
+    The configuration, n, mean ± std of every final figure (the objective first), the t-test against
+    the baseline, device-hours and cost summed over seeds.
+    """
     figures = sorted(FIGURES, key=lambda f: f[0] != f"best val {metric}")
     scores: List[str] = []
     for r in (r for c in configs for r in c.runs):
@@ -964,8 +1012,11 @@ def report_seeds(
     title: str,
     found: List[transfer.Transfer],
 ) -> None:
-    """Seeds as replicates: the configurations' table when any has 2 seeds or more (or a baseline is
-    given), compare.json when asked, and the seeds' PNG beside the curves'."""
+    """Reports seeds as replicates: the configurations' table, compare.json and the seeds' PNG.
+
+    The table when any configuration has 2 seeds or more (or a baseline is given), compare.json when
+    asked, and the seeds' PNG beside the curves'.
+    """
     metric, alpha = settings.metric, settings.alpha
     configs = configurations(records, metric)
     seeded = any(len({r.overrides.get(stats.SEED_KEY) for r in c.runs}) > 1 for c in configs)
@@ -1030,8 +1081,11 @@ def run_compare(cfg: Any) -> None:
 def report_transfer(
     records: List[RunRecord], settings: CompareSettings, out: Path, title: str
 ) -> List[transfer.Transfer]:
-    """The lr transfer check of a width x lr sweep (compare.transfer, or found by itself): each
-    width's best lr and the drift, and compare_transfer.png beside the curves' PNG."""
+    """The lr transfer check of a width x lr sweep: each width's best lr and the drift.
+
+    Runs for compare.transfer, or when found by itself; writes compare_transfer.png beside the
+    curves' PNG.
+    """
     metric = settings.metric
     points = [(r.overrides, best_of(r, metric)) for r in records]
     width_key = settings.transfer or transfer.detect(points)
@@ -1057,8 +1111,11 @@ def report_transfer(
 
 
 def export_best(records: List[RunRecord], settings: CompareSettings, title: str) -> None:
-    """compare.export_best: the best configuration (the lowest mean over its seeds) as an experiment
-    file (search/best.py), its muP keys from the best run's resolved config."""
+    """compare.export_best: the best configuration as an experiment file (search/best.py).
+
+    The best is the lowest mean over its seeds; its muP keys come from the best run's resolved
+    config.
+    """
     if not settings.export_best:
         return
     metric = settings.metric

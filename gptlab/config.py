@@ -1,5 +1,6 @@
-"""The run's schema: one typed dataclass per section, composed into ``Config`` and registered with
-Hydra.
+"""The run's schema: one typed dataclass per section, composed into ``Config``.
+
+The schema is registered with Hydra.
 
 The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
 here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
@@ -237,8 +238,7 @@ class Config:
 
     @property
     def compile(self) -> bool:
-        """torch.compile: the parallelism's choice when it makes one, else the hardware's
-        default."""
+        """torch.compile: the parallelism's choice if it makes one, else the hardware's default."""
         setting = (
             self.parallelism.compile
             if self.parallelism.compile is not None

@@ -72,8 +72,10 @@ def for_rank(rank: int) -> None:
 
 
 class quiet:
-    """Only warnings from gptlab while the block runs (gptlab.bench: its JSON line is its
-    output)."""
+    """Only warnings from gptlab while the block runs.
+
+    gptlab.bench uses it: its JSON line is its output.
+    """
 
     def __enter__(self) -> None:
         self.log = logging.getLogger(LOGGER)
@@ -124,8 +126,10 @@ def local_bars() -> None:
 
 
 class Reporter:
-    """The training loop's voice and stopwatch: progress lines (or a live bar on a terminal), the
-    ETA, the stop message, and the timing windows between logging steps (gptlab.bench reads them).
+    """The training loop's voice and stopwatch: progress lines, the ETA, the stop message, timing.
+
+    Progress lines are a live bar on a terminal; the timing windows between logging steps are what
+    gptlab.bench reads.
 
     Everything here runs on rank 0's words only; other ranks' reporters time but never speak.
     """
@@ -158,8 +162,10 @@ class Reporter:
         self._tokens += tokens
 
     def close_window(self, step: int) -> Tuple[float, float]:
-        """End the timing window at a logging step: (seconds, tokens/s). The caller syncs the
-        device."""
+        """End the timing window at a logging step: (seconds, tokens/s).
+
+        The caller syncs the device.
+        """
         seconds = time.perf_counter() - self._t0
         self.train_time += seconds
         self.timings.append((step, seconds, self._tokens))

@@ -17,8 +17,10 @@ class GptlabError(Exception):
 
 @contextmanager
 def never_fatal(say: Callable[[BaseException], None]) -> Iterator[None]:
-    """Side work (a record, a plot, a copy in a store) whose failure must never stop the run: the
-    failure goes to `say` (one log line) and the caller goes on."""
+    """Side work whose failure must never stop the run: it is logged and the caller goes on.
+
+    Side work is a record, a plot, a copy in a store; the failure goes to `say` (one log line).
+    """
     try:
         yield
     except Exception as e:  # noqa: BLE001 - the one place side work's failure is swallowed
@@ -27,8 +29,11 @@ def never_fatal(say: Callable[[BaseException], None]) -> Iterator[None]:
 
 @contextmanager
 def as_user_error(message: Callable[[BaseException], str]) -> Iterator[None]:
-    """A library call whose failure is the user's to fix (a store that does not answer, a name
-    that is wrong): any failure becomes one GptlabError line; a GptlabError passes unchanged."""
+    """A library call whose failure is the user's to fix, its failure as one GptlabError line.
+
+    Such as a store that does not answer, a name that is wrong: any failure becomes one GptlabError
+    line; a GptlabError passes unchanged.
+    """
     try:
         yield
     except GptlabError:
@@ -38,8 +43,10 @@ def as_user_error(message: Callable[[BaseException], str]) -> Iterator[None]:
 
 
 def or_none(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Optional[Any]:
-    """call(*args, **kwargs), or None when it fails: a record that may be missing or unreadable,
-    where the caller has a way on without it."""
+    """call(*args, **kwargs), or None when it fails.
+
+    For a record that may be missing or unreadable, where the caller has a way on without it.
+    """
     try:
         return call(*args, **kwargs)
     except Exception:  # noqa: BLE001 - the caller treats any failure as "not there"

@@ -1,5 +1,4 @@
-"""python -m gptlab.eval run=PATH tasks=[...]: score a run's checkpoint on lm-evaluation-harness
-tasks.
+"""python -m gptlab.eval run=PATH tasks=[...]: lm-evaluation-harness scores of a run's checkpoint.
 
 PATH is a run folder (its newest checkpoint, or the best with which=best; whole or sharded) or a
 checkpoint file. The model and tokenizer are gptlab's own, rebuilt from the checkpoint
@@ -109,9 +108,11 @@ def _task_manager(folders: Tuple[str, ...], registry: bool) -> Any:
 
 
 def task_manager(include: Optional[str], tasks: Sequence[str] = ()) -> Any:
-    """lm_eval's index of tasks: the local folders' alone when they hold every task named (the
-    registry's thousands of YAMLs take seconds to index), else with the registry; one index serves
-    every call in a process."""
+    """lm_eval's index of tasks, one index serving every call in a process.
+
+    The local folders' alone when they hold every task named (the registry's thousands of YAMLs take
+    seconds to index), else with the registry.
+    """
     folders = task_folders(include)
     if tasks:
         local = _task_manager(folders, False)
@@ -121,8 +122,10 @@ def task_manager(include: Optional[str], tasks: Sequence[str] = ()) -> Any:
 
 
 def check_tasks(manager: Any, tasks: List[str], include: Optional[str]) -> None:
-    """Every task is known to lm_eval's registry or a local folder: else one line with the nearest
-    names and where tasks come from."""
+    """Checks that every task is known to lm_eval's registry or a local folder.
+
+    Else one line with the nearest names and where tasks come from.
+    """
     known = set(manager.all_tasks)
     for name in tasks:
         if name not in known:
@@ -137,8 +140,11 @@ def check_tasks(manager: Any, tasks: List[str], include: Optional[str]) -> None:
 
 
 def task_specs(manager: Any, tasks: List[str]) -> Tuple[List[Spec], List[str]]:
-    """What lm_eval loads for each task (its local data checked first: one line for a broken file),
-    and the tasks whose data come from elsewhere (the Hugging Face Hub)."""
+    """What lm_eval loads for each task, and the tasks whose data come from elsewhere.
+
+    Each task's local data is checked first: one line for a broken file. Elsewhere is the Hugging
+    Face Hub.
+    """
     specs, remote = [], []
     for name in tasks:
         spec = taskdata.local_spec(manager, name)
@@ -149,8 +155,10 @@ def task_specs(manager: Any, tasks: List[str]) -> Tuple[List[Spec], List[str]]:
 
 
 def load_tasks(manager: Any, specs: Sequence[Spec]) -> Dict[str, Any]:
-    """lm_eval's task objects, their data loaded; a task whose data cannot be had is one line
-    naming the cause."""
+    """lm_eval's task objects, their data loaded.
+
+    A task whose data cannot be had is one line naming the cause.
+    """
     from lm_eval.tasks import get_task_dict
 
     loaded: Dict[str, Any] = {}
@@ -169,8 +177,11 @@ def load_tasks(manager: Any, specs: Sequence[Spec]) -> Dict[str, Any]:
 
 
 def autocast_for(precision: str, device: Any):
-    """(the autocast context, the precision): auto is training's rule on a GPU (bf16 from Ampere
-    on; torch.cuda.is_bf16_supported() also counts emulated bf16) and fp32 on the CPU."""
+    """(the autocast context, the precision) for evaluation.
+
+    auto is training's rule on a GPU (bf16 from Ampere on; torch.cuda.is_bf16_supported() also
+    counts emulated bf16) and fp32 on the CPU.
+    """
     from gptlab.perf import fastpath
     from gptlab.training.build import autocast_factory
 
@@ -259,9 +270,11 @@ def evaluate_checkpoint(
     source: Optional[Source] = None,
     specs: Optional[List[Spec]] = None,
 ) -> Optional[Dict]:
-    """Score the checkpoint on every rank (the tasks loaded first, then the model); rank 0 returns
-    eval.json's body, the others None. specs: the tasks as task_specs gave them (None: from
-    cfg.tasks)."""
+    """Score the checkpoint on every rank; rank 0 returns eval.json's body, the others None.
+
+    The tasks are loaded first, then the model. specs: the tasks as task_specs gave them (None: from
+    cfg.tasks).
+    """
     import lm_eval
 
     from gptlab.evaluation.harness import GptlabLM

@@ -68,8 +68,10 @@ def gpt2_shaped(model: GPT) -> bool:
 
 
 def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
-    """Our weights under GPT-2's names; its Conv1D layers store (in, out), so Linear weights are
-    transposed."""
+    """Our weights under GPT-2's names, Linear weights transposed.
+
+    GPT-2's Conv1D layers store (in, out), so Linear weights are transposed.
+    """
     V = model.config.vocab_size
     out = {
         "transformer.wte.weight": model.wte.weight[:V],
@@ -96,10 +98,12 @@ def hf_gpt2_state(model: GPT) -> Dict[str, torch.Tensor]:
 
 
 def fold_mup(state: Dict[str, torch.Tensor], model: GPT) -> None:
-    """muP's multipliers folded into plain GPT-2 weights (docs/mup.md), in place: the attention
-    scale's factor over SDPA's 1/sqrt(d_head) into the queries (c_attn's first n_embd outputs,
-    weight and bias), and the output multiplier 1/m into ln_f's gain and bias (the head is tied to
-    the embedding, which cannot carry it; ln_f's output feeds only the head)."""
+    """muP's multipliers folded into plain GPT-2 weights (docs/mup.md), in place.
+
+    The attention scale's factor over SDPA's 1/sqrt(d_head) goes into the queries (c_attn's first
+    n_embd outputs, weight and bias), and the output multiplier 1/m into ln_f's gain and bias (the
+    head is tied to the embedding, which cannot carry it; ln_f's output feeds only the head).
+    """
     C, n_head = model.config.n_embd, model.config.n_head
     query = model.h[0].attn.scale * (C // n_head) ** 0.5 if model.h else 1.0
     for i in range(len(model.h)):
@@ -176,8 +180,10 @@ Target = Tuple[str, str]  # the store, the MLflow run id
 
 
 def mlflow_target(cfg: ExportConfig, run_path: Path) -> Target:
-    """(the store, the MLflow run id) a run folder was recorded as, the store answering; or one
-    line saying why not."""
+    """(the store, the MLflow run id) a run folder was recorded as, the store answering.
+
+    Else one line saying why not.
+    """
     from gptlab.records import identity
     from gptlab.records.store import open_store
 
@@ -197,8 +203,10 @@ def mlflow_target(cfg: ExportConfig, run_path: Path) -> Target:
 
 
 def log_to_mlflow(cfg: ExportConfig, target: Target, out: Path, step: int) -> None:
-    """export.mlflow / export.register: the export as the run's MLflow model (the one the run
-    logged already, where its files are in the store), then a version of it."""
+    """export.mlflow / export.register: the export as the run's MLflow model, then a version of it.
+
+    The run's MLflow model is the one the run logged already, where its files are in the store.
+    """
     from gptlab.records import lineage
     from gptlab.records.store import error_text
     from gptlab.registry import serving

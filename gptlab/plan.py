@@ -149,8 +149,10 @@ def report(
 
 
 def mixture_report(cfg: Config, text: str) -> Tuple[str, List[Dict[str, Any]]]:
-    """The report with a mixture's per-source lines (tokens, weight, epochs), its warning logged
-    once; and the rows for the JSON."""
+    """The report with a mixture's per-source lines, and the rows for the JSON.
+
+    Per-source lines: tokens, weight, epochs; its warning is logged once.
+    """
     from gptlab.data.mixture import planned_sources, source_lines
 
     step_tokens = cfg.train.batch_size * cfg.model.block_size

@@ -18,8 +18,10 @@ from gptlab.data import prepare_data
 
 
 def run_prepare(cfg: DictConfig) -> Dict[str, Any]:
-    """Prepare the data section's shards and print one JSON line. cfg: composed from
-    conf/prepare.yaml."""
+    """Prepare the data section's shards and print one JSON line.
+
+    cfg: composed from conf/prepare.yaml.
+    """
     config = to_config(cfg)
     if config.data.sources:  # a mixture: each source prepared, with their one tokenizer
         from gptlab.data.mixture import prepare_mixture

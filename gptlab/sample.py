@@ -78,8 +78,10 @@ def draw_attention(
 
 
 def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
-    """(model, tokenizer, step) from a run folder, a checkpoint file, or an MLflow model URI
-    (models:/NAME/3, models:/NAME@champion, runs:/<id>/model: downloaded into tmp)."""
+    """(model, tokenizer, step) from a run folder, a checkpoint file, or an MLflow model URI.
+
+    MLflow model URIs: models:/NAME/3, models:/NAME@champion, runs:/<id>/model: downloaded into tmp.
+    """
     from gptlab.registry import serving
 
     if not serving.is_model_uri(cfg.run):
@@ -96,8 +98,10 @@ def load_for_sample(cfg: SampleConfig, tmp: Path) -> Tuple[Any, Any, int]:
 
 
 def run_sample(config: Any) -> None:
-    """Print the generated text (and write the attention maps when attention.out is set).
-    config: composed from conf/sample.yaml."""
+    """Print the generated text, and write the attention maps when attention.out is set.
+
+    config: composed from conf/sample.yaml.
+    """
     require(config, "run", "run=PATH, a run folder or a checkpoint file")
     cfg = to_config(config, SampleConfig)
     with tempfile.TemporaryDirectory() as tmp:

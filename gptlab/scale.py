@@ -1,5 +1,7 @@
-"""python -m gptlab.scale SOURCE [scale.*=...]: fit scaling laws to (FLOPs, parameters, tokens,
-loss) points and predict the compute-optimal run for a budget.
+"""python -m gptlab.scale SOURCE [scale.*=...]: fit scaling laws, predict a compute-optimal run.
+
+The laws are fitted to (FLOPs, parameters, tokens, loss) points; the run predicted is the
+compute-optimal one for a budget.
 
 SOURCE is a CSV with the columns flops, params, tokens and loss (from a study, a paper's table,
 anywhere), or a folder whose run folders hold results.json (params, tokens, best_val_loss) and

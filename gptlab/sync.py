@@ -1,5 +1,6 @@
-"""python -m gptlab.sync [FOLDER ...] [tracking.uri=...]: record run folders in MLflow, completing
-what is missing.
+"""python -m gptlab.sync [FOLDER ...] [tracking.uri=...]: record run folders in MLflow.
+
+Sync records each folder in MLflow, completing what is missing.
 
 The run folder is the truth and is always written; MLflow is not, when a run could not reach its
 store (an offline compute node, a server that was down, a SQLite file that was locked). This records
@@ -98,8 +99,11 @@ POSITIONAL_LIST = "sync.folders"
 
 
 def gather_words(args: Sequence[str], key: str = POSITIONAL_LIST) -> List[str]:
-    """The arguments with every bare word (no `=`, not an option nor an option's value) gathered
-    into one `key=[...]` override, each word quoted so Hydra takes it as typed."""
+    """Gather the arguments' bare words into one `key=[...]` override, each quoted for Hydra.
+
+    A bare word has no `=` and is not an option nor an option's value; each word is quoted so Hydra
+    takes it as typed.
+    """
     words: List[str] = []
     options: List[str] = []  # first: argparse takes no override after an option that follows one
     out: List[str] = []
@@ -136,8 +140,10 @@ class RunFolder:
 
     @functools.cached_property
     def run_identity(self) -> identity.RunIdentity:
-        """What gptlab.train recorded the run as (or would have), with the origin run.json keeps;
-        read once per folder, for a new run and for the tags a found one lacks."""
+        """What gptlab.train recorded the run as (or would have), with the origin run.json keeps.
+
+        Read once per folder, for a new run and for the tags a found one lacks.
+        """
         ident = identity.identify(self.config, self.path, identity.recorded_origin(self.path))
         if self.results.get("expected_met") is not None:
             ident.tags["expected_met"] = str(self.results["expected_met"]).lower()
@@ -145,14 +151,18 @@ class RunFolder:
 
 
 def runs_under(folder: Path) -> List[Path]:
-    """The run folders that began recording in folder and one level deeper
-    (outputs/sweeps/<sweep>/<job>)."""
+    """The run folders that began recording in folder and one level deeper.
+
+    One level deeper: outputs/sweeps/<sweep>/<job>.
+    """
     return [d for d in layout.runs_in(folder, depth=2) if layout.started(d)]
 
 
 def find_folders(names: Sequence[str], outputs: Path = DEFAULT_OUTPUTS) -> List[Path]:
-    """The run folders to record (absolute, each once): those named, or all under outputs/runs and
-    outputs/sweeps (paths.outputs)."""
+    """The run folders to record (absolute, each once): those named, else all under outputs/.
+
+    Those named, or all under outputs/runs and outputs/sweeps (paths.outputs).
+    """
     if not names:
         roots = [Path(outputs) / "runs", Path(outputs) / "sweeps"]
         found = [d for root in roots if root.is_dir() for d in runs_under(root)]
@@ -178,8 +188,7 @@ def find_folders(names: Sequence[str], outputs: Path = DEFAULT_OUTPUTS) -> List[
 
 
 def read_folder(path: Path) -> Optional[RunFolder]:
-    """The run folder's config, results and sweep; None when it has no config to record the run
-    by."""
+    """The run folder's config, results and sweep; None without a config to record the run by."""
     config = layout.read_config(path)
     if config is None:
         return None
@@ -196,8 +205,10 @@ def target_uri(folder: RunFolder, given: Optional[str]) -> str:
 
 
 def folder_params(folder: RunFolder) -> Dict[str, Any]:
-    """The resolved config, flattened, and the derived.* figures (derived.json; a folder written
-    before it existed has only derived.params, from results.json)."""
+    """The resolved config, flattened, and the derived.* figures (derived.json).
+
+    A folder written before derived.json existed has only derived.params, from results.json.
+    """
     params = flatten(folder.config)
     with contextlib.suppress(OSError, ValueError):
         derived = json.loads((folder.path / layout.DERIVED).read_text())
@@ -208,8 +219,10 @@ def folder_params(folder: RunFolder) -> Dict[str, Any]:
 
 
 def folder_points(folder: RunFolder) -> Dict[Tuple[str, int], float]:
-    """(MLflow metric name, step) -> value: metrics.jsonl's rows, then results.json's summary/* at
-    its last step."""
+    """(MLflow metric name, step) -> value of the folder's metrics.
+
+    metrics.jsonl's rows, then results.json's summary/* at its last step.
+    """
     points: Dict[Tuple[str, int], float] = {}
     for row in read_metrics(folder.path):
         if isinstance(row, dict) and isinstance(row.get("step"), int):
@@ -228,8 +241,7 @@ def _mtime_ms(path: Path) -> Optional[int]:
 
 
 def span_ms(path: Path) -> Tuple[int, int]:
-    """(first, last) write of the run folder in ms: when the run started and when it last
-    recorded."""
+    """(first, last) write of the run folder in ms: when the run started and last recorded."""
     hydra = path / layout.HYDRA
     first = [
         _mtime_ms(p)
@@ -298,8 +310,10 @@ class Store:
             raise
 
     def search_one(self, filter_string: str, skip: Sequence[str] = ()) -> Any:
-        """The latest run of any experiment (deleted ones too) that matches the filter, but those in
-        skip; or None."""
+        """The latest run of any experiment (deleted ones too) matching filter, but those in skip.
+
+        None when there is none.
+        """
         from mlflow.entities import ViewType
 
         ids = [e.experiment_id for e in self.client.search_experiments(view_type=ViewType.ALL)]
@@ -313,9 +327,11 @@ class Store:
         return next((r for r in runs if r.info.run_id not in skip), None) if ids else None
 
     def find_run(self, folder: RunFolder) -> Any:
-        """The folder's run: results.json's run when this store has it, else the run tagged with the
-        folder, but none of the earlier runs moved aside into previous/<time>/ (they had the same
-        tag)."""
+        """The folder's run: results.json's run when this store has it, else the run tagged with it.
+
+        The runs tagged with the folder leave out the earlier runs moved aside into previous/<time>/
+        (they had the same tag).
+        """
         earlier = [
             read_results(p).get("mlflow_run_id") for p in sorted((folder.path / PREVIOUS).glob("*"))
         ]
@@ -324,8 +340,10 @@ class Store:
         )
 
     def parent(self, sweep: Dict[str, Any]) -> Tuple[str, str]:
-        """(run id, experiment id) of the sweep's parent run in this store, made from sweep.json if
-        missing."""
+        """(run id, experiment id) of the sweep's parent run in this store.
+
+        Made from sweep.json if missing.
+        """
         key = sweep["sweep_dir"]
         if key not in self.parents:
             run = self.get_run(sweep.get("parent_run_id")) or self.search_one(
@@ -346,8 +364,11 @@ class Store:
         return self.client.get_run(run.info.run_id)
 
     def close(self) -> None:
-        """End the parent runs sync made whose children it recorded, as the sweep's end would have
-        (FINISHED, or FAILED when a job failed; the best summary/best_val_loss)."""
+        """End the parent runs sync made whose children it recorded, as the sweep's end would have.
+
+        Their status is FINISHED, or FAILED when a job failed; their figure the best
+        summary/best_val_loss.
+        """
         from gptlab.distributed import slurm  # submitit: off the command's start-up
 
         for sweep_dir, (run_id, experiment_id) in self.parents.items():
@@ -362,8 +383,10 @@ class Store:
 
 
 def create_run(store: Store, folder: RunFolder) -> Any:
-    """A new run for the folder, named, tagged and placed as gptlab.train would have (nested in its
-    sweep)."""
+    """A new run for the folder, named, tagged and placed as gptlab.train would have.
+
+    Placed: nested in its sweep.
+    """
     ident = folder.run_identity
     tags = {**ident.tags, SYNC_TAG: "gptlab.sync"}
     if folder.sweep is not None:
@@ -400,8 +423,10 @@ def send_metrics(client: Any, run_id: str, folder: RunFolder) -> int:
 
 
 def send_artifacts(client: Any, run_id: str, path: Path) -> int:
-    """The folder's artifacts the run lacks, or has in another size (a results.json rewritten by a
-    resume)."""
+    """The folder's artifacts the run lacks, or has in another size.
+
+    Another size: a results.json rewritten by a resume, for one.
+    """
     have = {a.path: a.file_size for a in client.list_artifacts(run_id)}
     sent = 0
     for name in layout.ARTIFACTS:
@@ -412,8 +437,10 @@ def send_artifacts(client: Any, run_id: str, path: Path) -> int:
 
 
 def send_status(client: Any, run: Any, folder: RunFolder) -> Optional[str]:
-    """FINISHED (or KILLED, when the run was stopped) once results.json holds the results; None:
-    unchanged."""
+    """The run's final status once results.json holds the results; None: unchanged.
+
+    FINISHED, or KILLED when the run was stopped.
+    """
     if not folder.results:
         return None
     status = "KILLED" if folder.results.get("stopped_by") else "FINISHED"
@@ -426,8 +453,10 @@ def send_status(client: Any, run: Any, folder: RunFolder) -> Optional[str]:
 
 
 def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
-    """Send what the run lacks of the folder: metric points, params, artifacts, tags and the
-    status."""
+    """Send what the run lacks of the folder.
+
+    That is metric points, params, artifacts, tags and the status.
+    """
     client, run_id = store.client, run.info.run_id
     params = {k: v for k, v in folder_params(folder).items() if k not in run.data.params}
     log_params(client, run_id, params)
@@ -446,8 +475,10 @@ def complete(store: Store, run: Any, folder: RunFolder) -> Sent:
 
 
 def send_model(store: Store, run_id: str, folder: RunFolder) -> Optional[str]:
-    """A finished run's model (tracking.log_model), when the store lacks it: what the run's end
-    logs when its store answers. Its URI, or None when nothing was logged."""
+    """Log a finished run's model (tracking.log_model) when the store lacks it; its URI, or None.
+
+    It is what the run's end logs when its store answers. None when nothing was logged.
+    """
     tracking, train = folder.config.get("tracking") or {}, folder.config.get("train") or {}
     results = folder.results
     if not (results and results.get("stopped_by") is None and tracking.get("log_model")):
@@ -501,8 +532,9 @@ class NotRecorded(GptlabError):
 
 
 def sync(paths: Sequence[Path], uri: Optional[str] = None) -> List[str]:
-    """Record the run folders (each in its store: uri, else its own); the lines printed, one per
-    folder.
+    """Record the run folders (each in its store: uri, else its own); the lines printed.
+
+    One line is printed per folder.
 
     A folder that cannot be recorded (its store does not answer, or fails midway) is one line on
     stderr, `gptlab.sync: error: <folder>: not recorded: ...`, and the folders after it are still
@@ -531,8 +563,11 @@ def sync(paths: Sequence[Path], uri: Optional[str] = None) -> List[str]:
 
 
 def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
-    """Record one folder in its store (opened once for all the folders: a store that could not be
-    opened is not asked again); the line that says what was done. Raises GptlabError."""
+    """Record one folder in its store; the line that says what was done. Raises GptlabError.
+
+    The stores are opened once for all the folders: a store that could not be opened is not asked
+    again.
+    """
     folder = read_folder(path)
     if folder is None:
         return f"{path}: skipped (no config_resolved.yaml or .hydra/config.yaml to record it by)"
@@ -552,15 +587,19 @@ def sync_path(stores: Dict[str, Any], path: Path, uri: Optional[str]) -> str:
 
 
 def run_sync(cfg: Any) -> List[str]:
-    """Record the folders of sync.folders (all under outputs/ when empty). cfg: composed from
-    conf/sync.yaml."""
+    """Record the folders of sync.folders (all under outputs/ when empty).
+
+    cfg: composed from conf/sync.yaml.
+    """
     config = to_config(cfg, SyncConfig)
     return sync(find_folders(config.sync.folders, Path(config.paths.outputs)), config.tracking.uri)
 
 
 def sync_command_line(cfg: Any) -> List[str]:
-    """run_sync for the command line: folders not recorded end it with exit code 2, their lines
-    already printed (one each, not a summary line after them)."""
+    """Run run_sync for the command line: folders not recorded end it with exit code 2.
+
+    Their lines are already printed (one each, not a summary line after them).
+    """
     try:
         return run_sync(cfg)
     except NotRecorded:

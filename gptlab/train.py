@@ -1,5 +1,4 @@
-"""python -m gptlab.train [overrides]: compose the config, build the run, train, record the
-results."""
+"""python -m gptlab.train [overrides]: compose the config, build the run, train, record results."""
 
 from __future__ import annotations
 
@@ -87,8 +86,11 @@ def run_training(cfg: DictConfig, run_dir: Path) -> Dict[str, Any]:
 
 
 def _spawned(config: Any, resolved: Dict[str, Any], run_dir: Path) -> Dict[str, Any]:
-    """Start the workers `hardware` asks for, wait, and return rank 0's results. A worker that
-    dies: every worker starts again from the latest checkpoint, up to train.max_restarts times."""
+    """Start the workers `hardware` asks for, wait, and return rank 0's results.
+
+    A worker that dies: every worker starts again from the latest checkpoint, up to
+    train.max_restarts times.
+    """
     from gptlab.distributed import world as distributed
 
     n, budget = config.hardware.nproc_per_node, config.train.max_restarts
@@ -97,8 +99,10 @@ def _spawned(config: Any, resolved: Dict[str, Any], run_dir: Path) -> Dict[str, 
 
 
 def finished_before(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """This run's results when the same command ran it to the end before: nothing to do, nothing
-    changed (a log line says so). None otherwise."""
+    """This run's results when the same command ran it to the end before; None otherwise.
+
+    Then there is nothing to do and nothing changed (a log line says so).
+    """
     # torch (runfolder reads checkpoints): off the start-up path of --help and config errors
     from gptlab.records import runfolder
 
@@ -116,8 +120,10 @@ def finished_before(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[st
 
 
 def results_line(results: Dict[str, Any], run_dir: Path) -> str:
-    """The run's last line: its best validation figures (or that it stopped before any), speed,
-    time and folder."""
+    """The run's last line: its best validation figures, speed, time and folder.
+
+    Where it stopped before any, the line says so in place of the figures.
+    """
     best, bpb = results["best_val_loss"], results.get("best_val_bpb")
     if best is None:
         figures = f"stopped at step {results['steps']}, before its first evaluation"
@@ -186,8 +192,10 @@ def train_job(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def main() -> None:
-    """python -m gptlab.train [overrides]: a Hydra app on conf/config.yaml (cli.command's
-    grammar)."""
+    """python -m gptlab.train [overrides]: a Hydra app on conf/config.yaml.
+
+    It follows cli.command's grammar.
+    """
     command("train", train_job, config_name="config")
 
 

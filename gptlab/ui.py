@@ -1,5 +1,6 @@
-"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...] [ui.*=...]: the MLflow UI on the
-runs' store.
+"""python -m gptlab.ui [tracking.uri=...] [tracking.experiment=...] [ui.*=...]: the MLflow UI.
+
+It serves the MLflow UI on the runs' store.
 
 Starts `mlflow server` on the store the runs used (the default local store outputs/mlflow.db with
 its artifacts in outputs/mlartifacts, or `tracking.uri`), on 127.0.0.1 and a free port (5000 when
@@ -75,8 +76,11 @@ TEXT_KEYS = text_keys(UISettings, "ui.")
 
 
 def store_uri(uri: Optional[str], default_db: Path = DEFAULT_OUTPUTS / "mlflow.db") -> str:
-    """The store to open (default_db: paths.mlflow_db's SQLite file, for uri=None); a SQLite store
-    must exist already (no run has been recorded otherwise)."""
+    """The store to open; a SQLite store must exist already.
+
+    default_db: paths.mlflow_db's SQLite file, for uri=None. A SQLite store that does not exist
+    means no run has been recorded.
+    """
     uri = uri or local_uri(default_db)
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
@@ -209,8 +213,10 @@ def server_command(
 
 
 def server_env() -> dict:
-    """MLflow's background job runner (a dozen processes, for GenAI judges) is not needed for
-    runs."""
+    """The server's environment, without MLflow's background job runner.
+
+    That runner (a dozen processes, for GenAI judges) is not needed for runs.
+    """
     return {
         **os.environ,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get(
@@ -223,9 +229,12 @@ LOG_NAME = "mlflow-ui.log"
 
 
 def server_log(uri: str, port: int) -> Path:
-    """Where the server's own output goes: beside a SQLite store's database (outputs/mlflow-ui.log
-    by default), else in the system's temporary folder. Its notices (security middleware,
-    deprecations) are not gptlab's lines; its errors are read back from here (`last_line`)."""
+    """Where the server's own output goes: beside a SQLite store's database, else a temp folder.
+
+    Beside the database is outputs/mlflow-ui.log by default; else the system's temporary folder. Its
+    notices (security middleware, deprecations) are not gptlab's lines; its errors are read back
+    from here (`last_line`).
+    """
     db = sqlite_path(uri)
     return (
         db.parent / LOG_NAME
@@ -235,8 +244,10 @@ def server_log(uri: str, port: int) -> Path:
 
 
 def last_line(log: Path, start: int) -> str:
-    """The last line the server wrote to its log from byte `start` on: the error that ended it (a
-    traceback's last line is its exception)."""
+    """The last line the server wrote to its log from byte `start` on: the error that ended it.
+
+    A traceback's last line is its exception.
+    """
     try:
         with open(log, "rb") as f:
             f.seek(start)
@@ -270,8 +281,10 @@ def wait_until_up(proc: subprocess.Popen, url: str, timeout: float, log: Path, s
 
 
 def start_server(cmd: List[str], log: Path) -> Tuple[subprocess.Popen, int]:
-    """(the server, where its output starts in log): in a process group of its own, appending to
-    log."""
+    """Start the server in a process group of its own, appending to log.
+
+    Returns (the server, where its output starts in log).
+    """
     with open(log, "ab") as out:  # the server keeps its own copy of the file open
         start = out.tell()
         proc = subprocess.Popen(

@@ -1,5 +1,8 @@
-"""Checkpoints: what one holds and how it is saved and loaded (state), and reading sharded DCP
-folders without running code from them (safe_dcp)."""
+"""Checkpoints: what one holds, how it is saved and loaded, and reading sharded DCP folders.
+
+What one holds and how it is saved and loaded (state), and reading sharded DCP folders without
+running code from them (safe_dcp).
+"""
 
 from gptlab import moved_attribute
 

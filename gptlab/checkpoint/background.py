@@ -26,8 +26,11 @@ from gptlab.errors import as_user_error
 
 
 def cpu_copy(obj: Any, memo: Optional[Dict[int, torch.Tensor]] = None) -> Any:
-    """A deep copy of a state with every tensor copied to CPU memory (a tensor held twice, such as a
-    tied weight, stays one tensor held twice, as torch.save would write it)."""
+    """A deep copy of a state with every tensor copied to CPU memory.
+
+    A tensor held twice, such as a tied weight, stays one tensor held twice, as torch.save would
+    write it.
+    """
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         if id(obj) not in memo:
@@ -84,8 +87,10 @@ class Saver:
         is_main: bool,
         background: bool = False,
     ) -> Path:
-        """checkpoint.save_state, or (background) the same save started in the writer thread once
-        the previous one is written. Every rank calls it."""
+        """checkpoint.save_state, or (background) the same save started in the writer thread.
+
+        In the background, the save starts once the previous one is written. Every rank calls it.
+        """
         self.wait()
         if not background:
             return checkpoint.save_state(folder, state, val_loss, keep, is_main)
@@ -140,8 +145,11 @@ class Saver:
         return write
 
     def _gloo(self) -> Any:
-        """A gloo group for async_save (every rank creates it at the first sharded save): it needs
-        a CPU backend, and its collectives must not interleave with the training's own."""
+        """A gloo group for async_save (every rank creates it at the first sharded save).
+
+        async_save needs a CPU backend, and its collectives must not interleave with the training's
+        own.
+        """
         import torch.distributed as dist
 
         if not dist.is_initialized():

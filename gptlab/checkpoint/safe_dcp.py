@@ -82,17 +82,21 @@ _TORCH_ADVICE = re.compile(
 
 
 def would_run(e: BaseException) -> Optional[str]:
-    """The callable a crafted pickle names, from torch.load(weights_only=True)'s refusal (None: not
-    that)."""
+    """The callable a crafted pickle names, from torch.load(weights_only=True)'s refusal.
+
+    None: not that.
+    """
     blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
     return blocked.group(1) if blocked else None
 
 
 def load_error(e: BaseException) -> str:
-    """Why torch.load(weights_only=True) refused something, in a few words and never with torch's
-    advice to load it unsafely: the code a crafted pickle would run, the OS's error, else "corrupt"
-    and torch's first own sentence (or the unpickler's, which may be as terse as "pop from empty
-    list")."""
+    """Why torch.load(weights_only=True) refused something, in a few words.
+
+    Never with torch's advice to load it unsafely: the code a crafted pickle would run, the OS's
+    error, else "corrupt" and torch's first own sentence (or the unpickler's, which may be as terse
+    as "pop from empty list").
+    """
     text, blocked = str(e), would_run(e)
     if blocked:
         return f"unsafe: loading it would run {blocked}"
@@ -123,8 +127,7 @@ def _safe_load(data: io.BytesIO) -> Any:
 
 
 class UnreadableEntry(Exception):
-    """An entry of a DCP folder that does not read back as what its metadata says (damaged or
-    crafted).
+    """An entry of a DCP folder that does not read back as its metadata says (damaged or crafted).
 
     Picklable from its args: DCP gathers every rank's failure to every rank."""
 
@@ -176,8 +179,10 @@ class SafeReader(FileSystemReader):
 
 
 def _mismatch(value: Any, item: Any, metadata: Optional[Metadata]) -> Optional[str]:
-    """How a tensor entry that loaded differs from what its own metadata says it holds (None: it
-    agrees)."""
+    """How a tensor entry that loaded differs from what its own metadata says it holds.
+
+    None: it agrees.
+    """
     if item.type == LoadItemType.BYTE_IO:
         return None
     if not isinstance(value, torch.Tensor):
@@ -223,10 +228,13 @@ class _SafeWholePlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
 
 @contextlib.contextmanager
 def _failures() -> Iterator[None]:
-    """DCP's own failure (CheckpointException) is a BaseException carrying each rank's traceback,
-    and every rank gets every rank's: an entry some rank could not read becomes UnreadableEntry (the
-    lowest rank's) on every rank; anything else a RuntimeError with the first line of each distinct
-    cause (a key the checkpoint lacks, a shape that differs)."""
+    """Raise DCP's own failure (CheckpointException) as UnreadableEntry or a RuntimeError.
+
+    The failure is a BaseException carrying each rank's traceback, and every rank gets every rank's:
+    an entry some rank could not read becomes UnreadableEntry (the lowest rank's) on every rank;
+    anything else a RuntimeError with the first line of each distinct cause (a key the checkpoint
+    lacks, a shape that differs).
+    """
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -242,8 +250,10 @@ def _failures() -> Iterator[None]:
 
 
 def load_into(state_dict: Dict[str, Any], folder: Path) -> None:
-    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely (failures:
-    _failures)."""
+    """DCP load into state_dict's tensors, in their layout (sharded or whole), safely.
+
+    Its failures are as _failures says.
+    """
     import torch.distributed.checkpoint as dcp
 
     with _failures():

@@ -100,8 +100,11 @@ def save(path: Path, state: Dict[str, Any]) -> Path:
 
 
 def state_digest(state: Any) -> str:
-    """The SHA-256 of a checkpoint's contents as read back (tensors' bytes, dtypes and shapes, and
-    every other value's repr, in order): what torch.load gives for the file that was saved."""
+    """The SHA-256 of a checkpoint's contents as read back (what torch.load gives for the file).
+
+    The contents are the tensors' bytes, dtypes and shapes, and every other value's repr, in order;
+    the file is the one that was saved.
+    """
     h = hashlib.sha256()
     _digest_into(h, state)
     return h.hexdigest()
@@ -141,8 +144,10 @@ def _damaged_file(path: Path) -> GptlabError:
 
 
 def write_manifest(folder: Path) -> Path:
-    """A sharded checkpoint's sha256.json: every file's SHA-256 (rank 0 reads every rank's shards:
-    the checkpoint folder is on a filesystem that all ranks share)."""
+    """Write a sharded checkpoint's sha256.json: every file's SHA-256.
+
+    Rank 0 reads every rank's shards: the checkpoint folder is on a filesystem that all ranks share.
+    """
     folder = Path(folder)
     digests = {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
     digests.pop(MANIFEST, None)
@@ -156,8 +161,10 @@ def write_manifest(folder: Path) -> Path:
 
 
 def check_manifest(folder: Path) -> None:
-    """Every file sha256.json names has the SHA-256 recorded at save (a folder without one: an
-    older checkpoint, not checked)."""
+    """Check that every file sha256.json names has the SHA-256 recorded at save.
+
+    A folder without one (an older checkpoint) is not checked.
+    """
     manifest = Path(folder) / MANIFEST
     if not manifest.is_file():
         return
@@ -286,9 +293,11 @@ def load_latest_good(
     unreadable: Optional[Dict[Path, str]] = None,
     verify: bool = True,
 ) -> Optional[Tuple[Path, Dict[str, Any]]]:
-    """The newest checkpoint in folder that loads, skipping (and naming, through warn) unreadable
-    ones (damaged ones too, with verify), sharded saves that never finished, and those in
-    `unreadable` (path: why; a restore found it)."""
+    """The newest checkpoint in folder that loads, skipping (and naming, through warn) bad ones.
+
+    Skipped: unreadable ones (damaged ones too, with verify), sharded saves that never finished, and
+    those in `unreadable` (path: why; a restore found it).
+    """
     warn = warn or logging.getLogger(__name__).warning
     found, unreadable = None, unreadable or {}
     for path in reversed(list_checkpoints(folder)):
@@ -360,8 +369,10 @@ def _remove(path: Path) -> None:
 
 
 class UnreadableCheckpoint(GptlabError):
-    """A checkpoint an entry of which does not read back (damaged, or crafted): resume=auto skips
-    it."""
+    """A checkpoint an entry of which does not read back (damaged, or crafted).
+
+    resume=auto skips it.
+    """
 
 
 # the live objects whose state a checkpoint holds, by name (build.Run.stateful() gives them)
@@ -370,8 +381,7 @@ STATEFUL = ("model", "optimizer", "scaler", "loader")
 
 @dataclass
 class TrainingState:
-    """Everything a run needs to continue exactly, and to rebuild its model without the config
-    tree."""
+    """All a run needs to continue exactly, and to rebuild its model without the config tree."""
 
     step: int
     tokens: int  # tokens trained on so far (the loader's position is in `loader`)
@@ -399,8 +409,11 @@ class TrainingState:
 
     @classmethod
     def capture(cls, objects: Dict[str, Any], **values: Any) -> "TrainingState":
-        """The state now (every rank calls it): objects maps each STATEFUL name to its live
-        object; values: the fields above, and the loop's progress (Progress.state_dict())."""
+        """The state now (every rank calls it).
+
+        objects maps each STATEFUL name to its live object; values: the fields above, and the loop's
+        progress (Progress.state_dict()).
+        """
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model, optimizer = get_state_dict(objects["model"], objects["optimizer"])
@@ -416,8 +429,10 @@ class TrainingState:
         )
 
     def progress(self) -> Dict[str, Any]:
-        """The loop's progress as Progress.state_dict() wrote it (Progress.load_state_dict reads
-        it)."""
+        """The loop's progress as Progress.state_dict() wrote it.
+
+        Progress.load_state_dict reads it.
+        """
         return {
             "step": self.step,
             "tokens": self.tokens,
@@ -433,9 +448,11 @@ class TrainingState:
         return any(isinstance(v, DTensor) for v in (self.model or {}).values())
 
     def restore(self, objects: Dict[str, Any]) -> None:
-        """Load every object's state and the random generators (the run continues exactly),
-        resharding the model and optimizer to the live objects' layout: any strategy, any world
-        size."""
+        """Load every object's state and the random generators, so the run continues exactly.
+
+        The model and optimizer are resharded to the live objects' layout: any strategy, any world
+        size.
+        """
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_state_dict,
@@ -499,9 +516,11 @@ class TrainingState:
         return save(path, self._saved())
 
     def save_sharded(self, path: Path, is_main: bool) -> Path:
-        """Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it
-        to path once all parts are complete (a killed save never appears under a checkpoint's
-        name)."""
+        """Write the state as a sharded checkpoint at path (every rank calls it).
+
+        Every rank writes its shards into .<name>.partial/, rank 0 adds state.pt and renames it to
+        path once all parts are complete (a killed save never appears under a checkpoint's name).
+        """
         import torch.distributed.checkpoint as dcp
 
         tmp = begin_sharded(path, is_main)
@@ -521,8 +540,10 @@ class TrainingState:
 
     @classmethod
     def from_dict(cls, path: Path, state: Dict[str, Any]) -> "TrainingState":
-        """The state checkpoint.load(path) read (for a sharded one, its state.pt: the shards stay
-        put)."""
+        """The state checkpoint.load(path) read.
+
+        For a sharded checkpoint it is its state.pt: the shards stay put.
+        """
         if Path(path).is_dir():
             state = {**state, "model": None, "optimizer": None, "shards": Path(path)}
         names = [f.name for f in fields(cls) if not f.metadata.get("flat")]
@@ -546,8 +567,10 @@ def _barrier() -> None:
 
 
 def begin_sharded(path: Path, is_main: bool) -> Path:
-    """The folder every rank writes a sharded checkpoint's shards into (.<name>.partial/, emptied by
-    rank 0 first); every rank calls it."""
+    """The folder every rank writes a sharded checkpoint's shards into; every rank calls it.
+
+    The folder is .<name>.partial/, emptied by rank 0 first.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
     if is_main:
@@ -559,8 +582,10 @@ def begin_sharded(path: Path, is_main: bool) -> Path:
 
 
 def finish_sharded(tmp: Path, path: Path, rest: Dict[str, Any]) -> None:
-    """Rank 0, once every rank's shards and the metadata are in tmp: state.pt (rest), sha256.json,
-    then the rename that makes it a checkpoint."""
+    """Turn tmp into a checkpoint on rank 0, once every rank's shards and the metadata are in it.
+
+    It writes state.pt (the rest), sha256.json, then the rename that makes it a checkpoint.
+    """
     save(tmp / STATE_FILE, rest)
     write_manifest(tmp)
     old = path.with_name(f".{path.name}.replaced")
@@ -575,11 +600,13 @@ def finish_sharded(tmp: Path, path: Path, rest: Dict[str, Any]) -> None:
 def read_model(
     path: Path, optimizer_entries: Sequence[str] = (), verify: bool = True
 ) -> TrainingState:
-    """A checkpoint to read the model from (sample, export): its model_config, whole model weights
-    (a sharded checkpoint's are consolidated here, in this process), tokenizer and step; loaded
-    without code execution, restored into nothing. optimizer_entries: per-parameter optimizer state
-    to read too, whole, by entry name (a single-file checkpoint holds all of it anyway). verify:
-    check the digests recorded at save."""
+    """Read a checkpoint's model (sample, export): model_config, whole weights, tokenizer and step.
+
+    A sharded checkpoint's weights are consolidated here, in this process; it is loaded without code
+    execution, restored into nothing. optimizer_entries: per-parameter optimizer state to read too,
+    whole, by entry name (a single-file checkpoint holds all of it anyway). verify: check the
+    digests recorded at save.
+    """
     state = TrainingState.load(path, verify)
     if state.shards is not None:
         try:
@@ -603,9 +630,11 @@ def _damaged(path: Path, e: UnreadableEntry) -> str:
 def save_state(
     folder: Path, state: TrainingState, val_loss: Optional[float], keep: int, is_main: bool = True
 ) -> Path:
-    """Save the state as the step's checkpoint (every rank calls it: a sharded state is written by
-    all, a whole one by rank 0); rank 0 remembers it as the best when val_loss is the best so far,
-    and prunes to the newest `keep` checkpoints plus the best."""
+    """Save the state as the step's checkpoint; every rank calls it.
+
+    A sharded state is written by all, a whole one by rank 0; rank 0 remembers it as the best when
+    val_loss is the best so far, and prunes to the newest `keep` checkpoints plus the best.
+    """
     path = checkpoint_path(folder, state.step, sharded=state.sharded)
     if state.sharded:
         state.save_sharded(path, is_main)
@@ -617,16 +646,21 @@ def save_state(
 
 
 def saved(folder: Path, path: Path, val_loss: Optional[float], best_val: float, keep: int) -> None:
-    """Rank 0, once path is written: remember it as the best when val_loss is the best so far, and
-    prune to the newest `keep` checkpoints plus the best."""
+    """On rank 0, once path is written: remember it if it is the best, and prune.
+
+    It is the best when val_loss is the best so far; pruning keeps the newest `keep` checkpoints
+    plus the best.
+    """
     if val_loss is not None and val_loss <= best_val:
         mark_best(folder, path, val_loss)
     prune(folder, keep)
 
 
 def find(run: str, which: str = "latest") -> Path:
-    """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest (or,
-    with which=best, its best by validation loss)."""
+    """The checkpoint a command means by `run`: a checkpoint file, or a run folder's newest.
+
+    With which=best, a run folder's best by validation loss.
+    """
     path = Path(run).expanduser()
     if path.is_file() or (path / STATE_FILE).is_file():
         return path

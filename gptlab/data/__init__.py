@@ -1,5 +1,6 @@
-"""Data: sources (download / local / Hugging Face), tokenizers, prepare (text -> token shards) and
-loaders.
+"""Data: sources, tokenizers, prepare (text -> token shards) and loaders.
+
+Sources: download / local / Hugging Face.
 
 The public surface is ``DataConfig``, ``prepare_data(cfg)`` and the loaders; ``build.py`` wires
 them. Names are imported on first use (PEP 562), so the tokenizer worker processes that ``prepare``

@@ -1,5 +1,7 @@
-"""The ``data`` config group's schema (and its ``tokenizer`` sub-config): types only, values in
-conf/data/."""
+"""The ``data`` config group's schema (and its ``tokenizer`` sub-config).
+
+Types only: the values are in conf/data/.
+"""
 
 from dataclasses import dataclass
 from typing import Any, Optional

@@ -1,5 +1,7 @@
-"""Hugging Face tokenizer files for an export: ``transformers.AutoTokenizer`` (and so
-``lm_eval --model hf``) loads the folder and encodes any text to exactly gptlab's ids.
+"""Hugging Face tokenizer files for an export, which encode any text to exactly gptlab's ids.
+
+``transformers.AutoTokenizer`` (and so ``lm_eval --model hf``) loads the folder and encodes with
+them.
 
 Written with the ``tokenizers`` library alone; transformers is needed to load the files, not to
 write them. A byte-level BPE (``bpe``, ``gpt2``) becomes a BPE model in GPT-2's byte alphabet with
@@ -109,8 +111,9 @@ def _byte_level(tokenizer: Tokenizer):
 
 
 def recover_merges(ranks: Dict[bytes, int]) -> List[Tuple[bytes, bytes]]:
-    """The merge that makes each multi-byte token, in rank order: the last step of tiktoken's BPE on
-    the token's own bytes.
+    """The merge that makes each multi-byte token, in rank order.
+
+    It is the last step of tiktoken's BPE on the token's own bytes.
 
     tiktoken merges the adjacent pair whose concatenation has the lowest rank; a token always forms
     from the same pair, so one merge per token, ordered by the token's rank, is the same

@@ -143,8 +143,10 @@ class RandomWindowLoader(_StepLoader):
 
 
 class SequentialLoader(_StepLoader):
-    """Epochs over the shards, front to back; each rank reads its disjoint rows of each global
-    batch."""
+    """Epochs over the shards, front to back.
+
+    Each rank reads its disjoint rows of each global batch.
+    """
 
     kind = "sequential"
 
@@ -256,8 +258,10 @@ def build_train_loader(
     sampling: str = "random",
     pin_memory: bool = False,
 ) -> _StepLoader:
-    """The training loader for a prepared split: random windows or sequential epochs
-    (data.sampling)."""
+    """The training loader for a prepared split.
+
+    Random windows or sequential epochs (data.sampling).
+    """
     if sampling == "random":
         cls = RandomWindowLoader
     elif sampling == "sequential":

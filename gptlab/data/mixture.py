@@ -146,9 +146,11 @@ def weights_line(mixture: DataConfig, sources: List[Source]) -> str:
 def _shared_tokenizer(
     sources: List[Source], log: Optional[Callable[[str], None]]
 ) -> Optional[Tuple[Any, Optional[str]]]:
-    """(tokenizer, ranks text or None) built over every source, or None when each source's own is
-    the shared one already (gpt2, or the same bpe ranks file); log=None: only one built before
-    (else FileNotFoundError)."""
+    """(tokenizer, ranks text or None) built over every source, or None when not needed.
+
+    None when each source's own is the shared one already (gpt2, or the same bpe ranks file);
+    log=None: only one built before (else FileNotFoundError).
+    """
     from gptlab.data import prepare as P
     from gptlab.data.sources import cache_root, open_source
     from gptlab.data.tokenizers import bpe_from_ranks, load_tokenizer
@@ -177,8 +179,11 @@ def _shared_tokenizer(
 
 
 def _build_shared(sources: List[Source], opened: List[Any], log: Callable[[str], None]):
-    """char: every source's characters, the separators any of them needs; bpe: trained on each
-    source's training text in turn."""
+    """The shared tokenizer for char (every source's characters) or bpe (trained on every source).
+
+    char: every source's characters, the separators any of them needs; bpe: trained on each source's
+    training text in turn.
+    """
     from gptlab.data import prepare as P
     from gptlab.data.sources import CLEANERS, limited
     from gptlab.data.tokenizers import CharTokenizer, bpe_from_ranks, train_bpe
@@ -280,9 +285,11 @@ def epochs_planned(tokens_per_step: int, steps: int, weight: float, train_tokens
 def planned_sources(
     mixture: DataConfig, tokens_per_step: int, steps: int
 ) -> Tuple[List[Dict[str, Any]], List[str]]:
-    """Each source's name, weight, training tokens and the epochs a run of `steps` steps takes of
-    it (tokens and epochs None until it is prepared: nothing is prepared here), and the warnings:
-    a source repeated more than data.max_epochs times."""
+    """Each source's name, weight, training tokens and epochs a run of `steps` takes, with warnings.
+
+    Tokens and epochs are None until it is prepared: nothing is prepared here. The warnings: a
+    source repeated more than data.max_epochs times.
+    """
     from gptlab.data.prepare import dataset_key
     from gptlab.data.sources import cache_root, open_source
 

@@ -96,8 +96,10 @@ class PreparedData:
         return self.meta["tokenizer_sha256"]
 
     def tokens(self, split: str):
-        """The split as one flat read-only token array: a memory map when it is one shard, else
-        TokenShards."""
+        """The split as one flat read-only token array.
+
+        A memory map when it is one shard, else TokenShards.
+        """
         shards = open_shards(self.root / split, self.meta)
         return shards[0] if len(shards) == 1 else TokenShards(shards)
 
@@ -161,8 +163,10 @@ def dataset_key(
 
 
 def _read_ranks_file(path: str) -> Tuple[str, str]:
-    """The text of a tiktoken ranks file and its SHA-256; one line naming data.tokenizer.path when
-    it is not one."""
+    """The text of a tiktoken ranks file and its SHA-256.
+
+    One line naming data.tokenizer.path when it is not one.
+    """
     p = Path(path).expanduser()
     if p.is_dir():
         raise GptlabError(
@@ -204,8 +208,10 @@ def _worker_init(
 
 
 def _encode_batch(docs: List[str]) -> Tuple[np.ndarray, np.ndarray, List[int], int]:
-    """Clean, hash and encode a batch: (tokens of the kept documents, their lengths, hashes, bytes
-    read)."""
+    """Clean, hash and encode a batch.
+
+    Returns (tokens of the kept documents, their lengths, hashes, bytes read).
+    """
     clean, tok, sep, dtype = _W["clean"], _W["tok"], _W["sep"], _W["dtype"]
     nbytes = sum(len(d.encode("utf-8", "surrogatepass")) for d in docs)
     texts = [clean(d) for d in docs] if clean else docs
@@ -441,8 +447,10 @@ def _prepare_into(
     log: Callable[[str], None],
     given: Optional[Tuple[Tokenizer, Optional[str]]] = None,
 ) -> Dict[str, Any]:
-    """Tokenize the source into tmp: the tokenizer, then pass 1 (documents into flat files per
-    split), then pass 2 (flat files into shards), then meta.json last."""
+    """Tokenize the source into tmp: the tokenizer, pass 1, pass 2, then meta.json last.
+
+    Pass 1: documents into flat files per split; pass 2: flat files into shards.
+    """
     tok, ranks = given or _build_tokenizer(cfg, source, log)
     if ranks is not None:
         (tmp / TOKENIZER_FILE).write_text(ranks)
@@ -495,8 +503,10 @@ def _source_key(cfg: DataConfig) -> str:
 
 
 def _check_has_text(cfg: DataConfig, encoded: Dict[str, Any]) -> None:
-    """One line naming the source when no document had any text (not a split that came out
-    empty)."""
+    """One line naming the source when no document had any text.
+
+    That is, no document had any text at all, not a split that came out empty.
+    """
     if sum(encoded["written"].values()) > 0:
         return
     n, empty = encoded["documents"], encoded["empty"]
@@ -515,8 +525,10 @@ def _check_has_text(cfg: DataConfig, encoded: Dict[str, Any]) -> None:
 def _encode_documents(
     cfg: DataConfig, source: Source, tok: Any, dtype: np.dtype, splits: Tuple[str, ...], tmp: Path
 ) -> Dict[str, Any]:
-    """Pass 1: every document, in order, into a flat token file and a (start, length) table per
-    split."""
+    """Pass 1: every document, in order, into a flat token file and a (start, length) table.
+
+    One file and one table per split.
+    """
     # open for the whole pass and closed in its `finally:` below
     flat = {s: open(tmp / f"{s}.flat", "wb") for s in splits}  # noqa: SIM115
     tables = {s: open(tmp / f"{s}.docs", "wb") for s in splits}  # noqa: SIM115
@@ -569,8 +581,10 @@ def _encode_documents(
 def _shard_splits(
     cfg: DataConfig, dtype: np.dtype, header: Dict[str, Any], written: Dict[str, int], tmp: Path
 ) -> Dict[str, Tuple[int, int, int]]:
-    """Pass 2: per split, its documents in (shuffled) order into equal shards; (shards, tokens each,
-    dropped)."""
+    """Pass 2: per split, its documents in (shuffled) order into equal shards.
+
+    Returns (shards, tokens each, dropped).
+    """
     counts: Dict[str, Tuple[int, int, int]] = {}
     if cfg.split == "tail":
         n = written["all"]
@@ -609,8 +623,10 @@ def _pread(f, dtype: np.dtype, start: int, count: int) -> np.ndarray:
 def _gather(
     f, dtype: np.dtype, table: np.ndarray, order: np.ndarray, chunk: int = 1 << 22
 ) -> Iterator[np.ndarray]:
-    """The documents of `table` (start, length rows) in `order`, at most ~`chunk` tokens at a
-    time."""
+    """The documents of `table` in `order`, at most ~`chunk` tokens at a time.
+
+    `table` has (start, length) rows.
+    """
     parts: List[np.ndarray] = []
     size = 0
     for k in range(0, len(order), 4096):

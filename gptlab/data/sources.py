@@ -34,8 +34,10 @@ def sha256_file(path: Path) -> str:
 
 
 def cache_root(cache_dir: Optional[str]) -> Path:
-    """The folder for downloads and prepared tokens: data.cache_dir, $GPTLAB_CACHE_DIR,
-    ~/.cache/gptlab."""
+    """The folder for downloads and prepared tokens.
+
+    data.cache_dir, else $GPTLAB_CACHE_DIR, else ~/.cache/gptlab.
+    """
     root = cache_dir or os.environ.get("GPTLAB_CACHE_DIR") or "~/.cache/gptlab"
     return Path(root).expanduser().resolve()
 
@@ -86,8 +88,10 @@ def download(url: str, dest: Path, sha256: Optional[str], timeout: float = 30.0)
 
 
 def remember(given: Path, dest: Path, sha256: str) -> None:
-    """Copy a local copy of a download into the cache (atomically), when it is the verified file
-    and the cache has none; a cache that cannot be written is left as it is."""
+    """Copy a local copy of a download into the cache (atomically), when it is the verified file.
+
+    Only when the cache has none; a cache that cannot be written is left as it is.
+    """
     if dest.is_file() or given.stat().st_size > (1 << 30) or sha256_file(given) != sha256:
         return
     tmp = dest.with_name(dest.name + f".part{os.getpid()}")
@@ -125,9 +129,10 @@ def fetch_text_file(
 
 
 def shakespeare_file(cfg, cache: Optional[Path] = None) -> Path:
-    """The text file of source=shakespeare, verified: data.path when given, else data.url downloaded
-    once into <cache>/downloads/ (default: the data cache, see cache_root) and checked against
-    data.sha256.
+    """The text file of source=shakespeare, verified: data.path when given, else data.url fetched.
+
+    data.url is downloaded once into <cache>/downloads/ (default: the data cache, see cache_root)
+    and checked against data.sha256.
 
     What `python -m gptlab.train` reads by default; the tests find Tiny Shakespeare the same way.
     """
@@ -264,8 +269,10 @@ HUB_CHECK_S = 5.0  # one quick request to the Hub before datasets, which retries
 
 
 def _quiet_hub() -> None:
-    """Keep Hugging Face's retry warnings and progress bars off the console (gptlab reports the
-    outcome)."""
+    """Keep Hugging Face's retry warnings and progress bars off the console.
+
+    gptlab reports the outcome.
+    """
     import datasets
     import huggingface_hub
 
@@ -441,7 +448,9 @@ def doc_hash(text: str) -> int:
 
 
 def is_val_document(seed: int, index: int, val_fraction: float) -> bool:
-    """Whether document `index` of the stream belongs to the validation split (seeded,
-    streaming)."""
+    """Whether document `index` of the stream belongs to the validation split.
+
+    The split is seeded and streaming.
+    """
     h = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") / 2**64 < val_fraction

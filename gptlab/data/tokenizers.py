@@ -106,8 +106,7 @@ class CharTokenizer:
         return "".join(self.chars[i] if i < n else self.specials[i - n] for i in ids)
 
     def token_bytes(self) -> np.ndarray:
-        """Each id's UTF-8 length in bytes (special tokens: 0), the denominator of bits per
-        byte."""
+        """Each id's UTF-8 length in bytes (special tokens: 0), the denominator of bits per byte."""
         lengths = [len(c.encode("utf-8")) for c in self.chars] + [0] * len(self.specials)
         return np.array(lengths, dtype=np.int64)
 
@@ -156,8 +155,10 @@ class TiktokenTokenizer:
         return self.enc.decode_bytes(list(ids)).decode("utf-8", errors="replace")
 
     def token_bytes(self) -> np.ndarray:
-        """Each id's length in bytes (special tokens and unused ids: 0), the denominator of bits
-        per byte."""
+        """Each id's length in bytes, the denominator of bits per byte.
+
+        Special tokens and unused ids: 0.
+        """
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         special = set(self.specials.values())
         for i in range(self.vocab_size):

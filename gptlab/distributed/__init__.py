@@ -1,5 +1,8 @@
-"""Processes and machines: who a process is, spawning and wrapping the model (world), restarts after
-a failure (restarts), and SLURM (slurm)."""
+"""Processes and machines: who a process is, restarts after a failure, and SLURM.
+
+Who a process is, spawning and wrapping the model (world), restarts after a failure (restarts), and
+SLURM (slurm).
+"""
 
 from gptlab import moved_attribute
 

@@ -1,5 +1,6 @@
-"""Restarts after a failure: a dead rank or node costs the steps since the latest checkpoint, not
-the run.
+"""Restarts after a failure: a dead rank or node costs the steps since the latest checkpoint.
+
+It does not cost the run.
 
 gptlab's own launcher (world.spawn) starts every worker again after one dies, up to
 train.max_restarts times; torchrun's --max-restarts does the same for its workers, and the SLURM
@@ -48,8 +49,11 @@ class StepMarks:
         os.pwrite(self._fd, MARK.pack(step), self._at)
 
     def marking(self, lr_at: Callable[[int], float]) -> Callable[[int], float]:
-        """lr_at, marking step+1 as it is asked for step's rate: the loop asks once, as a step
-        starts, and no rank starts a step before every rank has finished the one before."""
+        """lr_at, marking step+1 as it is asked for step's rate.
+
+        The loop asks once, as a step starts, and no rank starts a step before every rank has
+        finished the one before.
+        """
 
         def marked(step: int) -> float:
             self.mark(step + 1)
@@ -111,9 +115,11 @@ def budget_line(
     said: Callable[[Dict[str, Any]], str] = died,
     alike: Optional[Callable[[Dict[str, Any]], str]] = None,
 ) -> str:
-    """The one line when the failures have used up train.max_restarts; `said` puts the last
-    failure in words, and failures are counted as the same when `alike` (default: said) says so
-    (the SLURM launcher's own words, without the job ids)."""
+    """The one line when the failures have used up train.max_restarts.
+
+    `said` puts the last failure in words, and failures are counted as the same when `alike`
+    (default: said) says so (the SLURM launcher's own words, without the job ids).
+    """
     alike = alike or said
     last = failures[-1]
     same = 0
@@ -146,8 +152,11 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 def torchrun_failure(run_dir: Path, known: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """A start that torchrun made after its workers failed (TORCHELASTIC_RESTART_COUNT > 0) and
-    that is not recorded yet: its failure, as far as torchrun tells its workers."""
+    """A start that torchrun made after its workers failed and that is not recorded yet.
+
+    Such a start has TORCHELASTIC_RESTART_COUNT > 0; returns its failure, as far as torchrun tells
+    its workers.
+    """
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if count == 0 or any(
@@ -172,8 +181,11 @@ def torchrun_failure(run_dir: Path, known: List[Dict[str, Any]]) -> List[Dict[st
 def lost_since(
     checkpoint_dir: Path, step: int, attempt_started_at: Optional[float]
 ) -> Optional[float]:
-    """When the work a restart lost began: the resumed checkpoint's writing, or the dead attempt's
-    start if that came later (it resumed from the same checkpoint); None when neither is known."""
+    """When the work a restart lost began; None when neither time is known.
+
+    The resumed checkpoint's writing, or the dead attempt's start if that came later (it resumed
+    from the same checkpoint).
+    """
     written = [
         p.stat().st_mtime
         for p in checkpoint.list_checkpoints(checkpoint_dir)
@@ -200,9 +212,11 @@ def complete(
 
 
 def record(run: Any) -> List[Dict[str, Any]]:
-    """Rank 0 of a start, after it was built: the failures that led to this start, completed and
-    added to restarts.json, logged and sent to MLflow (metric and tag `restarts`). The run's
-    restarts so far."""
+    """Record the failures that led to this start, on rank 0; returns the run's restarts so far.
+
+    Rank 0 of a start, after it was built: the failures are completed and added to restarts.json,
+    logged and sent to MLflow (metric and tag `restarts`).
+    """
     run_dir = Path(run.run_dir)
     history = _listed(run_dir / layout.RESTARTS, "restarts")
     pending = _listed(run_dir / layout.FAILURE, "failures") + torchrun_failure(run_dir, history)
@@ -224,10 +238,12 @@ def record(run: Any) -> List[Dict[str, Any]]:
 
 
 def begin(run: Any) -> List[Dict[str, Any]]:
-    """Every rank, after the run was built: mark each step as it starts where a launcher may start
-    the job again (several ranks, torchrun, or a SLURM task: the launcher may submit its job again);
-    on rank 0, record the failures that led to this start. The run's restarts so far (rank 0; []
-    elsewhere)."""
+    """Every rank, after the run was built: mark each step and record this start's failures.
+
+    Mark each step as it starts where a launcher may start the job again (several ranks, torchrun,
+    or a SLURM task: the launcher may submit its job again); on rank 0, record the failures that led
+    to this start. The run's restarts so far (rank 0; [] elsewhere).
+    """
     restartable = (
         run.dist.world_size > 1 or "TORCHELASTIC_RESTART_COUNT" in os.environ or slurm.slurm_task()
     )

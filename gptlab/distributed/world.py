@@ -81,8 +81,10 @@ def role(hw: HardwareConfig) -> str:
 
 
 def check_gpus(hw: HardwareConfig, needed: int) -> None:
-    """For hardware.device=cuda: at least `needed` GPUs are visible to this process (one per local
-    rank)."""
+    """Checks that at least `needed` GPUs are visible to this process, one per local rank.
+
+    Applies for hardware.device=cuda.
+    """
     if hw.device != "cuda":
         return
     if not torch.cuda.is_available():
@@ -258,8 +260,10 @@ def follow_launcher(launcher: int) -> None:
 
 
 def _killed_with(launcher: int) -> bool:
-    """SIGKILL this process as soon as process `launcher` ends (a thread waiting on its pidfd);
-    False where there are no pidfds."""
+    """SIGKILL this process as soon as process `launcher` ends; False where there are no pidfds.
+
+    A thread waits on the launcher's pidfd.
+    """
     try:
         fd = os.pidfd_open(launcher)
     except ProcessLookupError:  # already gone
@@ -276,8 +280,11 @@ def _killed_with(launcher: int) -> bool:
 
 
 def _parent_of(pid: int) -> Optional[int]:
-    """The parent of process pid (a worker's parent is the launcher's fork server, whose parent is
-    the launcher, and which ends as soon as the launcher does); None where /proc cannot say."""
+    """The parent of process pid; None where /proc cannot say.
+
+    A worker's parent is the launcher's fork server, whose parent is the launcher, and which ends as
+    soon as the launcher does.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -286,8 +293,7 @@ def _parent_of(pid: int) -> Optional[int]:
 
 
 def _killed_with_parent() -> bool:
-    """Ask the kernel to SIGKILL this process when its parent ends; False where there is no
-    prctl."""
+    """Ask the kernel to SIGKILL this process when its parent ends; False where prctl is absent."""
     import ctypes
 
     try:
@@ -375,9 +381,12 @@ def spawn(
 
 
 def restarts_so_far(run: Any) -> List[Dict[str, Any]]:
-    """After a run was built, on every rank: the run's restarts after failures (rank 0), the
-    failures that led to this start among them, recorded; each step marked as it starts where a
-    launcher may start the job again (distributed/restarts.py)."""
+    """The run's restarts after failures, recorded on every rank after a run was built.
+
+    After a run was built, on every rank: the run's restarts after failures (rank 0), the failures
+    that led to this start among them, recorded; each step marked as it starts where a launcher may
+    start the job again (distributed/restarts.py).
+    """
     return restarts.begin(run)
 
 
@@ -388,9 +397,10 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gptlab.training.build
 
 
 def _start(nprocs: int, fn, args: tuple) -> list:
-    """The started workers, forked from a fork server (multiprocessing's forkserver: a fresh
-    interpreter with nothing but imports in it, so safe with threads and CUDA) that has imported
-    PRELOAD and fn's module once.
+    """The started workers, forked from a fork server that imported PRELOAD and fn's module once.
+
+    The fork server is multiprocessing's forkserver: a fresh interpreter with nothing but imports in
+    it, so safe with threads and CUDA.
 
     SIGINT is ignored while they start, so that they inherit it ignored until follow_launcher has
     taken them out of the terminal's reach: a Ctrl-C then reaches this launcher alone.
@@ -418,9 +428,11 @@ def _start(nprocs: int, fn, args: tuple) -> list:
 
 
 class _Forward:
-    """The launcher's stop-signal handler: the first signal is sent on to every live worker; a
-    second SIGINT or SIGTERM (stop_again) kills them and raises KeyboardInterrupt; other repeats ask
-    nothing more."""
+    """The launcher's stop-signal handler: the first signal goes on to every live worker.
+
+    A second SIGINT or SIGTERM (stop_again) kills them and raises KeyboardInterrupt; other repeats
+    ask nothing more.
+    """
 
     def __init__(self) -> None:
         self.workers: list = []
@@ -440,8 +452,10 @@ class _Forward:
 
 
 def _wait(workers: list) -> Optional[int]:
-    """Wait until every worker has ended; when one fails, kill the others at once: its index (None:
-    all ended well)."""
+    """Wait until every worker has ended; the failed one's index (None: all ended well).
+
+    When one fails, kill the others at once.
+    """
     from multiprocessing.connection import wait
 
     live = {w.sentinel: i for i, w in enumerate(workers)}
@@ -457,16 +471,21 @@ def _wait(workers: list) -> Optional[int]:
 
 
 def _culprit(workers: list, first: int) -> int:
-    """The worker whose failure ended the job, among those that have already failed: a rank that
-    died takes its peers down with it (their collectives raise, CRASHED), so a death that is not a
-    traceback is the cause; else the first failure seen."""
+    """The worker whose failure ended the job, among those that have already failed.
+
+    A rank that died takes its peers down with it (their collectives raise, CRASHED), so a death
+    that is not a traceback is the cause; else the first failure seen.
+    """
     failed = [i for i, w in enumerate(workers) if w.exitcode not in (None, 0)]
     return next((i for i in failed if workers[i].exitcode != CRASHED), first)
 
 
 def _kill(workers: list) -> None:
-    """SIGKILL the workers still running, and reap them. Not SIGTERM: a worker would take it for a
-    stop and try to save, with a peer gone, and say so in a traceback."""
+    """SIGKILL the workers still running, and reap them.
+
+    Not SIGTERM: a worker would take it for a stop and try to save, with a peer gone, and say so in
+    a traceback.
+    """
     for w in workers:
         if w.is_alive():
             w.kill()
@@ -475,8 +494,10 @@ def _kill(workers: list) -> None:
 
 
 def _failure(worker, rank: int, asked: Optional[str]) -> BaseException:
-    """What a worker's failed exit means here (asked: the stop signal the launcher forwarded, if
-    any)."""
+    """What a worker's failed exit means here.
+
+    `asked` is the stop signal the launcher forwarded, if any.
+    """
     code = worker.exitcode
     if code == 2:
         return SystemExit(2)
@@ -501,8 +522,9 @@ GLOO_SETTLE_S = 0.2
 
 
 def teardown() -> None:
-    """Leave the process group; under gloo, then give its worker threads time to drop their last
-    work.
+    """Leave the process group, and under gloo wait for its worker threads to drop their work.
+
+    Under gloo, give its worker threads time to drop their last work after leaving.
 
     A process that ends through the interpreter's shutdown (torchrun, SLURM) would otherwise race
     those threads for the GIL as spawned workers did (see _exit_now); the sleep gives them the GIL
@@ -565,9 +587,11 @@ def torch_older_than(major: int, minor: int) -> bool:
 
 
 def _replicate(model: nn.Module, d: Dist, alone_in_ddp: bool = False) -> nn.Module:
-    """A whole copy per process: alone, the model itself (unless alone_in_ddp: parallelism=ddp
-    launched as a world of one, whose process group is up); with others, DDP keeps the copies in
-    step."""
+    """A whole copy of the model per process; with others, DDP keeps the copies in step.
+
+    Alone, the model itself (unless alone_in_ddp: parallelism=ddp launched as a world of one, whose
+    process group is up); with others, DDP keeps the copies in step.
+    """
     if d.world_size == 1 and not alone_in_ddp:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -581,8 +605,11 @@ def _replicate(model: nn.Module, d: Dist, alone_in_ddp: bool = False) -> nn.Modu
 
 
 def _no_buffer_sync() -> Dict[str, bool]:
-    """DDP's switch for syncing buffers before every forward, off: forward_sync_buffers where torch
-    has it (it deprecates broadcast_buffers), else broadcast_buffers."""
+    """Turns off DDP's switch for syncing buffers before every forward.
+
+    forward_sync_buffers where torch has it (it deprecates broadcast_buffers), else
+    broadcast_buffers.
+    """
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -597,16 +624,22 @@ _PARAM_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def mesh_shape(strategy: str, world_size: int, nodes: int) -> tuple:
-    """fsdp: one dimension, all ranks shard; hsdp: (nodes to replicate over, ranks per node to shard
-    over)."""
+    """The device mesh's shape for fsdp (one dimension) or hsdp (two).
+
+    fsdp: one dimension, all ranks shard; hsdp: (nodes to replicate over, ranks per node to shard
+    over).
+    """
     return (nodes, world_size // nodes) if strategy == "hsdp" else (world_size,)
 
 
 def _shard(
     model: nn.Module, d: Dist, par: ParallelismConfig, hw: HardwareConfig, compile: bool
 ) -> nn.Module:
-    """FSDP2 in place: every block is its own shard unit (gathered just before use), then the root
-    (embeddings, final norm, head). Gradients reduce in fp32 whatever the compute dtype."""
+    """Shards the model with FSDP2 in place: every block, then the root.
+
+    Every block is its own shard unit (gathered just before use), then the root (embeddings, final
+    norm, head). Gradients reduce in fp32 whatever the compute dtype.
+    """
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -634,10 +667,12 @@ def _shard(
 
 
 def reshard(model: nn.Module) -> None:
-    """Free the gathered (unsharded) weights a fully_shard model still holds, so that its next
-    forward gathers the shards again: needed after the shards' values were replaced in place (the
-    root keeps its gathered weights after forward, as do blocks with reshard_after_forward=false). A
-    no-op for any other model."""
+    """Free the gathered (unsharded) weights a fully_shard model still holds.
+
+    So that its next forward gathers the shards again: needed after the shards' values were replaced
+    in place (the root keeps its gathered weights after forward, as do blocks with
+    reshard_after_forward=false). A no-op for any other model.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     for m in model.modules():
@@ -653,8 +688,11 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def no_sync(model: nn.Module, sync: bool):
-    """Reduce gradients on the last accumulation micro-step only: DDP skips its all-reduce inside
-    no_sync(); an FSDP model is told whether to reduce-scatter before the backward."""
+    """Reduce gradients on the last accumulation micro-step only.
+
+    DDP skips its all-reduce inside no_sync(); an FSDP model is told whether to reduce-scatter
+    before the backward.
+    """
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(sync)
         return nullcontext()
@@ -664,8 +702,10 @@ def no_sync(model: nn.Module, sync: bool):
 
 
 def grad_norm_value(norm: torch.Tensor) -> torch.Tensor:
-    """clip_grad_norm_'s result as a plain tensor: over sharded gradients it is a replicated DTensor
-    that already holds the global norm."""
+    """clip_grad_norm_'s result as a plain tensor.
+
+    Over sharded gradients it is a replicated DTensor that already holds the global norm.
+    """
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
@@ -677,8 +717,10 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def agree_on_signal(received: Optional[str]) -> Optional[str]:
-    """The stop signal if any rank received one (every rank gets the same answer; SIGUSR2, which a
-    scheduler follows with a requeue, wins)."""
+    """The stop signal if any rank received one, the same answer on every rank.
+
+    Every rank gets the same answer; SIGUSR2, which a scheduler follows with a requeue, wins.
+    """
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return received
     codes = {None: 0, "SIGINT": 1, "SIGTERM": 2, "SIGUSR2": 3}
@@ -695,8 +737,9 @@ USER_STOPS = ("SIGINT", "SIGTERM")
 
 
 def stop_again(first: str, since_s: float, name: str) -> bool:
-    """Whether stop signal `name`, `since_s` seconds after the first one (`first`), ends the run at
-    once.
+    """Whether stop signal `name`, `since_s` seconds after the first one, ends the run at once.
+
+    `first` is the first signal.
 
     A second SIGINT or SIGTERM does. SIGUSR2 neither does nor makes a later one do: it is a
     scheduler's warning, and the scheduler's SIGTERM that may follow must not cut the save short.

@@ -1,5 +1,7 @@
-"""An lm-evaluation-harness model over gptlab's own model and tokenizer (any position scheme, MLP
-or vocabulary): what ``python -m gptlab.eval`` hands to ``lm_eval.simple_evaluate``.
+"""An lm-evaluation-harness model over gptlab's own model and tokenizer.
+
+It takes any position scheme, MLP or vocabulary: what ``python -m gptlab.eval`` hands to
+``lm_eval.simple_evaluate``.
 
 lm_eval's TemplateLM splits each (context, continuation) into tokens as its Hugging Face model
 does (trailing spaces of the context move to the continuation; the continuation is what encoding
@@ -29,9 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def prefix_token(tokenizer: Tokenizer) -> int:
-    """What an empty context (and the first rolling window) is conditioned on: the beginning-of-text
-    token, else the end-of-text one (as lm_eval's Hugging Face model chooses), else a newline (a
-    char model of documents joined by line breaks)."""
+    """What an empty context (and the first rolling window) is conditioned on.
+
+    The beginning-of-text token, else the end-of-text one (as lm_eval's Hugging Face model chooses),
+    else a newline (a char model of documents joined by line breaks).
+    """
     for tid in (tokenizer.bos_id, tokenizer.eos_id):
         if tid is not None:
             return tid
@@ -100,8 +104,10 @@ class GptlabLM(TemplateLM):
     # ---- requests --------------------------------------------------------------------------
 
     def _bar(self, total: int, what: str):
-        """A progress bar on rank 0's terminal; where none is drawn (stderr redirected), one line
-        saying what is scored."""
+        """A progress bar on rank 0's terminal, else one line saying what is scored.
+
+        No bar is drawn when stderr is redirected.
+        """
         from tqdm import tqdm
 
         bar = self.show_progress and terminal()
@@ -132,8 +138,11 @@ class GptlabLM(TemplateLM):
         return super().loglikelihood(requests, disable_tqdm=True)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
-        """Each text's whole log-likelihood: windows of the model's length, each prediction with as
-        much context as fits, the first after the prefix token."""
+        """Each text's whole log-likelihood.
+
+        Windows of the model's length, each prediction with as much context as fits, the first after
+        the prefix token.
+        """
         windows, owner = [], []
         for i, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])

@@ -41,8 +41,10 @@ def cached_file(cache_dir: Optional[str]) -> Path:
 
 
 def fetch(cfg: Any, cache_dir: Optional[str]) -> Path:
-    """The file to read (cfg: eval.hellaswag): its path, else the download into the cache (made
-    once, atomically), its SHA-256 checked."""
+    """The file to read (cfg: eval.hellaswag): its path, else the download into the cache.
+
+    The download is made once, atomically, its SHA-256 checked.
+    """
     if cfg.path:
         f = Path(cfg.path).expanduser()
         if not f.is_file():
@@ -127,8 +129,10 @@ def render(example: Dict[str, Any], tokenizer: Any) -> Rendered:
 
 
 def load(cfg: Any, tokenizer: Any, cache_dir: Optional[str]) -> List[Rendered]:
-    """eval.hellaswag's examples (the first `limit`), checked and rendered with tokenizer; a
-    tokenizer that cannot encode one (a character vocabulary without its letters) is one line."""
+    """eval.hellaswag's examples (the first `limit`), checked and rendered with tokenizer.
+
+    A tokenizer that cannot encode one (a character vocabulary without its letters) is one line.
+    """
     f = fetch(cfg, cache_dir)
     examples = read_examples(f, official=not cfg.path)[: cfg.limit]
     rendered = []

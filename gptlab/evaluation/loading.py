@@ -1,5 +1,7 @@
-"""Loading lm_eval's tasks: the Hugging Face Hub when it answers, the local cache when it does not,
-a failure named by its cause, and progress bars only where someone watches them.
+"""Loading lm_eval's tasks: from the Hub, else the local cache, with failures named by cause.
+
+The Hugging Face Hub is used when it answers, the local cache when it does not; a failure is named
+by its cause, and progress bars are shown only where someone watches them.
 
 - ``hub_access``: a task whose data live on the Hub first asks whether the Hub answers (one request,
   seconds at most). When it does not, the Hub's and datasets' offline modes are turned on for the
@@ -66,9 +68,11 @@ def offline_already() -> bool:
 
 
 def hub_unreachable(timeout: float = 3.0) -> Optional[str]:
-    """Why the Hub does not answer (None: it answers, with any HTTP status), in one request that
-    takes `timeout` seconds at most (a proxy in the environment is used, as the hub client uses
-    it)."""
+    """Why the Hub does not answer (None: it answers, with any HTTP status).
+
+    It asks in one request that takes `timeout` seconds at most (a proxy in the environment is used,
+    as the hub client uses it).
+    """
     url = hub_endpoint()
     host = urllib.parse.urlsplit(url).netloc or url
     try:
@@ -83,9 +87,11 @@ def hub_unreachable(timeout: float = 3.0) -> Optional[str]:
 
 @contextlib.contextmanager
 def offline_mode(reason: Optional[str]) -> Iterator[None]:
-    """The Hub's and datasets' offline modes on while the block runs: the variables (for modules
-    not yet imported, and for the processes started here) and the flags of those already imported;
-    all as they were afterwards. reason: why the Hub is off (None: the user said so)."""
+    """The Hub's and datasets' offline modes on while the block runs; all as they were afterwards.
+
+    It sets the variables (for modules not yet imported, and for the processes started here) and the
+    flags of those already imported. reason: why the Hub is off (None: the user said so).
+    """
     flags = [
         ("huggingface_hub.constants", "HF_HUB_OFFLINE"),
         ("datasets.config", "HF_HUB_OFFLINE"),
@@ -112,9 +118,11 @@ def offline_mode(reason: Optional[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hub_access(needed: bool) -> Iterator[None]:
-    """The block with the Hub online if it answers, else offline (the local cache only): one
-    question when a task needs the Hub, none when the user turned it off (HF_HUB_OFFLINE=1, which
-    then holds for libraries imported before it was set, too)."""
+    """The block with the Hub online if it answers, else offline (the local cache only).
+
+    One question when a task needs the Hub, none when the user turned it off (HF_HUB_OFFLINE=1,
+    which then holds for libraries imported before it was set, too).
+    """
     user_off = offline_already()
     reason = hub_unreachable() if needed and not user_off else None
     if not needed or (reason is None and not user_off):
@@ -158,8 +166,10 @@ def failure(task: str, error: BaseException, dataset: Optional[str]) -> str:
 
 @contextlib.contextmanager
 def progress_bars(shown: bool) -> Iterator[None]:
-    """tqdm's bars as they are when `shown`, else off while the block runs: every bar made meanwhile
-    (lm_eval's, datasets', the harness's) is made disabled."""
+    """tqdm's bars as they are when `shown`, else off while the block runs.
+
+    Off: every bar made meanwhile (lm_eval's, datasets', the harness's) is made disabled.
+    """
     if shown:
         yield
         return
@@ -185,9 +195,11 @@ def terminal() -> bool:
 
 @contextlib.contextmanager
 def no_environment_report() -> Iterator[None]:
-    """lm_eval's simple_evaluate without its environment report, which eval.json does not keep:
-    `git describe` in the working folder (outside a repository it prints "fatal: not a git
-    repository" on stderr) and torch's collect_env (seconds of subprocesses)."""
+    """lm_eval's simple_evaluate without its environment report, which eval.json does not keep.
+
+    The report runs `git describe` in the working folder (outside a repository it prints "fatal: not
+    a git repository" on stderr) and torch's collect_env (seconds of subprocesses).
+    """
     from lm_eval import evaluator
     from lm_eval.loggers.utils import get_commit_from_path
 

@@ -16,10 +16,13 @@ from typing import Dict, List, Sequence
 def next_line_examples(
     text: str, n: int, choices: int = 4, context_lines: int = 2, length: int = 12, seed: int = 0
 ) -> List[Dict]:
-    """n examples {context, choices, label}: `context_lines` lines and the start of the next line,
-    cut inside a word, and among `choices` endings of `length` characters the real next ones, the
-    others cut from inside words elsewhere in the text (none equal to it). Equal lengths make the
-    summed and the per-character scores ask the same question."""
+    """n examples {context, choices, label}: a text's next line, among endings cut from elsewhere.
+
+    Each context is `context_lines` lines and the start of the next line, cut inside a word; among
+    `choices` endings of `length` characters are the real next ones and others cut from inside words
+    elsewhere in the text (none equal to it). Equal lengths make the summed and the per-character
+    scores ask the same question.
+    """
     lines = text.split("\n")
     rng = random.Random(seed)
 
@@ -65,9 +68,12 @@ def task_yaml(
     delimiter: str = "",
     metrics: Sequence[str] = ("acc", "acc_norm"),
 ) -> str:
-    """An lm_eval multiple-choice task over a JSONL file (absolute path): each row's `text` field is
-    the context, its `choices` field the candidates, `label` the right one's index; the choice
-    follows the context after `delimiter` (next_line_examples' rows: the defaults)."""
+    """An lm_eval multiple-choice task over a JSONL file (absolute path).
+
+    Each row's `text` field is the context, its `choices` field the candidates, `label` the right
+    one's index; the choice follows the context after `delimiter` (next_line_examples' rows: the
+    defaults).
+    """
     metric_list = "".join(
         f"  - metric: {m}\n    aggregation: mean\n    higher_is_better: true\n" for m in metrics
     )

@@ -27,8 +27,11 @@ class Score:
 
 
 def crop(pair: Pair, block_size: int) -> Tuple[List[int], int]:
-    """(model input, continuation length): context + continuation without its last token, cropped
-    from the left to block_size tokens, as lm-evaluation-harness crops for a causal model."""
+    """(model input, continuation length) for a context and continuation, cropped to block_size.
+
+    Context + continuation without its last token, cropped from the left to block_size tokens, as
+    lm-evaluation-harness crops for a causal model.
+    """
     context, continuation = list(pair[0]), list(pair[1])
     if not continuation:
         raise ValueError("a continuation to score has no tokens")

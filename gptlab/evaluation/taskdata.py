@@ -59,7 +59,9 @@ def read_yaml(path: Path) -> Dict[str, Any]:
 
 def yaml_of(manager: Any, name: str) -> Optional[Path]:
     """The YAML file of a single task in lm_eval's index (None: a group, a tag, a Python task).
-    lm_eval 0.4.10+ keeps Entry objects, earlier versions dicts."""
+
+    lm_eval 0.4.10+ keeps Entry objects, earlier versions dicts.
+    """
     entry = manager.task_index.get(name)
     if isinstance(entry, dict):
         kind, path = entry.get("type"), entry.get("yaml_path")
@@ -78,8 +80,10 @@ def dataset_of(manager: Any, name: str) -> Optional[str]:
 
 
 def local_spec(manager: Any, name: str) -> Optional[Spec]:
-    """What to hand lm_eval for a task whose data are local files, checked; None for a task whose
-    data come from elsewhere (the Hugging Face Hub, a group)."""
+    """What to hand lm_eval for a task whose data are local files, checked.
+
+    None for a task whose data come from elsewhere (the Hugging Face Hub, a group).
+    """
     path = yaml_of(manager, name)
     if path is None:
         return None
@@ -112,9 +116,12 @@ def local_spec(manager: Any, name: str) -> Optional[Spec]:
 
 
 def resolve_files(files: Any, folder: Path, task: str) -> Tuple[Dict[str, List[Path]], bool]:
-    """data_files as {split: [file]} (a bare file or list is datasets' "train" split), each file
-    found from the working folder, else from the YAML's folder; and whether any was found there.
-    ({}, False) when one is a URL or a pattern."""
+    """data_files as {split: [file]}, each file found, and whether any was in the YAML's folder.
+
+    A bare file or list is datasets' "train" split; each file is found from the working folder, else
+    from the YAML's folder, and the flag says whether any was found there. ({}, False) when one is a
+    URL or a pattern.
+    """
     by_split = files if isinstance(files, dict) else {"train": files}
     splits: Dict[str, List[Path]] = {}
     moved = False
@@ -153,8 +160,10 @@ def evaluated_split(cfg: Dict[str, Any]) -> Optional[str]:
 
 
 def read_rows(path: Path, cfg: Dict[str, Any], task: str) -> Optional[Rows]:
-    """The file's rows, as datasets' builder reads them (None: a binary format, not read here); a
-    row it cannot read is one line naming the file and the line."""
+    """The file's rows, as datasets' builder reads them (None: a binary format, not read here).
+
+    A row it cannot read is one line naming the file and the line.
+    """
     builder = cfg["dataset_path"]
     kwargs = cfg.get("dataset_kwargs") or {}
     if builder not in ("json", "csv", "text"):
@@ -171,8 +180,10 @@ def read_rows(path: Path, cfg: Dict[str, Any], task: str) -> Optional[Rows]:
 
 
 def json_rows(text: str, path: Path, field: Optional[str], task: str) -> Rows:
-    """JSON Lines, or one JSON document: a list of objects (or, with dataset_kwargs.field, an
-    object holding one under that key)."""
+    """The rows of JSON Lines, or of one JSON document holding a list of objects.
+
+    With dataset_kwargs.field, the document is an object holding the list under that key.
+    """
     if field or text.lstrip().startswith("["):
         doc = parse_json(text, 1, path, task)
         rows = doc.get(field) if field and isinstance(doc, dict) else doc
@@ -214,8 +225,11 @@ def csv_rows(text: str, path: Path, sep: str, task: str) -> Rows:
 
 
 def fields_named(value: Any, key: str, task: str) -> List[str]:
-    """The document fields a doc_to_* value reads: a bare name is a field (lm_eval reads it as one
-    when the rows have it); a Jinja template's variables are; code and constants read none."""
+    """The document fields a doc_to_* value reads.
+
+    A bare name is a field (lm_eval reads it as one when the rows have it); a Jinja template's
+    variables are; code and constants read none.
+    """
     if not isinstance(value, str) or isinstance(value, Function):
         return []
     if re.fullmatch(r"[A-Za-z_]\w*", value):
@@ -234,8 +248,11 @@ def fields_named(value: Any, key: str, task: str) -> List[str]:
 
 
 def check_fields(cfg: Dict[str, Any], files: Dict[Path, Optional[Rows]], task: str) -> None:
-    """Every field the doc_to_* keys read is in the rows: named in no row, the field and what the
-    rows hold; missing from some, the first row without it."""
+    """Check that every field the doc_to_* keys read is in the rows.
+
+    Named in no row, the error gives the field and what the rows hold; missing from some, the first
+    row without it.
+    """
     read = {p: rows for p, rows in files.items() if rows}
     for key in FIELD_KEYS:
         for field in fields_named(cfg.get(key), key, task) if read else []:

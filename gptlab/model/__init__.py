@@ -1,5 +1,8 @@
-"""The model: the GPT itself (gpt), attention maps over a prompt (attention), and a trained model
-rebuilt from a checkpoint for inference (inference)."""
+"""The model: the GPT, its attention maps, and a trained model rebuilt for inference.
+
+The GPT itself (gpt), attention maps over a prompt (attention), and a trained model rebuilt from a
+checkpoint for inference (inference).
+"""
 
 from gptlab import moved_attribute
 

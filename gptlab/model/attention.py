@@ -27,8 +27,11 @@ Rope = Optional[Tuple[torch.Tensor, torch.Tensor]]
 
 @torch.no_grad()
 def layer_inputs(model: GPT, ids: torch.Tensor) -> List[Tuple[torch.Tensor, Rope]]:
-    """What each block receives when the model reads ids (B, T): its residual stream input and the
-    rotary tables (None for learned or sinusoidal positions), in eval mode (no dropout)."""
+    """What each block receives when the model reads ids (B, T), in eval mode (no dropout).
+
+    It is its residual stream input and the rotary tables (None for learned or sinusoidal
+    positions).
+    """
     seen: List[Tuple[torch.Tensor, Rope]] = []
     hooks = [
         block.register_forward_pre_hook(lambda _, args: seen.append((args[0], args[1])))
@@ -48,8 +51,11 @@ def layer_inputs(model: GPT, ids: torch.Tensor) -> List[Tuple[torch.Tensor, Rope
 def explicit_attention(
     attn: CausalSelfAttention, x: torch.Tensor, rope: Rope = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """One attention layer written out: x (B, T, C), the block's ln_1 output -> (weights (B, nh, T,
-    T) in float32, the layer's output (B, T, C): weights @ v through c_proj)."""
+    """One attention layer written out: x (B, T, C) -> (weights, the layer's output).
+
+    x is the block's ln_1 output; the weights are (B, nh, T, T) in float32, the layer's output (B,
+    T, C) is weights @ v through c_proj.
+    """
     B, T, C = x.shape
     nh, hs = attn.n_head, attn.head_dim
     # (B, T, 3 * nh, hs): the heads of q, then of k, then of v, as CausalSelfAttention splits them
@@ -69,8 +75,11 @@ def explicit_attention(
 
 @torch.no_grad()
 def attention_maps(model: GPT, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    """The attention weights of every layer and head over one sequence of token ids (T,):
-    a float32 CPU tensor (n_layer, n_head, T, T), row t the weights query t puts on keys 0..t."""
+    """The attention weights of every layer and head over one sequence of token ids (T,).
+
+    They are a float32 CPU tensor (n_layer, n_head, T, T), row t the weights query t puts on keys
+    0..t.
+    """
     ids = torch.as_tensor(ids, dtype=torch.long, device=model.wte.weight.device).reshape(1, -1)
     n, block_size = ids.size(1), model.config.block_size
     if n > block_size:
@@ -86,8 +95,10 @@ def attention_maps(model: GPT, ids: Sequence[int] | torch.Tensor) -> torch.Tenso
 
 
 def pick(key: str, given: Optional[Sequence[int]], count: int, what: str) -> List[int]:
-    """The indices `key` selects of `count` (all when given is None); one line when one is out of
-    range."""
+    """The indices `key` selects of `count` (all when given is None).
+
+    One line when one is out of range.
+    """
     if given is None:
         return list(range(count))
     bad = [i for i in given if not 0 <= i < count]
@@ -103,9 +114,11 @@ ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "$": r"\$"}
 
 
 def token_label(text: str) -> str:
-    """A token's text as an axis label: a newline is \\n (and other control characters escaped
-    alike), a token of spaces is shown as open boxes, and $ is escaped so that matplotlib draws it
-    rather than reading mathtext."""
+    """A token's text as an axis label, with what matplotlib would misdraw escaped.
+
+    A newline is \\n (and other control characters escaped alike), a token of spaces is shown as
+    open boxes, and $ is escaped so that matplotlib draws it rather than reading mathtext.
+    """
     if text and not text.strip(" "):
         return "\u2423" * len(text)
     return "".join(
@@ -121,10 +134,13 @@ TITLE_LINES = 4  # the most lines a title is wrapped to; a longer one ends in an
 def grid_geometry(
     rows: int, cols: int, labels: Sequence[str], title_lines: int = 1
 ) -> Tuple[Any, ...]:
-    """(figure size in inches, the grid's left, right, bottom, top as fractions of it, wspace,
-    hspace, the tick labels' font size): square panels that grow with the prompt, the whole within
-    60 inches (6000 px) a side, margins wide enough for the longest token label and above the grid
-    room for a title of title_lines lines."""
+    """The grid's geometry: square panels that grow with the prompt, within 60 inches a side.
+
+    Returned: (figure size in inches, the grid's left, right, bottom, top as fractions of it,
+    wspace, hspace, the tick labels' font size). The whole is within 60 inches (6000 px) a side,
+    with margins wide enough for the longest token label and above the grid room for a title of
+    title_lines lines.
+    """
     n = len(labels)
     panel = min(max(2.4, 0.2 * n + 1.0), 60.0 / max(rows, cols))
     font = max(3.0, min(9.0, 0.7 * 72 * panel / n))  # points: at most 0.7 of a row's height
@@ -144,9 +160,11 @@ def attention_figure(
     heads: Sequence[int],
     title: str,
 ) -> Any:
-    """A matplotlib Figure of a grid of heatmaps, one per (layer, head): rows are layers, columns
-    heads; maps (len(layers), len(heads), T, T), queries down, keys across, labelled with the
-    tokens' text on the left column and the bottom row."""
+    """A matplotlib Figure of a grid of heatmaps, one per (layer, head).
+
+    Rows are layers, columns heads; maps (len(layers), len(heads), T, T), queries down, keys across,
+    labelled with the tokens' text on the left column and the bottom row.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -188,8 +206,10 @@ def attention_figure(
 
 
 def title_lines(title: str, width: float) -> List[str]:
-    """The title wrapped to a figure width inches wide (at most TITLE_LINES lines), so that no
-    line runs past its edges: a long run path or model URI breaks where it must."""
+    """The title wrapped to a figure width inches wide (at most TITLE_LINES lines).
+
+    No line runs past its edges: a long run path or model URI breaks where it must.
+    """
     chars = max(20, int((width - 0.3) * 72 / (0.62 * TITLE_POINTS)))  # DejaVu Sans: ~0.6 em a char
     return textwrap.wrap(title, chars, max_lines=TITLE_LINES, placeholder=" \u2026") or [""]
 
@@ -203,8 +223,10 @@ def write_attention(
     heads: Optional[Sequence[int]],
     title: str,
 ) -> Tuple[int, int]:
-    """Compute the maps of ids and write the grid of the chosen layers and heads (None: all) to
-    path: (layers drawn, heads drawn)."""
+    """Compute the maps of ids and write the grid of the chosen layers and heads to path.
+
+    None chooses all; returns (layers drawn, heads drawn).
+    """
     cfg = model.config
     layers = pick("attention.layers", layers, cfg.n_layer, "layer")
     heads = pick("attention.heads", heads, cfg.n_head, "head")

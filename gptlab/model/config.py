@@ -1,5 +1,8 @@
-"""The model's config section, free of torch: the schema (gptlab/config.py) is built from it, so
---help and config errors answer without importing torch."""
+"""The model's config section, free of torch.
+
+The schema (gptlab/config.py) is built from it, so --help and config errors answer without importing
+torch.
+"""
 
 from __future__ import annotations
 
@@ -59,7 +62,9 @@ class GPTConfig:
 
 
 def padded_vocab(vocab: int, multiple: int) -> int:
-    """The embedding's rows: the vocabulary rounded up to a multiple (64 keeps tensor-core matmuls
-    fast)."""
+    """The embedding's rows: the vocabulary rounded up to a multiple.
+
+    A multiple of 64 keeps tensor-core matmuls fast.
+    """
     k = max(1, multiple)
     return (vocab + k - 1) // k * k

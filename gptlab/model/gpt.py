@@ -49,8 +49,9 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs of channels (0, 1), (2, 3), ... of x (B, nh, T, hs) by position-dependent
-    angles.
+    """Rotate pairs of channels of x (B, nh, T, hs) by position-dependent angles.
+
+    The pairs are channels (0, 1), (2, 3), ...
 
     Each pair is a complex number multiplied by cos + i sin: one kernel each way, 2.4x faster on the
     CPU than rotating the two halves of the pairs apart and stacking them (fwd + bwd, 16 x 4 x 64 x
@@ -64,8 +65,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def attention_scale(cfg: GPTConfig) -> Optional[float]:
-    """The attention's softmax scale: None (SDPA's 1/sqrt(d_head)) in the standard form; under muP
-    sqrt(d_base) / d_head, d_base = mup_base_width / n_head, i.e. 1/d_head as the width grows.
+    """The attention's softmax scale: None (SDPA's 1/sqrt(d_head)) in the standard form.
+
+    Under muP sqrt(d_base) / d_head, d_base = mup_base_width / n_head, i.e. 1/d_head as the width
+    grows.
 
     Written as (1/sqrt(d)) * sqrt(d_base/d) so that at the base width it is SDPA's own default bit
     for bit (the second factor is exactly 1.0), and training there equals the standard form's.
@@ -183,8 +186,11 @@ class Block(nn.Module):
 def token_nats(
     x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab: int, chunk: int = 4096
 ) -> torch.Tensor:
-    """Cross-entropy of each target (N,) in fp32 from the final LayerNorm's output x (N, C) and the
-    head's weight, `chunk` tokens at a time so that the (N, vocab) logits never exist at once."""
+    """Cross-entropy of each target (N,) in fp32, `chunk` tokens at a time.
+
+    From the final LayerNorm's output x (N, C) and the head's weight, `chunk` tokens at a time so
+    that the (N, vocab) logits never exist at once.
+    """
     w = weight[:vocab]
     out = []
     for s in range(0, x.shape[0], chunk):
@@ -291,8 +297,10 @@ class GPT(nn.Module):
 
     @property
     def activation_checkpointing(self) -> bool:
-        """Whether every block recomputes its activations in backward (switched on by
-        distributed.wrap_model for large models)."""
+        """Whether every block recomputes its activations in backward.
+
+        Switched on by distributed.wrap_model for large models.
+        """
         return all(block.checkpointed for block in self.h)
 
     @activation_checkpointing.setter

@@ -26,8 +26,11 @@ from gptlab.optim.average import AVERAGE, load_average
 def load_model(
     run: str, which: str = "latest", device: str = "cpu"
 ) -> Tuple[GPT, Tokenizer, checkpoint.TrainingState]:
-    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model (its
-    weight average where the run kept one). A run= that is not there is one line saying so."""
+    """The trained model (eval mode) and its tokenizer, rebuilt from a checkpoint's saved model.
+
+    The model is its weight average where the run kept one. A run= that is not there is one line
+    saying so.
+    """
     if not Path(run).expanduser().exists():
         raise GptlabError(
             f"run={run}: no such folder or file (a run folder, a checkpoint file, or an MLflow "
@@ -51,10 +54,12 @@ def generate_text(
     num_samples: int = 1,
     stop: Optional[Callable[[torch.Tensor], bool]] = None,
 ) -> List[str]:
-    """num_samples texts, each the prompt and its continuation, drawn with one generator seeded
-    with `seed` on the model's device (temperature 0: greedy; top_k None or 0: every token). An
-    empty prompt starts from token 0. stop(tokens so far), after each new token: True ends the
-    texts there (the served model's deadline)."""
+    """num_samples texts, each the prompt and its continuation.
+
+    They are drawn with one generator seeded with `seed` on the model's device (temperature 0:
+    greedy; top_k None or 0: every token). An empty prompt starts from token 0. stop(tokens so far),
+    after each new token: True ends the texts there (the served model's deadline).
+    """
     device = next(model.parameters()).device
     ids = tokenizer.encode(prompt) or [0]
     idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
@@ -71,8 +76,11 @@ def generate_text(
 
 
 def write_model_files(model: GPT, tokenizer: Tokenizer, saved: Any, out: Path) -> List[Path]:
-    """gptlab's own export in `out`: model.safetensors, config.json (the model config, the
-    tokenizer, the step) and the tokenizer as Hugging Face files (returned)."""
+    """Write gptlab's own export in `out`; the tokenizer's files are returned.
+
+    model.safetensors, config.json (the model config, the tokenizer, the step) and the tokenizer as
+    Hugging Face files (returned).
+    """
     out.mkdir(parents=True, exist_ok=True)
     # the tied LM head is the embedding: store it once
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -83,8 +91,10 @@ def write_model_files(model: GPT, tokenizer: Tokenizer, saved: Any, out: Path) -
 
 
 def save_weights(weights: Dict[str, torch.Tensor], path: Path, metadata: Dict[str, str]) -> None:
-    """A safetensors file with the mode any other new file gets (0644 under umask 022):
-    safetensors writes through a private temporary file (0600) renamed into place."""
+    """Write a safetensors file with the mode any other new file gets (0644 under umask 022).
+
+    safetensors writes through a private temporary file (0600) renamed into place.
+    """
     from safetensors.torch import save_file
 
     save_file(weights, str(path), metadata=metadata)

@@ -65,8 +65,10 @@ class Source:
 
 
 def hub_folder(name: str) -> Path:
-    """GPT-2's published weights by name: the Hub's files in its cache (downloaded once), or one
-    line naming the local-folder override when the Hub cannot be reached."""
+    """GPT-2's published weights by name: the Hub's files in its cache (downloaded once).
+
+    One line names the local-folder override when the Hub cannot be reached.
+    """
     offline = (
         f"model.init_from={name}: the Hugging Face Hub cannot be reached and {name} is not in its "
         f"cache; download {HUB[name]} where it can be (config.json, model.safetensors) and name "
@@ -83,8 +85,10 @@ def hub_folder(name: str) -> Path:
 
 
 def read_source(spec: str, path: Path) -> Source:
-    """The shape and tokenizer of the source at `path` (a folder or file), or one line saying what
-    it is not."""
+    """The shape and tokenizer of the source at `path` (a folder or file).
+
+    Else one line saying what it is not.
+    """
     if not path.exists():
         raise GptlabError(f"model.init_from={spec}: no such folder or file; it may be {WHAT}")
     meta = _json(spec, path / "config.json") if path.is_dir() else None
@@ -121,16 +125,20 @@ def _json(spec: str, path: Path) -> Optional[Dict[str, Any]]:
 
 
 def _gptlab_shape(model_config: Dict[str, Any]) -> Dict[str, Any]:
-    """A gptlab model config's architecture: everything but its name, dropout, padding and
-    source."""
+    """A gptlab model config's architecture.
+
+    Everything but its name, dropout, padding and source.
+    """
     keep = {f.name for f in dataclasses.fields(GPTConfig)}
     keep -= {"name", "dropout", "vocab_multiple", "init_from"}
     return {k: v for k, v in model_config.items() if k in keep}
 
 
 def _hf_source(spec: str, folder: Path, c: Dict[str, Any]) -> Source:
-    """A Hugging Face GPT-2 folder's shape, every setting gptlab's model cannot reproduce refused
-    by name."""
+    """A Hugging Face GPT-2 folder's shape.
+
+    Every setting gptlab's model cannot reproduce is refused by name.
+    """
     src = Source(spec, "hf", folder, {}, None)
     if c.get("model_type") != "gpt2":
         kind = c.get("model_type") or "unnamed"
@@ -168,8 +176,11 @@ def _hf_source(spec: str, folder: Path, c: Dict[str, Any]) -> Source:
 
 
 def _check_weights_file(src: Source) -> None:
-    """The weights file is there and, for safetensors, its header reads and its tensors fit the file
-    (a truncated or corrupt file): before anything is allocated."""
+    """Checks the weights file before anything is allocated.
+
+    The file is there and, for safetensors, its header reads and its tensors fit the file (a
+    truncated or corrupt file).
+    """
     files = [src.path / name for name in HF_WEIGHTS if (src.path / name).is_file()]
     if not files:
         raise src.fail(f"no {' or '.join(HF_WEIGHTS)} in {src.path}")
@@ -188,8 +199,10 @@ def _check_weights_file(src: Source) -> None:
 
 
 def check_tokenizer(source: Source, kind: str) -> None:
-    """What the source says its tokenizer is against data.tokenizer.kind: before any data is
-    prepared."""
+    """What the source says its tokenizer is, checked against data.tokenizer.kind.
+
+    Before any data is prepared.
+    """
     want = source.tokenizer_kind
     if want is not None and want != kind:
         raise GptlabError(
@@ -199,9 +212,11 @@ def check_tokenizer(source: Source, kind: str) -> None:
 
 
 def check_vocab(source: Source, tokenizer: Any, vocab: int) -> None:
-    """The prepared data's tokenizer against the source's embedding: the same vocabulary (the
-    source's rows may be it padded, as nanoGPT's 50,304 for GPT-2's 50,257), and for a gptlab source
-    the same tokens."""
+    """The prepared data's tokenizer checked against the source's embedding.
+
+    The same vocabulary (the source's rows may be it padded, as nanoGPT's 50,304 for GPT-2's
+    50,257), and for a gptlab source the same tokens.
+    """
     rows = source.shape["vocab_size"]
     if not vocab <= rows <= padded_vocab(vocab, 128):
         raise source.fail(
@@ -216,9 +231,12 @@ def check_vocab(source: Source, tokenizer: Any, vocab: int) -> None:
 
 
 def shaped(m: GPTConfig, source: Source, explicit: Collection[str]) -> GPTConfig:
-    """The run's model config with the source's shape: it replaces the model preset's shape keys;
-    an explicit command-line override (`explicit`: the model keys given there) that disagrees
-    is one line, but for block_size, which may crop the source's positions."""
+    """The run's model config with the source's shape.
+
+    It replaces the model preset's shape keys; an explicit command-line override (`explicit`: the
+    model keys given there) that disagrees is one line, but for block_size, which may crop the
+    source's positions.
+    """
     changes: Dict[str, Any] = {}
     for key, value in source.shape.items():
         ours = getattr(m, key)
@@ -243,8 +261,10 @@ def _contradicts(source: Source, key: str, ours: Any, value: Any, why: str = "")
 
 
 def source_state(source: Source) -> Dict[str, torch.Tensor]:
-    """The source's weights under gptlab's names, on the CPU (a gptlab checkpoint's evaluated
-    weights: its average where the run kept one)."""
+    """The source's weights under gptlab's names, on the CPU.
+
+    A gptlab checkpoint's evaluated weights: its average where the run kept one.
+    """
     if source.kind == "checkpoint":
         from gptlab.model.inference import load_model
 
@@ -279,9 +299,11 @@ def _hf_state(source: Source) -> Dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_into(model: torch.nn.Module, source: Source) -> None:
-    """Copy the source's weights into the built model (before any wrapping or sharding). A padded
-    embedding's extra rows are zeroed: never a token, so never sampled nor in the loss; a shorter
-    block_size takes the first positions."""
+    """Copy the source's weights into the built model (before any wrapping or sharding).
+
+    A padded embedding's extra rows are zeroed: never a token, so never sampled nor in the loss; a
+    shorter block_size takes the first positions.
+    """
     state, cfg = source_state(source), model.config
     V, T = cfg.vocab_size, cfg.block_size
     own = model.state_dict()  # tensors sharing the parameters' storage

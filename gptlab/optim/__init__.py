@@ -40,8 +40,10 @@ def _gpt(model: Any) -> Any:
 
 
 def width_mult(model: Any) -> Optional[float]:
-    """muP's width multiplier m of the GPT inside `model`; None in the standard form. A group that
-    sets "lr_mult" gets lr * lr_mult from the schedule (training/loop.py)."""
+    """muP's width multiplier m of the GPT inside `model`; None in the standard form.
+
+    A group that sets "lr_mult" gets lr * lr_mult from the schedule (training/loop.py).
+    """
     gpt = _gpt(model)
     if gpt is None or getattr(gpt.config, "parametrization", "standard") != "mup":
         return None
@@ -56,10 +58,12 @@ def hidden_matrices(model: Any) -> List[Any]:
 def decay_groups(
     decay: List[Any], no_decay: List[Any], weight_decay: float, model: Any = None
 ) -> List[Dict]:
-    """The parameter groups of a kind that treats every parameter alike: weight decay on the
-    matrices and embeddings, none on biases and gains. Under muP (docs/mup.md) the hidden
-    matrices are a group of their own with lr_mult 1/m; embeddings, the head, biases and gains keep
-    the lr."""
+    """The parameter groups of a kind that treats every parameter alike.
+
+    Weight decay on the matrices and embeddings, none on biases and gains. Under muP (docs/mup.md)
+    the hidden matrices are a group of their own with lr_mult 1/m; embeddings, the head, biases and
+    gains keep the lr.
+    """
     m = width_mult(model) if model is not None else None
     if m is None:
         return [

@@ -17,11 +17,12 @@ UPDATES = "ema_updates"
 
 
 class WeightAverage:
-    """Keeps an exponential moving average of an optimizer's parameters, through the optimizer's
-    hooks: after each step, average = d * average + (1 - d) * weights, the first step starting the
-    average at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short
-    run (or the start of a long one) averages over its last few steps instead of lagging behind at
-    its initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at
+    """Keeps an exponential moving average of an optimizer's parameters, through its hooks.
+
+    After each step, average = d * average + (1 - d) * weights, the first step starting the average
+    at the weights it produced. d = min(decay, (1 + n) / (10 + n)) after n updates: a short run (or
+    the start of a long one) averages over its last few steps instead of lagging behind at its
+    initial weights (0.775 after 30 updates, 0.991 after 1,000, decay itself from about 4,500 at
     0.998).
 
     n is saved as per-parameter state (UPDATES) with the average, and counted here in Python too, so
@@ -71,9 +72,11 @@ def drop_average(optimizer: torch.optim.Optimizer) -> None:
 
 @contextmanager
 def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
-    """Inside, every parameter that has an average holds it (evaluation, sampling); the training
-    weights are back afterwards, bit for bit. Without an average (ema_decay=0) it changes nothing.
-    Yields whether it swapped any weights in."""
+    """Inside, every parameter that has an average holds it (evaluation, sampling).
+
+    The training weights are back afterwards, bit for bit. Without an average (ema_decay=0) it
+    changes nothing. Yields whether it swapped any weights in.
+    """
     pairs = [(p.detach(), s[AVERAGE]) for p, s in optimizer.state.items() if AVERAGE in s]
     saved = [p.clone() for p, _ in pairs]
     with torch.no_grad():
@@ -88,9 +91,11 @@ def averaged_weights(optimizer: torch.optim.Optimizer) -> Iterator[bool]:
 
 
 def load_average(model: nn.Module, optimizer_state: Optional[Dict[str, Any]]) -> bool:
-    """Copy a saved optimizer state's weight average (keyed by parameter name, as checkpoints hold
-    it) into model's parameters; True if there was one. Tied parameters take it under any of their
-    names."""
+    """Copy a saved optimizer state's weight average into model's parameters; True if there was one.
+
+    The average is keyed by parameter name, as checkpoints hold it. Tied parameters take it under
+    any of their names.
+    """
     saved = (optimizer_state or {}).get("state", {})
     found = False
     with torch.no_grad():

@@ -17,8 +17,11 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has a fused AdamW kernel
 def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str
 ) -> torch.optim.Optimizer:
-    """optimizer.name's kind over the trainable parameters, weight decay on >=2-D tensors (matrices,
-    embeddings) only; with ema_decay > 0, the weight average in its state."""
+    """optimizer.name's kind over the trainable parameters.
+
+    Weight decay on >=2-D tensors (matrices, embeddings) only; with ema_decay > 0, the weight
+    average in its state.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

@@ -55,7 +55,9 @@ def build(
     lr: float,
     fused: bool,
 ) -> torch.optim.Optimizer:
-    """Lion on every parameter, with weight decay on the matrices and embeddings (no fused kernel:
-    `fused` is not used)."""
+    """Lion on every parameter, with weight decay on the matrices and embeddings.
+
+    There is no fused kernel: `fused` is not used.
+    """
     groups = decay_groups(decay, no_decay, cfg.weight_decay, model=model)
     return Lion(groups, lr=lr, betas=tuple(cfg.betas))

@@ -19,8 +19,11 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
 def orthogonalize(g: torch.Tensor, steps: int) -> torch.Tensor:
-    """Approximately U V^T of each matrix's SVD (singular values pushed into about [0.7, 1.2]): a
-    Newton-Schulz iteration on a (..., rows, cols) stack with rows <= cols, in g's dtype."""
+    """Approximately U V^T of each matrix's SVD, by a Newton-Schulz iteration in g's dtype.
+
+    Singular values are pushed into about [0.7, 1.2]; the iteration runs on a (..., rows, cols)
+    stack with rows <= cols.
+    """
     a, b, c = NS_COEFFS
     x = g / (g.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     flat = x.dim() == 2
@@ -70,16 +73,20 @@ def ns_dtype(choice: str, device: torch.device) -> torch.dtype:
 
 
 def ns_flops(shape: Sequence[int], steps: int) -> float:
-    """FLOPs of orthogonalize on one matrix of this shape (either way round; r <= c): per iteration
-    the gram (2 r^2 c), gram @ gram (2 r^3) and poly @ x (2 r^2 c)."""
+    """FLOPs of orthogonalize on one matrix of this shape (either way round; r <= c).
+
+    Per iteration: the gram (2 r^2 c), gram @ gram (2 r^3) and poly @ x (2 r^2 c).
+    """
     r, c = sorted(shape)
     return steps * (4.0 * r * r * c + 2.0 * r**3)
 
 
 def muon_owners(shapes: Sequence[Sequence[int]], ranks: int) -> List[int]:
-    """The rank that orthogonalises each matrix: the costliest first, each to the least loaded rank
-    (the lowest of equals). A function of the shapes alone, so every rank computes the same; equal
-    shapes go round the ranks, so each rank's share still stacks by shape."""
+    """The rank that orthogonalises each matrix, the costliest first to the least loaded rank.
+
+    Ties go to the lowest of equally loaded ranks. A function of the shapes alone, so every rank
+    computes the same; equal shapes go round the ranks, so each rank's share still stacks by shape.
+    """
     load, owners = [0.0] * ranks, [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-ns_flops(shapes[i], 1), i)):
         owner = min(range(ranks), key=lambda r: (load[r], r))
@@ -91,10 +98,12 @@ def muon_owners(shapes: Sequence[Sequence[int]], ranks: int) -> List[int]:
 def orthogonalized(
     matrices: Sequence[torch.Tensor], steps: int, dtype: torch.dtype
 ) -> Iterator[Tuple[int, torch.Tensor]]:
-    """(index, orthogonalised matrix in dtype) for each matrix, one batched iteration per shape as
-    each stack finishes (the stack is freed when the next begins): every matrix is turned wide (rows
-    <= cols) first and back after, so a block's c_fc (4C, C) and its MLP c_proj (C, 4C) share one
-    (2 n_layer, C, 4C) stack."""
+    """(index, orthogonalised matrix in dtype) for each matrix, one batched iteration per shape.
+
+    Each pair comes as its stack finishes (the stack is freed when the next begins): every matrix is
+    turned wide (rows <= cols) first and back after, so a block's c_fc (4C, C) and its MLP c_proj
+    (C, 4C) share one (2 n_layer, C, 4C) stack.
+    """
     by_shape: Dict[Tuple[int, ...], List[int]] = {}
     for i, m in enumerate(matrices):
         by_shape.setdefault(tuple(sorted(m.shape)), []).append(i)
@@ -114,8 +123,11 @@ def orthogonalized(
 def orthogonalized_updates(
     updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype
 ) -> Iterator[Tuple[int, torch.Tensor]]:
-    """(index, orthogonalised update) for each update, as its parameter holds it: a DTensor's local
-    rows, else the whole matrix. Split over ranks where there are several (see above)."""
+    """(index, orthogonalised update) for each update, as its parameter holds it.
+
+    A DTensor's local rows, else the whole matrix. Split over ranks where there are several (see
+    above).
+    """
     if all(isinstance(u, DTensor) for u in updates):
         mesh = updates[0].device_mesh
         if _row_sharded(updates, mesh) and mesh.size(mesh.ndim - 1) > 1:
@@ -128,8 +140,10 @@ def orthogonalized_updates(
 
 
 def _row_sharded(updates: Sequence[DTensor], mesh) -> bool:
-    """Whether every update is split by rows over the mesh's last dimension and replicated over any
-    other (fsdp, hsdp), on this one mesh."""
+    """Whether every update is split by rows over the mesh's last dimension, on this one mesh.
+
+    Each is also replicated over any other dimension (fsdp, hsdp).
+    """
     wanted = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
     return all(u.device_mesh == mesh and tuple(u.placements) == wanted for u in updates)
 
@@ -149,9 +163,12 @@ def _whole(updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype):
 def _replicated_split(
     updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype, group
 ) -> Iterator[Tuple[int, torch.Tensor]]:
-    """Whole updates on every rank (DDP): each rank orthogonalises its share into one flat buffer,
-    then each owner broadcasts its buffer in turn and its results are yielded before the next
-    (one owner's buffer held at a time, beside this rank's own)."""
+    """Whole updates on every rank (DDP): each rank orthogonalises its share, then broadcasts it.
+
+    Each rank orthogonalises its share into one flat buffer, then each owner broadcasts its buffer
+    in turn and its results are yielded before the next (one owner's buffer held at a time, beside
+    this rank's own).
+    """
     ranks, me = dist.get_world_size(group), dist.get_rank(group)
     owners = muon_owners([u.shape for u in updates], ranks)
     shares = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
@@ -198,8 +215,11 @@ def _exchange(
     dtype: torch.dtype,
     device: torch.device,
 ) -> List[torch.Tensor]:
-    """One all-to-all of flat buffers: pieces_for[r] (cast to dtype) go to rank r, and the flat
-    segment each rank sent here (sizes_from[r] numbers) comes back."""
+    """One all-to-all of flat buffers.
+
+    pieces_for[r] (cast to dtype) go to rank r, and the flat segment each rank sent here
+    (sizes_from[r] numbers) comes back.
+    """
     sizes_to = [sum(t.numel() for t in pieces) for pieces in pieces_for]
     send = torch.empty(sum(sizes_to), dtype=dtype, device=device)
     at = 0
@@ -214,9 +234,12 @@ def _exchange(
 def _sharded_split(
     updates: Sequence[DTensor], steps: int, dtype: torch.dtype, mesh
 ) -> List[torch.Tensor]:
-    """Row shards (FSDP2): every rank sends each matrix's rows to the matrix's owner (one
-    all-to-all), the owners orthogonalise their matrices whole, and every rank gets its rows of
-    every result back (another). Under hsdp each node's ranks split the work among themselves."""
+    """Row shards (FSDP2): each matrix's owner orthogonalises it whole from every rank's rows.
+
+    Every rank sends each matrix's rows to the matrix's owner (one all-to-all), the owners
+    orthogonalise their matrices whole, and every rank gets its rows of every result back (another).
+    Under hsdp each node's ranks split the work among themselves.
+    """
     dim = mesh.ndim - 1
     group, ranks, me = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
     device = updates[0].to_local().device
@@ -261,11 +284,14 @@ def _span(first_count: Tuple[int, int]) -> Tuple[int, int]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for groups with muon=True: Nesterov momentum, then each matrix's update orthogonalised
-    by Newton-Schulz (in bf16 where bf16 matmuls are native, as the method intends; fp32 elsewhere),
-    scaled by 0.2 * sqrt(max(rows, cols)) so that its RMS matches AdamW's. That lets both kinds
-    share one lr, one weight decay and one schedule. Groups with muon=False take torch's AdamW step
-    (fused: its fused kernel, as build_optimizer chooses for AdamW)."""
+    """Muon for groups with muon=True, and torch's AdamW step for groups with muon=False.
+
+    Muon: Nesterov momentum, then each matrix's update orthogonalised by Newton-Schulz (in bf16
+    where bf16 matmuls are native, as the method intends; fp32 elsewhere), scaled by 0.2 *
+    sqrt(max(rows, cols)) so that its RMS matches AdamW's. That lets both kinds share one lr, one
+    weight decay and one schedule. Groups with muon=False take torch's AdamW step (fused: its fused
+    kernel, as build_optimizer chooses for AdamW).
+    """
 
     def __init__(
         self,

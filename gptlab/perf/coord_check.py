@@ -1,5 +1,6 @@
-"""python -m gptlab.bench bench.coord_check=true [model.parametrization=mup] [optimizer=...]: muP's
-coordinate check (docs/mup.md).
+"""muP's coordinate check (docs/mup.md), run by gptlab.bench with bench.coord_check=true.
+
+python -m gptlab.bench bench.coord_check=true [model.parametrization=mup] [optimizer=...]
 
 The same small model (LAYERS blocks of HEADS heads, the configured flavour: positions, MLP, bias,
 tied head) is built at several widths and trained STEPS steps on one fixed batch of random tokens
@@ -102,8 +103,11 @@ def coord_check(
     steps: int = STEPS,
     device: str = "cpu",
 ) -> Dict[str, Any]:
-    """The check's figures: {parametrization, optimizer, lr, steps, widths, layers: {name: [rms of
-    the change at each width]}}."""
+    """The check's figures.
+
+    {parametrization, optimizer, lr, steps, widths, layers: {name: [rms of the change at each
+    width]}}.
+    """
     g = torch.Generator(device="cpu").manual_seed(0)
     batch = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=g, device="cpu").to(device)
     per_width = [

@@ -64,8 +64,10 @@ def vocab_for(cfg: Config) -> Tuple[int, bool]:
 
 
 def block_params(m: GPTConfig) -> int:
-    """Parameters of one transformer block: two LayerNorms, attention's projections, the MLP and
-    their biases."""
+    """Parameters of one transformer block.
+
+    Two LayerNorms, attention's projections, the MLP and their biases.
+    """
     d, h, b = m.n_embd, m.hidden_dim, 1 if m.bias else 0
     fc_out = (2 if m.mlp == "swiglu" else 1) * h
     layer_norms = 2 * (d + b * d)
@@ -87,10 +89,12 @@ def param_count(cfg: Config, vocab: int) -> int:
 
 
 def optimizer_floats(cfg: Config, params: int, matmuls: int, head: int) -> float:
-    """fp32 numbers of optimizer state per parameter, as the optimizer's row of the table says
-    (gptlab.optim.OPTIMIZERS), plus one for the weight average (optimizer.ema_decay > 0). The
-    matrices Muon orthogonalises are every matmul weight but a tied head (the embedding). matmuls:
-    matmul_params(); head: the LM head's weights (padded vocabulary x n_embd)."""
+    """fp32 numbers of optimizer state per parameter, as the optimizer's row of the table says.
+
+    The table is gptlab.optim.OPTIMIZERS; plus one for the weight average (optimizer.ema_decay > 0).
+    The matrices Muon orthogonalises are every matmul weight but a tied head (the embedding).
+    matmuls: matmul_params(); head: the LM head's weights (padded vocabulary x n_embd).
+    """
     o = cfg.optimizer
     matrices = matmuls - (head if cfg.model.tie_weights else 0)
     floats = OPTIMIZERS[o.name].state_floats(params, matrices)
@@ -335,9 +339,11 @@ def memory_estimate(s: Shape, micro_batch: int, checkpointing: bool) -> Dict[str
 
 
 def muon_matrices(cfg: Config, vocab: int) -> Tuple[Tuple[int, int], ...]:
-    """The matrices Muon orthogonalises (none for a kind without Newton-Schulz), as muon.build
-    picks them: each block's attention c_attn and c_proj, MLP c_fc and c_proj, and an untied head
-    (vocab: the padded vocabulary)."""
+    """The matrices Muon orthogonalises, as muon.build picks them.
+
+    None for a kind without Newton-Schulz; else each block's attention c_attn and c_proj, MLP c_fc
+    and c_proj, and an untied head (vocab: the padded vocabulary).
+    """
     if not OPTIMIZERS[cfg.optimizer.name].newton_schulz:
         return ()
     m = cfg.model
@@ -348,13 +354,15 @@ def muon_matrices(cfg: Config, vocab: int) -> Tuple[Tuple[int, int], ...]:
 
 
 def newton_schulz_bytes(s: Shape) -> float:
-    """What Muon's step holds beside the weights, gradients and state (0 without Muon): the Nesterov
-    updates (fp32, this rank's part of each matrix) and, in the Newton-Schulz dtype, what
-    orthogonalising this rank's share of the matrices takes (muon.muon_owners, over the shards
+    """What Muon's step holds beside the weights, gradients and state (0 without Muon).
+
+    The Nesterov updates (fp32, this rank's part of each matrix) and, in the Newton-Schulz dtype,
+    what orthogonalising this rank's share of the matrices takes (muon.muon_owners, over the shards
     when sharded, else over the world): its largest stack with the iteration's x, next x and two
     grams; split over ranks, its results too, and the collectives' buffers: replicated, one other
     owner's broadcast results at a time; sharded, the owner's whole matrices gathered beside its
-    results, and the all-to-alls' buffers (this rank's rows of every matrix)."""
+    results, and the all-to-alls' buffers (this rank's rows of every matrix).
+    """
     if not s.muon_shapes:
         return 0.0
     ranks = s.shards if s.sharded else s.world_size
@@ -373,8 +381,11 @@ def newton_schulz_bytes(s: Shape) -> float:
 
 
 def _stack_peak(shapes: List[Tuple[int, int]]) -> float:
-    """Numbers held while the largest of these matrices' stacks (one per shape, turned wide: k
-    matrices of r <= c) iterates: the stack, x, the next x (k r c each) and two grams (k r^2)."""
+    """Numbers held while the largest of these matrices' stacks iterates.
+
+    One stack per shape, turned wide: k matrices of r <= c. Held: the stack, x, the next x (k r c
+    each) and two grams (k r^2).
+    """
     by_shape: Dict[Tuple[int, int], int] = {}
     for shape in shapes:
         key = (min(shape), max(shape))
@@ -383,11 +394,14 @@ def _stack_peak(shapes: List[Tuple[int, int]]) -> float:
 
 
 def _step_peak(parts: Dict[str, float], recompute: float, sharded: bool) -> float:
-    """The largest of the moments of a step that can be its peak: the start of backward, holding
-    every saved activation, the autocast copies and the LM head's logits (transient); the end of
-    backward, holding every gradient plus, with checkpointing, one recomputed block (between them
-    activations are freed as gradients fill in); and, sharded, the first block's backward, holding
-    the gathered weights, the activations and the gradients (the root's whole one) at once."""
+    """The largest of the moments of a step that can be its peak.
+
+    The start of backward, holding every saved activation, the autocast copies and the LM head's
+    logits (transient); the end of backward, holding every gradient plus, with checkpointing, one
+    recomputed block (between them activations are freed as gradients fill in); and, sharded, the
+    first block's backward, holding the gathered weights, the activations and the gradients (the
+    root's whole one) at once.
+    """
     start_of_backward = (
         parts["autocast"] + parts["gathered"] + parts["activations"] + parts["transient"]
     )
@@ -400,8 +414,10 @@ def _step_peak(parts: Dict[str, float], recompute: float, sharded: bool) -> floa
 
 
 def _sharded_parts(s: Shape, c: int) -> Dict[str, float]:
-    """What a sharded run holds beyond its shards (all 0 unsharded): gathered weights in flight and
-    whole gradients waiting for their reduce-scatter."""
+    """What a sharded run holds beyond its shards (all 0 unsharded).
+
+    Gathered weights in flight and whole gradients waiting for their reduce-scatter.
+    """
     if not s.sharded:
         return {"gathered": 0.0, "grads_in_flight": 0.0}
     root = s.params - s.n_layer * s.layer_params  # embeddings, final norm, head
@@ -419,9 +435,11 @@ LOSS_CHUNK_TOKENS = 1024  # parallelism.loss_chunk=null's chunk, where it chunks
 
 
 def loss_chunk(par: Any, m: GPTConfig, vocab: int) -> int:
-    """Tokens per chunk of the LM head + loss: parallelism.loss_chunk, or when null, chunks where
-    the logits are the step's largest tensor (a vocabulary wider than the MLP's 4 x n_embd), else
-    0."""
+    """Tokens per chunk of the LM head + loss.
+
+    parallelism.loss_chunk, or when null, chunks where the logits are the step's largest tensor (a
+    vocabulary wider than the MLP's 4 x n_embd), else 0.
+    """
     if par.loss_chunk is not None:
         return par.loss_chunk
     return LOSS_CHUNK_TOKENS if padded_vocab(vocab, m.vocab_multiple) > 4 * m.n_embd else 0
@@ -470,14 +488,20 @@ def shape_for(cfg: Config) -> Tuple[Shape, int, bool]:
 
 
 def under_torchrun() -> bool:
-    """This process was started by torchrun (or as gptlab's own worker): parallelism=ddp then
-    wraps the model in DDP even in a world of one (gptlab.distributed.world.role)."""
+    """Whether this process was started by torchrun (or as gptlab's own worker).
+
+    parallelism=ddp then wraps the model in DDP even in a world of one
+    (gptlab.distributed.world.role).
+    """
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def device_memory_bytes(cfg: Config) -> float:
-    """Memory of one device: hardware.memory_gb, else this machine's RAM (shared by its processes)
-    on the CPU, else the visible GPU's."""
+    """Memory of one device: hardware.memory_gb, else the CPU's RAM or the visible GPU's.
+
+    hardware.memory_gb, else this machine's RAM (shared by its processes) on the CPU, else the
+    visible GPU's.
+    """
     hw = cfg.hardware
     if hw.memory_gb:
         return hw.memory_gb * GiB
@@ -582,9 +606,12 @@ def eager_step_s(cfg: Any) -> Optional[float]:
 
 
 def resolve_budget(cfg: Config) -> Tuple[Config, Optional[str]]:
-    """The config with train.max_steps derived from train.max_tokens or train.max_flops (the most
-    whole steps the budget buys, by the planner's model FLOPs per token), and a note saying so;
-    without a budget, the config and None. A budget beside steps that differ is refused."""
+    """The config with train.max_steps derived from train.max_tokens or train.max_flops.
+
+    The steps are the most whole steps the budget buys, by the planner's model FLOPs per token, and
+    a note says so; without a budget, the config and None. A budget beside steps that differ is
+    refused.
+    """
     t = cfg.train
     if t.max_tokens is None and t.max_flops is None:
         return cfg, None
@@ -613,9 +640,11 @@ def resolve_budget(cfg: Config) -> Tuple[Config, Optional[str]]:
 
 
 def resolve_auto(cfg: Config, steps: Optional[int] = None) -> Tuple[Config, Dict[str, Any]]:
-    """hardware.precision=auto and hardware.compile=auto decided (gptlab/perf/fastpath.py's rules,
-    the
-    compile rule fed this planner's step time): (the config, the choices with their reasons)."""
+    """hardware.precision=auto and hardware.compile=auto decided: (the config, the choices).
+
+    By gptlab/perf/fastpath.py's rules, the compile rule fed this planner's step time; the choices
+    come with their reasons.
+    """
     resolved, choices = fastpath.resolve(cfg, eager_step_s, steps, matmul_rate_at)
     hw = resolved.hardware
     if hw.device == "cuda" and hw.attention_backend == "flash" and hw.precision == "fp32":
@@ -636,8 +665,10 @@ def resolve_micro_batch(cfg: Config) -> Config:
 
 
 def auto_micro_batch(cfg: Config) -> int:
-    """train.micro_batch_size=auto: the largest micro-batch that divides the per-process batch and
-    fits."""
+    """train.micro_batch_size=auto: the largest micro-batch that divides the batch and fits.
+
+    The batch divided is the per-process batch.
+    """
     shape, _, _ = shape_for(cfg)
     # >= 1: to_config refuses a batch the processes do not split
     per_rank = cfg.train.batch_size // cfg.world_size
@@ -709,8 +740,11 @@ def fsdp_alternative(
 
 
 def step_estimate(plan: Plan, cfg: Config, mfu_value: float) -> Dict[str, float]:
-    """Step time, tokens/s, time to train.max_steps at the given MFU of the job's peak, and what
-    that time costs: device_hours (time x devices) and, with hardware.cost_per_device_hour, cost."""
+    """Step time, tokens/s and time to train.max_steps at the given MFU of the job's peak, and cost.
+
+    What that time costs: device_hours (time x devices) and, with hardware.cost_per_device_hour,
+    cost.
+    """
     peak, source = device_peak(fastpath.with_precision(cfg).hardware)
     if not peak:
         return {}

@@ -90,10 +90,13 @@ def choose_precision(
 def choose_threads(
     requested: Any, device: str, default: int, rate: Optional[Callable[[int], float]]
 ) -> Choice:
-    """hardware.threads: as set (a number, or null: torch's `default`), or auto's choice on the CPU:
-    the default or 1 thread, whichever multiplies faster now (`rate(threads)`: FLOP/s). On a CPU
-    that other processes keep busy, threads wait for each other at every matmul and one thread
-    can be several times faster than all of them."""
+    """hardware.threads: as set, or auto's choice on the CPU.
+
+    As set: a number, or null: torch's `default`. auto's choice on the CPU: the default or 1 thread,
+    whichever multiplies faster now (`rate(threads)`: FLOP/s). On a CPU that other processes keep
+    busy, threads wait for each other at every matmul and one thread can be several times faster
+    than all of them.
+    """
     if requested != AUTO:
         return Choice(requested, "set", False)
     if device != "cpu":
@@ -212,8 +215,10 @@ def derived(choices: Dict[str, Choice]) -> Dict[str, Any]:
 
 
 def summary(x: Dict[str, Any], precision: str) -> Tuple[str, str]:
-    """(the precision, the compile clause) of a run's summary line, with auto's reasons:
-    'bf16 (auto: ...)', ' | eager (auto: ...)'; a set choice is only named."""
+    """(the precision, the compile clause) of a run's summary line, with auto's reasons.
+
+    'bf16 (auto: ...)', ' | eager (auto: ...)'; a set choice is only named.
+    """
     if x.get("precision_auto"):
         precision = f"{x['precision']} (auto: {x['precision_reason']})"
     name = "compiled" if x.get("compile") else "eager"

@@ -1,5 +1,6 @@
-"""python -m gptlab.bench bench.ladder=true [overrides]: the tuning ladder, on this machine and
-model.
+"""The tuning ladder of python -m gptlab.bench, on this machine and model.
+
+Usage: python -m gptlab.bench bench.ladder=true [overrides].
 
 From the plainest setting (fp32, no TF32, eager, the math attention path, the for-each AdamW, the
 whole loss at once) each rung adds one speed lever to the best setting so far: TF32 (GPU), bf16
@@ -77,8 +78,11 @@ class Ladder:
 
 
 def own_overrides(task: List[str]) -> List[str]:
-    """The user's overrides a rung's benchmark inherits: without the ladder's own switch, the run
-    folder (each rung has its own) and the keys every rung sets."""
+    """The user's overrides a rung's benchmark inherits.
+
+    Without the ladder's own switch, the run folder (each rung has its own) and the keys every rung
+    sets.
+    """
     dropped = ("bench.ladder=", "hydra.run.dir=", *(f"{k}=" for k in PLAIN))
     return [o for o in task if not o.lstrip("+~").startswith(dropped)]
 
@@ -242,9 +246,11 @@ def climb(
     folder: Path,
     say: Callable[[str], None] = print,
 ) -> Ladder:
-    """Measure every rung that applies, keeping each lever that makes the step faster; then try
-    each dropped lever once more on the best setting, since levers interact (compile can lose on
-    the math attention path and win on the flash kernel)."""
+    """Measure every rung that applies, keeping each lever that makes the step faster.
+
+    Then try each dropped lever once more on the best setting, since levers interact (compile can
+    lose on the math attention path and win on the flash kernel).
+    """
     rungs = plan_rungs(cfg, typed)
     nproc = int(cfg.hardware.nproc_per_node)
     best: Dict[str, Any] = {}

@@ -1,5 +1,7 @@
-"""Runtime measurement: MFU of a measured rate, the CPU's matmul peak, memory as the process and
-the allocator hold it, and whether a run's results meet its recipe's expected figures.
+"""Runtime measurement: MFU, the CPU's matmul peak, memory, and whether results meet a recipe.
+
+MFU of a measured rate, the CPU's matmul peak, memory as the process and the allocator hold it, and
+whether a run's results meet its recipe's expected figures.
 
 What a config should cost (parameters, FLOPs per token, the memory model) is in
 gptlab/perf/costs.py; this module measures what a run does. Only torch and the standard library are
@@ -45,8 +47,10 @@ def measured_cpu_peak(
 def best_matmul_rate(
     a: torch.Tensor, b: torch.Tensor, seconds: float, trials: int, warmup: int
 ) -> float:
-    """The best FLOP/s of `a @ b` (square, n x n) over `trials` short timed loops sharing
-    `seconds`, after `warmup` untimed products."""
+    """The best FLOP/s of `a @ b` (square, n x n) over `trials` short timed loops sharing `seconds`.
+
+    After `warmup` untimed products.
+    """
     n = a.shape[0]
     for _ in range(warmup):
         a @ b
@@ -61,8 +65,11 @@ def best_matmul_rate(
 
 
 def matmul_rate_at(threads: int, n: int = 384, seconds: float = 0.06, trials: int = 3) -> float:
-    """fp32 dense-matmul FLOP/s of this CPU at a thread count, now (the neighbours' load counted:
-    what hardware.threads=auto compares); the thread count is restored after."""
+    """fp32 dense-matmul FLOP/s of this CPU at a thread count, now.
+
+    The neighbours' load is counted: what hardware.threads=auto compares; the thread count is
+    restored after.
+    """
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -107,8 +114,10 @@ GPU_PEAKS = _gpu_peaks()  # (name part, (bf16/fp16, TF32 or None, fp32)); V100 /
 
 
 def gpu_peak_tflops(name: str, precision: str, tf32: bool) -> Optional[float]:
-    """The dense peak TFLOP/s of the GPU called name at a precision, or None for a GPU not in
-    GPU_PEAKS."""
+    """The dense peak TFLOP/s of the GPU called name at a precision.
+
+    None for a GPU not in GPU_PEAKS.
+    """
     for part, (half, tf32_rate, fp32) in GPU_PEAKS:
         if part.lower() in name.lower():
             if precision in ("bf16", "fp16"):
@@ -119,8 +128,10 @@ def gpu_peak_tflops(name: str, precision: str, tf32: bool) -> Optional[float]:
 
 @lru_cache(maxsize=None)
 def measured_gpu_peak(dtype_name: str = "bfloat16", n: int = 4096, trials: int = 5) -> float:
-    """Dense-matmul FLOP/s of the current GPU (an unknown one: below its datasheet's peak, so MFU
-    reads high, never 0)."""
+    """Dense-matmul FLOP/s of the current GPU.
+
+    For an unknown one: below its datasheet's peak, so MFU reads high, never 0.
+    """
     dtype, device = getattr(torch, dtype_name), torch.device("cuda", torch.cuda.current_device())
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -143,8 +154,11 @@ def measured_gpu_peak(dtype_name: str = "bfloat16", n: int = 4096, trials: int =
 
 
 def cpu_peak_bytes(fn) -> int:
-    """Peak bytes the CPU allocator held during fn() above what was held before it (torch.profiler's
-    memory events, summed in time order). How the memory model is checked against a real step."""
+    """Peak bytes the CPU allocator held during fn() above what was held before it.
+
+    From torch.profiler's memory events, summed in time order. How the memory model is checked
+    against a real step.
+    """
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -1,6 +1,8 @@
-"""Process-level settings a run makes once: glibc's malloc thresholds on the CPU, and the SDPA
-kernel family the hardware preset asks for (gptlab.distributed.world decides who a process is and
-how its model is wrapped)."""
+"""Process-level settings a run makes once: malloc thresholds and the SDPA kernel family.
+
+glibc's malloc thresholds on the CPU, and the SDPA kernel family the hardware preset asks for
+(gptlab.distributed.world decides who a process is and how its model is wrapped).
+"""
 
 from __future__ import annotations
 

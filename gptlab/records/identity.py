@@ -49,8 +49,11 @@ def _names(config: Mapping[str, Any]) -> List[str]:
 
 
 def base_name(config: Mapping[str, Any]) -> str:
-    """The run's name before a sweep adds the job's values: `bench-<model>-<hardware>` for a
-    benchmark, else tracking.run_name, else `<model>-<data>-<hardware>`."""
+    """The run's name before a sweep adds the job's values.
+
+    `bench-<model>-<hardware>` for a benchmark, else tracking.run_name, else
+    `<model>-<data>-<hardware>`.
+    """
     m, d, hw = _names(config)
     if "bench" in config:
         return f"bench-{m}-{hw}"
@@ -70,8 +73,11 @@ def swept(overrides: List[str]) -> List[str]:
 
 
 def sweep_run_name(base: str, job_overrides: List[str], sweep: Dict[str, Any]) -> str:
-    """A sweep job's name: the base name and the job's values of the swept keys (Hydra rewrites the
-    job's other overrides, `x=false` becomes `x=False`, so only the keys are compared)."""
+    """A sweep job's name: the base name and the job's values of the swept keys.
+
+    Hydra rewrites the job's other overrides (`x=false` becomes `x=False`), so only the keys are
+    compared.
+    """
     keys = set(sweep.get("swept") or [])
     if keys:
         own = [o for o in job_overrides if o.partition("=")[0] in keys]
@@ -88,8 +94,10 @@ _UNNAMED = ("hparams_search.storage=", "hparams_search.attempt=")
 
 
 def _short(override: str) -> str:
-    """`hparams_search.trial=3` -> `trial=3`, `optimizer.lr=0.007230917851781505` -> `lr=0.007231`:
-    a sampled value's name, short enough to read in a list of runs."""
+    """A sampled value's name, short enough to read in a list of runs.
+
+    `hparams_search.trial=3` -> `trial=3`, `optimizer.lr=0.007230917851781505` -> `lr=0.007231`.
+    """
     key, _, value = override.partition("=")
     try:
         number = float(value)
@@ -102,9 +110,11 @@ def _short(override: str) -> str:
 def sweep_identity(
     config: Mapping[str, Any], overrides: List[str], launcher: str, sweep_dir: Path
 ) -> Dict[str, Any]:
-    """What sweep.json says of a sweep before its parent run exists: experiment, store, name, and
-    which keys it sweeps. config: the sweep's config (the launching process's, or
-    multirun.yaml's)."""
+    """What sweep.json says of a sweep before its parent run exists.
+
+    That is its experiment, store, name, and which keys it sweeps. config: the sweep's config (the
+    launching process's, or multirun.yaml's).
+    """
     tracking = config.get("tracking") or {}
     m, d, _ = _names(config)
     sweeping = swept(overrides)
@@ -121,8 +131,11 @@ def sweep_identity(
 
 
 def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
-    """sweep_identity from the multirun.yaml Hydra writes in every sweep folder (a sweep whose
-    parent run could not be created has no sweep.json); None for a folder that is no sweep."""
+    """sweep_identity from the multirun.yaml Hydra writes in every sweep folder; None for no sweep.
+
+    A sweep whose parent run could not be created has no sweep.json; None is for a folder that is no
+    sweep.
+    """
     cfg = layout.read_yaml(Path(folder) / layout.MULTIRUN)
     if cfg is None or not isinstance(cfg.get("hydra"), dict):
         return None
@@ -132,9 +145,11 @@ def sweep_from_multirun(folder: Path) -> Optional[Dict[str, Any]]:
 
 
 def find_sweep(config: Mapping[str, Any], run_dir: Path) -> Optional[Dict[str, Any]]:
-    """The sweep whose records the run belongs to: its sweep.json (or, when the sweep could not
-    write one, its multirun.yaml), unless the run names a store of its own (tracking.uri) other than
-    the sweep's."""
+    """The sweep whose records the run belongs to: its sweep.json, or its multirun.yaml.
+
+    multirun.yaml when the sweep could not write sweep.json; none when the run names a store of its
+    own (tracking.uri) other than the sweep's.
+    """
     sweep = layout.read_sweep(run_dir) or sweep_from_multirun(Path(run_dir).resolve().parent)
     own = (config.get("tracking") or {}).get("uri")
     if sweep is None or (own is not None and sweep.get("uri") not in (None, own)):
@@ -162,8 +177,10 @@ def this_process() -> Dict[str, str]:
 
 
 def recorded_origin(run_dir: Path) -> Dict[str, str]:
-    """The origin tags a run folder recorded (run.json); for a folder from before run.json, the
-    SLURM node that ran it, when slurm.json says."""
+    """The origin tags a run folder recorded (run.json).
+
+    For a folder from before run.json, the SLURM node that ran it, when slurm.json says.
+    """
     saved = layout.read_json(Path(run_dir) / layout.IDENTITY)
     if saved is not None and isinstance(saved.get("tags"), dict):
         return {k: str(v) for k, v in saved["tags"].items() if k in ORIGIN_TAGS}
@@ -178,9 +195,11 @@ def identify(
     origin: Dict[str, str],
     overrides: Optional[List[str]] = None,
 ) -> RunIdentity:
-    """The run's experiment, name and tags, from its resolved config, its folder (the sweep it is
-    in, and Hydra's overrides unless given) and its origin (this_process() live, recorded_origin()
-    later)."""
+    """The run's experiment, name and tags, from its resolved config, its folder and its origin.
+
+    The folder gives the sweep it is in, and Hydra's overrides unless given; the origin is
+    this_process() live, recorded_origin() later.
+    """
     run_dir = Path(run_dir).resolve()
     m, d, hw = _names(config)
     tracking = config.get("tracking") or {}
@@ -205,8 +224,11 @@ def identify(
 
 
 def store_of(config: Mapping[str, Any], sweep: Optional[Dict[str, Any]]) -> str:
-    """The store a run folder's run is recorded in: its sweep's (as the tracker chose), else its own
-    tracking.uri, else its paths.mlflow_db (a folder from before paths: the default)."""
+    """The store a run folder's run is recorded in.
+
+    Its sweep's (as the tracker chose), else its own tracking.uri, else its paths.mlflow_db (a
+    folder from before paths: the default).
+    """
     own = (config.get("tracking") or {}).get("uri")
     sweep_uri = (sweep or {}).get("uri")
     if sweep_uri and own in (None, sweep_uri):

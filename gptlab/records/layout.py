@@ -1,5 +1,8 @@
-"""A run folder's layout: the one place its file names, what counts as a run folder, the order of a
-sweep's jobs and the readers of its files are written."""
+"""A run folder's layout: its file names, what counts as a run folder, job order, readers.
+
+The one place its file names, what counts as a run folder, the order of a sweep's jobs and the
+readers of its files are written.
+"""
 
 from __future__ import annotations
 
@@ -67,9 +70,11 @@ def is_run_folder(folder: Path) -> bool:
 
 
 def run_folder_of(path: Path) -> Path:
-    """The run folder a command's run= names: a run folder itself, or the folder of one of its
-    checkpoints (<run>/checkpoints/ckpt_<step>.pt, or a sharded ckpt_<step>/); a checkpoint file
-    kept elsewhere: the folder it is in."""
+    """The run folder a command's run= names.
+
+    A run folder itself, or the folder of one of its checkpoints (<run>/checkpoints/ckpt_<step>.pt,
+    or a sharded ckpt_<step>/); a checkpoint file kept elsewhere: the folder it is in.
+    """
     path = Path(path)
     if path.parent.name == CHECKPOINTS:
         return path.parent.parent
@@ -89,8 +94,10 @@ def job_order(path: Path) -> Tuple[str, bool, int, str]:
 
 
 def runs_in(folder: Path, depth: int = 1) -> List[Path]:
-    """The run folders directly in folder (depth 1) or also one level deeper (depth 2: a folder of
-    sweeps), in job order."""
+    """The run folders in folder, in job order.
+
+    Directly in folder (depth 1) or also one level deeper (depth 2: a folder of sweeps).
+    """
     pattern = [*Path(folder).glob("*"), *(Path(folder).glob("*/*") if depth > 1 else [])]
     return sorted({d for d in pattern if d.is_dir() and is_run_folder(d)}, key=job_order)
 
@@ -148,8 +155,10 @@ def read_eval(run_dir: Path) -> List[Dict[str, Any]]:
 
 
 def read_config(run_dir: Path) -> Optional[Dict[str, Any]]:
-    """The run's resolved config (config_resolved.yaml, else Hydra's copy); None if neither
-    reads."""
+    """The run's resolved config; None if neither copy reads.
+
+    config_resolved.yaml, else Hydra's copy.
+    """
     for path in (Path(run_dir) / CONFIG, Path(run_dir) / HYDRA / "config.yaml"):
         config = read_yaml(path)
         if config is not None:

@@ -35,8 +35,11 @@ def split_digest(folder: Path, meta: Dict[str, Any]) -> str:
 
 
 def shard_sha256(side: Path) -> str:
-    """The SHA-256 a shard's side file records of its tokens; a side file without one (damaged,
-    edited) is one line naming it and the way out, as a missing one is (data/shards.py)."""
+    """The SHA-256 a shard's side file records of its tokens.
+
+    A side file without one (damaged, edited) is one line naming it and the way out, as a missing
+    one is (data/shards.py).
+    """
     try:
         digest = json.loads(side.read_text()).get("sha256")
     except (OSError, ValueError, AttributeError):
@@ -97,8 +100,11 @@ def describe(root: Path, meta: Dict[str, Any], data: Any) -> List[Dict[str, Any]
 
 
 def describe_mixture(mixture: Any) -> List[Dict[str, Any]]:
-    """A mixture's datasets: each source's splits as datasets of their own, named
-    `<source>-<split>`, the source's weight (normalised) in its source and profile."""
+    """A mixture's datasets: each source's splits as datasets of their own.
+
+    Each is named `<source>-<split>`, with the source's weight (normalised) in its source and
+    profile.
+    """
     out = []
     for s, d in zip(mixture.sources, mixture.data):
         for entry in describe(d.root, d.meta, s.cfg):

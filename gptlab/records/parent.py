@@ -28,8 +28,11 @@ ALPHA = 0.05  # the parent's t-tests' level (gptlab.compare's compare.alpha defa
 
 
 def per_job_figures(runs: list) -> Dict[str, float]:
-    """jobs/<job>/<figure> for each child: its best val loss and bpb, and its latest downstream
-    scores (in-loop HellaSwag, gptlab.eval), so the parent's page lists every job's."""
+    """jobs/<job>/<figure> for each child, so the parent's page lists every job's figures.
+
+    Each child's best val loss and bpb, and its latest downstream scores (in-loop HellaSwag,
+    gptlab.eval).
+    """
     import os
 
     out = {}
@@ -70,10 +73,13 @@ def _configuration(run: Any) -> Tuple[Tuple[str, str], ...]:
 
 
 def seed_figures(runs: list) -> Tuple[Dict[str, float], Dict[str, str]]:
-    """Seeds as replicates (the jobs whose overrides differ only in train.seed): per configuration
+    """Seeds as replicates: per-configuration figures over seeds and a t-test against the best.
+
+    The replicates are the jobs whose overrides differ only in train.seed: per configuration
     seeds/<its differing overrides>/{n,mean,std} of summary/best_val_loss and, against the best
-    configuration's seeds, Welch's {p_value,diff,low,high} and a `significant` tag. Nothing when
-    no configuration has 2 seeds."""
+    configuration's seeds, Welch's {p_value,diff,low,high} and a `significant` tag. Nothing when no
+    configuration has 2 seeds.
+    """
     groups: Dict[Tuple[Tuple[str, str], ...], List[float]] = {}
     for r in runs:
         # a job without a seed of its own is no replicate (a plain sweep, a search's trial)
@@ -138,8 +144,11 @@ def create(
 
 
 def reopen(client: Any, uri: str, recorded: Optional[Dict[str, Any]]) -> Any:
-    """The parent run that `recorded` (a sweep.json) names, RUNNING again; None when there is none
-    in this store (another store, deleted): a search started again keeps its one parent."""
+    """The parent run that `recorded` (a sweep.json) names, RUNNING again.
+
+    None when there is none in this store (another store, deleted): a search started again keeps its
+    one parent.
+    """
     if not recorded or recorded.get("uri") != uri or not recorded.get("parent_run_id"):
         return None
     run = or_none(client.get_run, recorded["parent_run_id"])
@@ -159,8 +168,10 @@ def child_tags(sweep: Dict[str, Any], parent_run_id: str) -> Dict[str, str]:
 def record_failed_job(
     client: Any, sweep: Dict[str, Any], identity: RunIdentity, error: str
 ) -> None:
-    """A FAILED child for a job that failed before its tracker made a run (a bad override, no data);
-    nothing when its run exists already (the tracker marked it FAILED with the error)."""
+    """A FAILED child for a job that failed before its tracker made a run (a bad override, no data).
+
+    Nothing when its run exists already (the tracker marked it FAILED with the error).
+    """
     runs = store.children(client, sweep["experiment_id"], sweep["parent_run_id"])
     if any(r.data.tags.get("run_dir") == identity.tags["run_dir"] for r in runs):
         return
@@ -177,10 +188,13 @@ def end(
     tolerated_failures: int = 0,
     job_error: Optional[Callable[[Optional[str]], Optional[str]]] = None,
 ) -> None:
-    """End the parent from its children: FAILED if a job failed (more than tolerated_failures: a
-    search's allowance) or the sweep stopped early, else FINISHED; with the job counts, the best
-    job's summary/best_val_loss, and what ended each failed job as job_error(its run folder) says
-    (`slurm_error`; the callers pass slurm.job_error: the rank and node a SLURM job lost)."""
+    """End the parent from its children: FAILED if a job failed or the sweep stopped early.
+
+    FAILED if a job failed (more than tolerated_failures: a search's allowance) or the sweep stopped
+    early, else FINISHED; with the job counts, the best job's summary/best_val_loss, and what ended
+    each failed job as job_error(its run folder) says (`slurm_error`; the callers pass
+    slurm.job_error: the rank and node a SLURM job lost).
+    """
     runs = store.children(client, experiment_id, parent_run_id)
     failed = [r for r in runs if r.info.status in ("FAILED", "KILLED")]
     client.set_tag(parent_run_id, "jobs", str(len(runs)))
@@ -220,8 +234,11 @@ def record_seeds(client: Any, parent_run_id: str, runs: list) -> None:
 
 
 def record_transfer(client: Any, parent_run_id: str, runs: list) -> None:
-    """A width x lr sweep's transfer check (records/transfer.py): transfer/drift, each width's best
-    lr (transfer/best_lr/n_embd_<w>) and the plot compare_transfer.png; nothing for other sweeps."""
+    """A width x lr sweep's transfer check (records/transfer.py); nothing for other sweeps.
+
+    Records transfer/drift, each width's best lr (transfer/best_lr/n_embd_<w>) and the plot
+    compare_transfer.png.
+    """
     points = [(_overrides(r), r.data.metrics.get(BEST)) for r in runs]
     width_key = transfer.detect(points)
     found = transfer.transfers(points, width_key) if width_key else []
@@ -235,6 +252,8 @@ def record_transfer(client: Any, parent_run_id: str, runs: list) -> None:
 
 
 def discard(client: Any, parent_run_id: str) -> None:
-    """Delete the parent of a sweep none of whose jobs began (its first job's composition failed):
-    a sweep that never ran is no record (MLflow keeps the run in its trash, restorable)."""
+    """Delete the parent of a sweep none of whose jobs began (its first job's composition failed).
+
+    A sweep that never ran is no record (MLflow keeps the run in its trash, restorable).
+    """
     client.delete_run(parent_run_id)

@@ -85,8 +85,10 @@ FREE = (
 
 @dataclass
 class Claim:
-    """What rank 0 decided: the checkpoint every rank loads (None: start fresh), and what it
-    said."""
+    """What rank 0 decided: the checkpoint every rank loads (None: start fresh), and its notes.
+
+    The notes are what it said.
+    """
 
     resume_from: Optional[Path]
     notes: List[str]
@@ -94,8 +96,7 @@ class Claim:
 
 
 def differences(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
-    """`key=old (now new)` for every key outside FREE whose value differs between two resolved
-    configs."""
+    """`key=old (now new)` for every key outside FREE that differs between two resolved configs."""
     a, b = flatten(saved or {}), flatten(now)
     keys = sorted(k for k in set(a) | set(b) if not k.startswith(FREE) and a.get(k) != b.get(k))
     return [f"{k}={a.get(k)!r} (now {b.get(k)!r})" for k in keys]
@@ -108,8 +109,10 @@ def has_records(run_dir: Path) -> bool:
 
 
 def set_aside(run_dir: Path, why: str, log: Callable[[str], None]) -> Optional[Path]:
-    """Move an earlier run's records into previous/<time>/ (nothing is deleted); the folder they
-    went to."""
+    """Move an earlier run's records into previous/<time>/; the folder they went to.
+
+    Nothing is deleted.
+    """
     present = [run_dir / name for name in RECORDS if (run_dir / name).exists()]
     if not present:
         return None
@@ -119,8 +122,10 @@ def set_aside(run_dir: Path, why: str, log: Callable[[str], None]) -> Optional[P
 
 
 def move_aside(run_dir: Path, paths: List[Path], suffix: str = "") -> Path:
-    """Move paths into a new previous/<time><suffix>/ folder of the run folder (nothing is
-    deleted)."""
+    """Move paths into a new previous/<time><suffix>/ folder of the run folder.
+
+    Nothing is deleted.
+    """
     dest = run_dir / PREVIOUS / (time.strftime("%Y-%m-%d_%H-%M-%S") + suffix)
     while dest.exists():
         dest = dest.with_name(dest.name + "_")
@@ -141,8 +146,10 @@ def _saved_config(run_dir: Path) -> Dict[str, Any]:
 
 
 def finished(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The results of this very run when it has finished already (train.resume=auto reruns it): else
-    None."""
+    """The results of this very run when it has finished already, else None.
+
+    train.resume=auto reruns a finished run.
+    """
     results, saved = read_results(run_dir), _saved_config(run_dir)
     if resolved["train"]["resume"] != "auto" or not results or not saved:
         return None
@@ -154,9 +161,11 @@ def finished(run_dir: Path, resolved: Dict[str, Any]) -> Optional[Dict[str, Any]
 
 
 def lock(run_dir: Path) -> None:
-    """One run at a time in a folder: rank 0 holds an exclusive lock on <run>/.gptlab.lock while the
-    run lasts (the OS drops it when the process ends, however it ends); a second start there is one
-    line."""
+    """Hold one run at a time in a folder: a second start there is one line.
+
+    Rank 0 holds an exclusive lock on <run>/.gptlab.lock while the run lasts (the OS drops it when
+    the process ends, however it ends).
+    """
     key = str(Path(run_dir).resolve())
     if key in _HELD:
         return  # this process runs the folder already (a test calling run_training again)
@@ -180,8 +189,10 @@ def lock(run_dir: Path) -> None:
 
 
 def unlock(run_dir: Path) -> None:
-    """Let the folder go at the end of the run (a process that dies lets it go by itself): the lock
-    file is removed while still held, so a finished folder holds only the run's records."""
+    """Let the folder go at the end of the run (a process that dies lets it go by itself).
+
+    The lock file is removed while still held, so a finished folder holds only the run's records.
+    """
     f = _HELD.pop(str(Path(run_dir).resolve()), None)
     if f is not None:
         Path(f.name).unlink(missing_ok=True)
@@ -196,8 +207,9 @@ def claim(
     unreadable: Optional[Dict[Path, str]] = None,
     verify: bool = True,
 ) -> Claim:
-    """Rank 0's decision for this start (see the module's docstring); raises GptlabError for another
-    run.
+    """Rank 0's decision for this start (see the module's docstring).
+
+    Raises GptlabError for another run.
 
     unreadable: checkpoints a restore found damaged (path: why), passed over like those that do not
     load. verify: checkpoints whose digests differ from those recorded at save count as damaged."""
@@ -260,8 +272,11 @@ def _decide(
 def _warm_start(
     run_dir: Path, path: Path, say: Callable[[str], None], verify: bool = True
 ) -> Tuple[Path, checkpoint.TrainingState]:
-    """train.resume=PATH: within this folder's history, the history after it goes aside; else the
-    whole earlier run does."""
+    """Set aside what train.resume=PATH leaves out of the run's history.
+
+    Within this folder's history, the history after PATH goes aside; else the whole earlier run
+    does.
+    """
     folder = run_dir / layout.CHECKPOINTS
     # one that does not load stops here, before anything moves
     state = checkpoint.TrainingState.load(path, verify)
@@ -276,8 +291,10 @@ def _warm_start(
 
 
 def _move_broken(folder: Path, good: Path, say: Callable[[str], None]) -> None:
-    """Checkpoints newer than the one resumed did not load: out of the run's history, kept for a
-    look."""
+    """Set aside checkpoints newer than the one resumed, which did not load.
+
+    They go out of the run's history, kept for a look.
+    """
     broken = [p for p in checkpoint.list_checkpoints(folder) if p.name > good.name]
     if not broken:
         return
@@ -302,8 +319,10 @@ def _another_run(run_dir: Path, why: str) -> str:
 
 
 def _told(c: Claim, log: Callable[[str], None]) -> Claim:
-    """The claim's notes, told: a skipped checkpoint is a warning (`gptlab: ...` on stderr), the
-    rest news."""
+    """The claim's notes, told: a skipped checkpoint is a warning, the rest news.
+
+    A warning is `gptlab: ...` on stderr.
+    """
     for note in c.notes:
         if note.startswith(WARNING):
             logging.getLogger(__name__).warning(note[len(WARNING) :])

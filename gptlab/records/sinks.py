@@ -56,8 +56,10 @@ class Sink:
         return cls()
 
     def log_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
-        """A logged step's figures (its metrics.jsonl row, less the step); a value may be None.
-        By default, the same as any other figures of a step."""
+        """Log a step's figures (its metrics.jsonl row, less the step); a value may be None.
+
+        By default, the same as any other figures of a step.
+        """
         self.log_side_metrics(step, metrics)
 
     def log_side_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
@@ -83,8 +85,10 @@ class Sink:
 
 
 class RunFolder(Sink):
-    """The run folder's records: metrics.jsonl, run.json, config_resolved.yaml, derived.json,
-    results.json and the loss plot."""
+    """The run folder's records.
+
+    metrics.jsonl, run.json, config_resolved.yaml, derived.json, results.json and the loss plot.
+    """
 
     name = "the run folder"
     essential = True
@@ -108,8 +112,11 @@ class RunFolder(Sink):
         self._metrics.write(json.dumps(row) + "\n")
 
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
-        """config_resolved.yaml (interpolations filled in; also an artifact) and derived.json
-        (MLflow's derived.* params, for gptlab.sync too)."""
+        """Write config_resolved.yaml and derived.json.
+
+        config_resolved.yaml has its interpolations filled in (also an artifact); derived.json holds
+        MLflow's derived.* params, for gptlab.sync too.
+        """
         import yaml
 
         path = self.run_dir / layout.CONFIG
@@ -152,8 +159,10 @@ class RunFolder(Sink):
 
 
 class TensorBoard(Sink):
-    """tracking.tensorboard: event files in <run folder>/tensorboard, under MLflow's metric
-    names."""
+    """tracking.tensorboard: event files in <run folder>/tensorboard.
+
+    They are written under MLflow's metric names.
+    """
 
     name = "TensorBoard"
 

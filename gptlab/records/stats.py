@@ -1,7 +1,9 @@
-"""Seeds as replicates, in pure Python (scipy is not a dependency): mean and sample standard
-deviation, Welch's t-test of two groups (the t statistic, Welch–Satterthwaite degrees of freedom,
-the two-sided p-value) and the 95% interval of their difference. gptlab.compare and a sweep's
-parent run (records/parent.py) use it."""
+"""Seeds as replicates, in pure Python: summary statistics and Welch's t-test of two groups.
+
+scipy is not a dependency. It gives the mean and sample standard deviation, Welch's t-test of two
+groups (the t statistic, Welch–Satterthwaite degrees of freedom, the two-sided p-value) and the 95%
+interval of their difference. gptlab.compare and a sweep's parent run (records/parent.py) use it.
+"""
 
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ def std(xs: Sequence[float]) -> Optional[float]:
 
 
 def _beta_fraction(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta (Lentz's method, as in Numerical
-    Recipes' betacf)."""
+    """The continued fraction of the regularized incomplete beta.
+
+    It uses Lentz's method, as in Numerical Recipes' betacf.
+    """
     tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
     c, d = 1.0, 1.0 - qab * x / qap
     d = 1.0 / (d if abs(d) > tiny else tiny)
@@ -95,8 +99,10 @@ class Welch:
 
 
 def welch(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Welch:
-    """Welch's unequal-variance t-test (two-sided) and the `level` interval of mean(a) - mean(b);
-    each side needs at least 2 values."""
+    """Welch's unequal-variance t-test (two-sided) and the `level` interval of mean(a) - mean(b).
+
+    Each side needs at least 2 values.
+    """
     if len(a) < 2 or len(b) < 2:
         raise GptlabError(f"the t-test needs at least 2 seeds per side (got {len(a)} and {len(b)})")
     va, vb = std(a) ** 2 / len(a), std(b) ** 2 / len(b)  # type: ignore[operator]

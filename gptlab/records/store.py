@@ -1,5 +1,6 @@
-"""An MLflow store: opened, retried and named the same way by every command that writes or reads
-runs.
+"""An MLflow store: opened, retried and named the same way by every command using runs.
+
+Every command that writes or reads runs goes through it.
 
 A SQLite store is created under a lock and its calls retried while the database is locked, so many
 runs may start on one fresh store; a server that does not answer costs seconds, not minutes, and is
@@ -149,8 +150,10 @@ def sqlite_path(uri: str) -> Optional[Path]:
 
 
 def artifact_root(uri: str) -> Optional[Path]:
-    """Artifacts of a SQLite store live next to the database file (outputs/mlartifacts by
-    default)."""
+    """Where a SQLite store's artifacts live: next to the database file.
+
+    By default that is outputs/mlartifacts.
+    """
     db = sqlite_path(uri)
     # a server stores (or proxies) its own
     return db.parent / "mlartifacts" if db is not None else None
@@ -162,8 +165,9 @@ LOCKED_RETRIES = 8
 
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
-    """An exclusive lock on `<db>.lock` beside a SQLite store's database file (nothing for other
-    stores).
+    """An exclusive lock on `<db>.lock` beside a SQLite store's database file.
+
+    Nothing for other stores.
 
     MLflow creates and migrates a SQLite store on a process's first connection to it; processes that
     do so at once race (`table ... already exists`, `Online migration expected to match one row`)
@@ -213,9 +217,11 @@ class RetryingClient:
 
 
 def quiet_bounded_mlflow() -> None:
-    """MLflow's settings for a command: HTTP calls that give up in seconds, and none of its console
-    noise (INFO lines, download bars, run URLs, urllib3's retry lines). Each is a default: the
-    environment variable set by the user wins."""
+    """MLflow's settings for a command: HTTP calls that give up in seconds, and no console noise.
+
+    The noise: INFO lines, download bars, run URLs, urllib3's retry lines. Each is a default: the
+    environment variable set by the user wins.
+    """
     # MLflow's HTTP client retries for minutes by default (7 retries, 120 s timeout); a down server
     # should cost one call at most 3 x 15 s plus 2 s of backoff. The tracker's Sender tries again
     # itself, on its own thread, so this bounds how long one of its tries waits.
@@ -257,10 +263,12 @@ def mlflow_client(uri: str) -> Any:
 
 
 def open_store(uri: str, advice: str, create: bool = True) -> Any:
-    """mlflow_client(uri) once the store answers (a server is asked first, in seconds:
-    check_reachable); else GptlabError, `MLflow <the store and why>; <advice>`. create=False: a
-    SQLite store that does not exist is that error too, not a new empty store (a command that only
-    reads)."""
+    """mlflow_client(uri) once the store answers; else a GptlabError saying why, with advice.
+
+    A server is asked first, in seconds (check_reachable); the error reads `MLflow <the store and
+    why>; <advice>`. create=False: a SQLite store that does not exist is that error too, not a new
+    empty store (a command that only reads).
+    """
     db = sqlite_path(uri)
     if not create and db is not None and not db.is_file():
         raise GptlabError(f"MLflow {store_name(uri)}: no such store (no file {db}); {advice}")
@@ -286,8 +294,10 @@ _ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\"()<>\[\]]+)")
 
 
 def short_reason(e: BaseException) -> str:
-    """Why a call to a store failed, in a few words: the OS's reason for a failed connection
-    (`Connection refused`, `timed out`) where there is one, else `Type: first line`, cut short.
+    """Why a call to a store failed, in a few words, cut short.
+
+    The OS's reason for a failed connection (`Connection refused`, `timed out`) where there is one,
+    else `Type: first line`.
 
     MLflow's own message for a server that does not answer quotes urllib3's (a few hundred
     characters: the URL, the retries, the connection object) around that reason.
@@ -304,8 +314,11 @@ def short_reason(e: BaseException) -> str:
 
 
 def store_failure(uri: str, e: BaseException) -> str:
-    """The store and what went wrong with it, in one short phrase (`server http://h:9 unreachable
-    (Connection refused)`, `store sqlite:///...: OperationalError: database is locked`)."""
+    """The store and what went wrong with it, in one short phrase.
+
+    For example `server http://h:9 unreachable (Connection refused)`, `store sqlite:///...:
+    OperationalError: database is locked`.
+    """
     return str(e) if isinstance(e, Unreachable) else f"{store_name(uri)}: {short_reason(e)}"
 
 
@@ -334,8 +347,10 @@ def sync_command(run_dir: Path) -> str:
 
 
 def log_params(client: Any, run_id: str, params: Dict[str, Any]) -> None:
-    """params as strings (cut at 6,000 characters), in batches of 100: the most MLflow accepts at
-    once."""
+    """Log params as strings (cut at 6,000 characters), in batches of 100.
+
+    100 is the most MLflow accepts at once.
+    """
     from mlflow.entities import Param
 
     items = [Param(k, str(v)[:6000]) for k, v in params.items()]
@@ -351,8 +366,10 @@ def children(client: Any, experiment_id: str, parent_run_id: str) -> List[Any]:
 
 
 def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
-    """The run-folder metrics under their MLflow (and TensorBoard) names, None values left out: a
-    key METRIC_NAMES does not rename keeps its own name, so every metric logged is recorded."""
+    """The run-folder metrics under their MLflow (and TensorBoard) names, None values left out.
+
+    A key METRIC_NAMES does not rename keeps its own name, so every metric logged is recorded.
+    """
     return {
         METRIC_NAMES.get(k, k): float(v)
         for k, v in metrics.items()
@@ -361,8 +378,7 @@ def mlflow_metrics(metrics: Dict[str, Optional[float]]) -> Dict[str, float]:
 
 
 def _hydra_value(value: str) -> str:
-    """A command-line override value, quoted for Hydra when it holds characters Hydra would
-    parse."""
+    """A command-line override value, quoted for Hydra when it holds characters Hydra parses."""
     if re.fullmatch(r"[\w./:+@-]+", value):
         return value
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -387,9 +403,11 @@ def mlflow_ui_command(uri: str) -> str:
 
 
 def runs_url(server: str, experiment_id: str, best_first: bool = False) -> str:
-    """The MLflow UI's runs table of one experiment, in its "Model training" mode (MLflow 3 opens an
-    experiment on a GenAI overview otherwise). best_first: sorted by best val loss, which also lists
-    a sweep's jobs flat instead of folded under their parent."""
+    """The MLflow UI's runs table of one experiment, in its "Model training" mode.
+
+    MLflow 3 opens an experiment on a GenAI overview otherwise. best_first: sorted by best val loss,
+    which also lists a sweep's jobs flat instead of folded under their parent.
+    """
     url = f"{server.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     if best_first:
         url += "&orderByKey=metrics.%60summary%2Fbest_val_loss%60&orderByAsc=true"

@@ -99,8 +99,10 @@ PERMANENT_ERRORS = {
 
 @dataclass
 class Call:
-    """One MLflow call the sender makes: what it records (for the report) and how many metric
-    points."""
+    """One MLflow call the sender makes.
+
+    It holds what the call records (for the report) and how many metric points.
+    """
 
     what: str  # "metrics", "the run's status", "artifact results.json", ...
     fn: Callable[[], Any]
@@ -108,8 +110,10 @@ class Call:
 
 
 def is_permanent(e: BaseException) -> bool:
-    """A failure that trying again cannot fix (a 4xx answer); anything else may pass (no answer,
-    5xx, a lock)."""
+    """Whether a failure is one that trying again cannot fix (a 4xx answer).
+
+    Anything else may pass (no answer, 5xx, a lock).
+    """
     return getattr(e, "error_code", None) in PERMANENT_ERRORS
 
 
@@ -175,8 +179,10 @@ class Sender:
                 self._cond.notify_all()
 
     def _attempt(self, call: Call) -> bool:
-        """Make the call, trying again with backoff while the failure may pass; whether it was
-        made."""
+        """Make the call, trying again with backoff while the failure may pass.
+
+        Returns whether it was made.
+        """
         wait = SEND_FIRST_RETRY_S
         for tries in range(1, SEND_TRIES + 1):
             try:
@@ -223,8 +229,10 @@ class Sender:
 
 
 def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
-    """The one line a run that ends with calls not made prints: how many points, and the sync
-    command."""
+    """The one line printed by a run that ends with calls not made.
+
+    It says how many points, and the sync command.
+    """
     points = sum(c.points for c in left)
     others = sorted({c.what for c in left if not c.points})
     also = f" (nor {', '.join(others)})" if others else ""
@@ -237,9 +245,11 @@ def unsent_line(store: str, run_dir: Optional[Path], left: List[Call]) -> str:
 
 
 class MLflowRun(Sink):
-    """The MLflow sink: one MLflow run, written through a Sender. The run is created (or reopened)
-    at once and every later call is queued; a store that cannot be reached at the start is one
-    warning and a no-op."""
+    """The MLflow sink: one MLflow run, written through a Sender.
+
+    The run is created (or reopened) at once and every later call is queued; a store that cannot be
+    reached at the start is one warning and a no-op.
+    """
 
     name = "MLflow"
 
@@ -253,10 +263,12 @@ class MLflowRun(Sink):
         experiment_id: Optional[str] = None,
         run_dir: Optional[Path] = None,
     ):
-        """resume_run_id: the checkpoint's MLflow run, continued instead of a new one;
-        experiment_id: the experiment when it is known already (a sweep's), else found or created by
-        name; run_dir: the run folder, which the warning names when MLflow fails (to record it
-        later)."""
+        """Create (or reopen) the MLflow run of run in the store at uri.
+
+        resume_run_id: the checkpoint's MLflow run, continued instead of a new one; experiment_id:
+        the experiment when it is known already (a sweep's), else found or created by name; run_dir:
+        the run folder, which the warning names when MLflow fails (to record it later).
+        """
         self.uri = uri
         self.run_dir = run_dir
         self.run_name, self.experiment = run.name, run.experiment
@@ -294,8 +306,10 @@ class MLflowRun(Sink):
 
     @classmethod
     def open(cls, opening: Opening) -> Optional["MLflowRun"]:
-        """tracking.mlflow: the run's MLflow run (a sweep's job nested under the sweep's parent, in
-        its store), with MLflow's system metrics when asked."""
+        """The run's MLflow run when tracking.mlflow is on, with MLflow's system metrics when asked.
+
+        A sweep's job is nested under the sweep's parent, in its store.
+        """
         cfg, run, uri, experiment_id = opening.cfg, opening.run, opening.uri, None
         if not cfg.mlflow:
             if cfg.system_metrics:
@@ -342,8 +356,10 @@ class MLflowRun(Sink):
         self._client = None
 
     def start_system_metrics(self, gpu_expected: bool) -> None:
-        """MLflow's own sampler (a thread): system/* metrics every 10 s
-        (MLFLOW_SYSTEM_METRICS_*)."""
+        """Start MLflow's own sampler (a thread): system/* metrics every 10 s.
+
+        Its settings are MLFLOW_SYSTEM_METRICS_*.
+        """
         if self._client is None:
             return
         try:
@@ -403,8 +419,10 @@ class MLflowRun(Sink):
         self.flush()
 
     def flush(self) -> None:
-        """Hand the buffered points to the sender, in batches of 1000 (the most one MLflow call
-        takes)."""
+        """Hand the buffered points to the sender, in batches of 1000.
+
+        1000 is the most one MLflow call takes.
+        """
         if self._client is None or not self._buffer:
             return
         for i in range(0, len(self._buffer), 1000):
@@ -431,8 +449,10 @@ class MLflowRun(Sink):
             self._send("datasets", self._client.log_inputs, datasets=inputs)
 
     def write_results(self, results: Dict[str, Any]) -> None:
-        """The results again, once, as sortable summary/* metrics (results.json is an artifact
-        already: the run folder published it)."""
+        """Log the results again, once, as sortable summary/* metrics.
+
+        results.json is an artifact already: the run folder published it.
+        """
         self.log_summary(
             int(results.get("steps") or 0),
             {
@@ -443,8 +463,11 @@ class MLflowRun(Sink):
         )
 
     def finish(self, status: str, error: Optional[BaseException] = None) -> None:
-        """End the run: the error as a tag, what is queued, then the status, waiting FINAL_FLUSH_S
-        at most for the store to take it; what it did not take is one line naming gptlab.sync."""
+        """End the run: the error as a tag, what is queued, then the status.
+
+        It waits FINAL_FLUSH_S at most for the store to take it; what it did not take is one line
+        naming gptlab.sync.
+        """
         if error is not None:
             self.set_tag("error", error_text(error))
         self._end(status)
@@ -486,8 +509,11 @@ SINKS: Tuple[Type[Sink], ...] = (RunFolder, TensorBoard, MLflowRun)
 
 
 class Tracker:
-    """Rank 0's records: every call handed to each sink of SINKS the config turns on (the run
-    folder always, TensorBoard and MLflow when asked); what results.json says is decided here."""
+    """Rank 0's records: every call handed to each sink of SINKS the config turns on.
+
+    The run folder is always on, TensorBoard and MLflow when asked; what results.json says is
+    decided here.
+    """
 
     def __init__(
         self,
@@ -498,9 +524,12 @@ class Tracker:
         params: Optional[Dict[str, Any]] = None,
         resume_run_id: Optional[str] = None,
     ):
-        """default_store: the store of tracking.uri=null (paths.mlflow_db); run: what the run is
+        """Open the sinks the config turns on for this run.
+
+        default_store: the store of tracking.uri=null (paths.mlflow_db); run: what the run is
         recorded as (identity.identify); params: MLflow's params; resume_run_id: the checkpoint's
-        MLflow run."""
+        MLflow run.
+        """
         self.run_dir = Path(run_dir)
         self.init_from = run.tags.get(ids.INIT_FROM_TAG)  # results.json's init_from
         # (devices, price of a device-hour): from the resolved config, for results' device_hours
@@ -516,8 +545,7 @@ class Tracker:
         self.uri = getattr(self.mlflow, "uri", opening.uri)
 
     def _open(self, kind: Type[Sink], opening: Opening) -> Optional[Sink]:
-        """kind's sink for this run; one that is not essential and fails to open is said and
-        skipped."""
+        """kind's sink for this run; a non-essential one that fails to open is said and skipped."""
         if kind.essential:
             return kind.open(opening)
         sink: Optional[Sink] = None
@@ -526,8 +554,10 @@ class Tracker:
         return sink
 
     def _each(self, call: str, *args: Any) -> None:
-        """Hand a call to every sink; one that is not essential and fails is said once and dropped
-        (records never stop a run)."""
+        """Hand a call to every sink; a non-essential one that fails is said once and dropped.
+
+        Records never stop a run.
+        """
         for sink in list(self.sinks):
             if sink.essential:
                 getattr(sink, call)(*args)
@@ -557,8 +587,11 @@ class Tracker:
         self._each("log_metrics", step, metrics)
 
     def log_side_metrics(self, step: int, metrics: Dict[str, Any]) -> None:
-        """Figures of a step that are not its training row (a checkpoint's stall): the stores only,
-        so metrics.jsonl keeps one row per logged step and a save logs none."""
+        """Log figures of a step that are not its training row (a checkpoint's stall).
+
+        They go to the stores only, so metrics.jsonl keeps one row per logged step and a save logs
+        none.
+        """
         self._each("log_side_metrics", step, metrics)
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
@@ -571,9 +604,12 @@ class Tracker:
         self._each("log_inputs", datasets)
 
     def write_config(self, resolved: Dict[str, Any], derived: Dict[str, Any]) -> None:
-        """The resolved config (interpolations filled in: config_resolved.yaml, also an artifact)
-        and the figures derived from it (derived.json: MLflow's derived.* params, for gptlab.sync
-        too)."""
+        """Write the resolved config and the figures derived from it.
+
+        The resolved config has its interpolations filled in: config_resolved.yaml, also an
+        artifact. The derived figures are derived.json: MLflow's derived.* params, for gptlab.sync
+        too.
+        """
         self._each("write_config", resolved, derived)
         hw = resolved.get("hardware") or {}
         self.usage = (
@@ -582,8 +618,11 @@ class Tracker:
         )
 
     def write_results(self, results: Dict[str, Any]) -> None:
-        """The loop's results with init_from, device_hours and cost, as strict JSON (a figure
-        that is not a finite number is null): results.json, and each store's summary."""
+        """Write the loop's results with init_from, device_hours and cost, as strict JSON.
+
+        Strict: a figure that is not a finite number is null. They go to results.json, and to each
+        store's summary.
+        """
         if self.init_from:
             results = {**results, "init_from": self.init_from}
         results = {**results, **device_usage(self.run_dir, results.get("wall_s"), *self.usage)}
@@ -602,8 +641,11 @@ class Tracker:
 def device_usage(
     run_dir: Path, wall_s: Optional[float], devices: int, price: Optional[float]
 ) -> Dict[str, Optional[float]]:
-    """results.json's device_hours (what SLURM's accounting says for a SLURM job: its elapsed time
-    x its GPUs, else the training wall time x the devices) and cost (x price; None without one)."""
+    """results.json's device_hours and cost (x price; None without one).
+
+    device_hours is what SLURM's accounting says for a SLURM job (its elapsed time x its GPUs), else
+    the training wall time x the devices.
+    """
     hours = slurm_device_hours(layout.read_json(Path(run_dir) / layout.SLURM))
     if hours is None and wall_s is not None:
         hours = wall_s * devices / 3600
@@ -612,8 +654,11 @@ def device_usage(
 
 
 def slurm_device_hours(job: Optional[Dict[str, Any]]) -> Optional[float]:
-    """A SLURM job's (slurm.json) elapsed seconds x allocated GPUs from sacct, in hours; None for no
-    job, a job without GPUs (its processes are counted instead) or when sacct does not answer."""
+    """A SLURM job's (slurm.json) elapsed seconds x allocated GPUs from sacct, in hours.
+
+    None for no job, a job without GPUs (its processes are counted instead) or when sacct does not
+    answer.
+    """
     if not job or not job.get("job_id"):
         return None
 
@@ -627,8 +672,10 @@ def slurm_device_hours(job: Optional[Dict[str, Any]]) -> Optional[float]:
 
 
 def sacct_device_hours(text: str) -> Optional[float]:
-    """Device-hours of `sacct -X -n -P -o ElapsedRaw,AllocTRES` output: elapsed x gres/gpu; None
-    when no line has both."""
+    """Device-hours of `sacct -X -n -P -o ElapsedRaw,AllocTRES` output: elapsed x gres/gpu.
+
+    None when no line has both.
+    """
     for line in text.splitlines():
         elapsed, _, tres = line.strip().partition("|")
         if not elapsed.isdigit():

@@ -1,7 +1,9 @@
-"""The learning rate's transfer across widths (docs/mup.md, "The transfer check"): from a grid
-sweep of width x lr (x seeds), each width's best lr (the lowest mean over seeds of the objective)
-and the optimum's drift, the best lr at the widest width over the best at the narrowest (1: it
-transfers; 0.25: the wide model wants a quarter of the narrow one's lr).
+"""The learning rate's transfer across widths: each width's best lr, and the optimum's drift.
+
+docs/mup.md, "The transfer check". From a grid sweep of width x lr (x seeds): each width's best lr
+(the lowest mean over seeds of the objective) and the optimum's drift, the best lr at the widest
+width over the best at the narrowest (1: it transfers; 0.25: the wide model wants a quarter of the
+narrow one's lr).
 
 Pure Python on (overrides, objective) points, so gptlab.compare (run folders, MLflow runs) and a
 sweep's parent run (records/parent.py) compute the same figures; matplotlib only in the figure.
@@ -99,8 +101,11 @@ def detect(points: Sequence[Point]) -> Optional[str]:
 
 
 def transfers(points: Sequence[Point], width_key: str = WIDTH_KEY) -> List[Transfer]:
-    """One Transfer per group of runs that differ in nothing but the width, lr and seed (a sweep of
-    model.parametrization=standard,mup: two), from the runs with a finite objective."""
+    """One Transfer per group of runs that differ in nothing but the width, lr and seed.
+
+    A sweep of model.parametrization=standard,mup has two. Made from the runs with a finite
+    objective.
+    """
     usable = [
         (o, v)
         for o, v in points
@@ -155,8 +160,10 @@ def table(found: List[Transfer], metric: str) -> str:
 
 
 def parent_metrics(found: List[Transfer]) -> Dict[str, float]:
-    """A sweep parent's figures: transfer/drift and transfer/best_lr/<width>_<w> (with several
-    groups, transfer/<group>/...)."""
+    """A sweep parent's figures: transfer/drift and transfer/best_lr/<width>_<w>.
+
+    With several groups, transfer/<group>/...
+    """
     out: Dict[str, float] = {}
     for t in found:
         prefix = "transfer/" + (f"{t.label()}/" if len(found) > 1 else "")

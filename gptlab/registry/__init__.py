@@ -1,2 +1,4 @@
-"""A trained model as an MLflow model: logged, registered, loaded and served (serving), and the
-models-from-code file MLflow runs to build it (pyfunc_model)."""
+"""A trained model as an MLflow model: logged, registered, loaded and served.
+
+Serving is in serving; the models-from-code file MLflow runs to build it is pyfunc_model.
+"""

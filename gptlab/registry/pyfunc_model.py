@@ -1,5 +1,8 @@
-"""The code of a logged gptlab model (MLflow's models-from-code): MLflow runs this file to build the
-model it serves, instead of unpickling a Python object. The model itself is serving.GptlabModel."""
+"""The code of a logged gptlab model (MLflow's models-from-code).
+
+MLflow runs this file to build the model it serves, instead of unpickling a Python object. The model
+itself is serving.GptlabModel.
+"""
 
 from mlflow.models import set_model
 

@@ -78,9 +78,11 @@ RULES: Dict[str, Tuple[Callable[[Any], bool], str]] = {
 
 
 def check_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """predict's params, PARAMS for those not given (or None). A value of the wrong type or out of
-    range raises MlflowException(INVALID_PARAMETER_VALUE), which the scoring server answers with a
-    400 naming the param."""
+    """predict's params, PARAMS for those not given (or None); bad values raise MlflowException.
+
+    A value of the wrong type or out of range raises MlflowException(INVALID_PARAMETER_VALUE), which
+    the scoring server answers with a 400 naming the param.
+    """
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
@@ -96,10 +98,12 @@ def check_params(params: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def deadline_s() -> float:
-    """How long one request may generate: DEADLINE_MARGIN_S less than the scoring server's own
-    timeout (MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT: `mlflow models serve -t`, 60 s by default), and
-    at least half of it; so gptlab answers before the server's bare 504 and no generation goes on
-    after its request was answered."""
+    """How long one request may generate: DEADLINE_MARGIN_S less than the server's own timeout.
+
+    The scoring server's timeout is MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT (`mlflow models serve -t`,
+    60 s by default); the deadline is at least half of it. So gptlab answers before the server's
+    bare 504 and no generation goes on after its request was answered.
+    """
     from mlflow.environment_variables import MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT
 
     timeout = float(MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT.get())
@@ -107,11 +111,13 @@ def deadline_s() -> float:
 
 
 def server_stopping() -> bool:
-    """Whether the server running this process was told to stop (SIGTERM, SIGINT). Under `mlflow
-    models serve` that is uvicorn, whose handler of both is its Server's method: it sets the
-    server's `should_exit`, then the server waits for the requests in flight (and the interpreter
-    for the threads that run them). Read here, a generation ends at its next token instead of
-    holding the shutdown until it is done."""
+    """Whether the server running this process was told to stop (SIGTERM, SIGINT).
+
+    Under `mlflow models serve` that is uvicorn, whose handler of both is its Server's method: it
+    sets the server's `should_exit`, then the server waits for the requests in flight (and the
+    interpreter for the threads that run them). Read here, a generation ends at its next token
+    instead of holding the shutdown until it is done.
+    """
     for sig in (signal.SIGTERM, signal.SIGINT):
         server = getattr(signal.getsignal(sig), "__self__", None)
         if getattr(server, "should_exit", False) is True:
@@ -120,8 +126,10 @@ def server_stopping() -> bool:
 
 
 class Budget:
-    """One request's bound: its generation stops at the deadline, or when the server is told to
-    stop (server_stopping); `check` then raises the request's error."""
+    """One request's bound: its generation stops at the deadline, or when the server must stop.
+
+    The server is told to stop through server_stopping; `check` then raises the request's error.
+    """
 
     def __init__(self, seconds: float):
         self.seconds = seconds
@@ -161,8 +169,10 @@ def generate(
     params: Optional[Dict[str, Any]],
     stop: Optional[Callable[[Any], bool]] = None,
 ) -> str:
-    """The prompt and its continuation for predict's params (check_params'), ending early where
-    stop says so."""
+    """The prompt and its continuation for predict's params, ending early where stop says so.
+
+    The params are check_params' ones.
+    """
     from gptlab.model.inference import generate_text
 
     p = check_params(params)
@@ -194,8 +204,10 @@ except ImportError:  # MLflow is an install extra of the tracking tools
 
 
 class GptlabModel(PythonModel):  # type: ignore[misc]
-    """The pyfunc model: loads the export folder once, generates text per prompt, within the
-    request's Budget."""
+    """The pyfunc model: loads the export folder once, generates text per prompt.
+
+    Each generation stays within the request's Budget.
+    """
 
     # the logged signature is the schema: MLflow is not to read one from predict's type hints
     # (it warns about them either way otherwise)
@@ -242,10 +254,12 @@ def log_model(
     step: int,
     datasets: Optional[List[Dict[str, Any]]] = None,
 ) -> Any:
-    """Log the export folder as the run's MLflow model of `step`: linked to the run (its source
-    run, and the run's model output at `step`) and to the run's own figures at that step
-    (link_figures). The run itself is not touched otherwise: not made active, its status and
-    points as they were. Its ModelInfo."""
+    """Log the export folder as the run's MLflow model of `step`; its ModelInfo.
+
+    The model is linked to the run (its source run, and the run's model output at `step`) and to the
+    run's own figures at that step (link_figures). The run itself is not touched otherwise: not made
+    active, its status and points as they were.
+    """
     import mlflow
     import torch
     from mlflow.entities import LoggedModelOutput
@@ -298,11 +312,13 @@ ON_VALIDATION = {METRIC_NAMES["val_loss"], METRIC_NAMES["val_bpb"]} | {
 
 
 def link_figures(client: Any, run: Any, model_id: str, step: int, validation: Any) -> None:
-    """The model's figures are the run's own points at its step (val/loss, summary/best_val_loss,
-    ...: the names the run records), each linked to the model, the validation ones with the run's
-    validation data (an MLflow Dataset, or None). Sent again as they are (name, value, step,
-    time), each stays one point of the run: the store keeps a point once, so the run holds exactly
-    what it recorded (sync's count is the store's)."""
+    """Link the model to its figures: the run's own points at its step.
+
+    The figures are val/loss, summary/best_val_loss, ...: the names the run records, each linked to
+    the model, the validation ones with the run's validation data (an MLflow Dataset, or None). Sent
+    again as they are (name, value, step, time), each stays one point of the run: the store keeps a
+    point once, so the run holds exactly what it recorded (sync's count is the store's).
+    """
     from mlflow.entities import Metric
 
     run_id = run.info.run_id
@@ -336,9 +352,12 @@ def validation_dataset(datasets: Optional[List[Dict[str, Any]]]) -> Any:
 
 
 def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]) -> Any:
-    """A run folder's latest checkpoint as its run's MLflow model (tracking.log_model at the end
-    of a run): the export's files, in a temporary folder that MLflow copies. Its ModelInfo.
-    results: the run's results.json; the model's figures are the run's points (link_figures)."""
+    """Log a run folder's latest checkpoint as its run's MLflow model; its ModelInfo.
+
+    This is tracking.log_model at the end of a run: the export's files, in a temporary folder that
+    MLflow copies. results: the run's results.json; the model's figures are the run's points
+    (link_figures).
+    """
     import tempfile
 
     from gptlab.model.inference import load_model, write_model_files
@@ -352,10 +371,13 @@ def log_checkpoint(run_dir: Path, uri: str, run_id: str, results: Dict[str, Any]
 
 
 def logged_at(uri: str, run_id: str, step: int) -> Tuple[Optional[str], List[str]]:
-    """(the URI of the run's logged model of the checkpoint at `step`, tracking.log_model's or an
-    earlier export's, or None; the URIs of those of that step whose files are gone from the
-    artifact store). Exporting the checkpoint again registers the first instead of a copy; one
-    whose files are gone is not it (it would register, and not load)."""
+    """The URI of the run's logged model of `step` (or None), and the URIs whose files are gone.
+
+    The first is tracking.log_model's or an earlier export's model of the checkpoint at `step`; the
+    second lists those of that step whose files are gone from the artifact store. Exporting the
+    checkpoint again registers the first instead of a copy; one whose files are gone is not it (it
+    would register, and not load).
+    """
     import mlflow
 
     client = mlflow.MlflowClient(uri)
@@ -373,8 +395,11 @@ def logged_at(uri: str, run_id: str, step: int) -> Tuple[Optional[str], List[str
 
 
 def has_files(client: Any, model_id: str) -> bool:
-    """Whether a logged model's files are in the artifact store: its MLmodel, and an export folder
-    with config.json and model.safetensors (a model whose artifacts were deleted is READY still)."""
+    """Whether a logged model's files are in the artifact store.
+
+    The files are its MLmodel, and an export folder with config.json and model.safetensors (a model
+    whose artifacts were deleted is READY still).
+    """
     top = {f.path for f in client.list_logged_model_artifacts(model_id)}
     if "MLmodel" not in top:
         return False
@@ -387,8 +412,10 @@ def has_files(client: Any, model_id: str) -> bool:
 
 @contextlib.contextmanager
 def mlflow_quiet() -> Iterator[None]:
-    """MLflow's own lines to stderr off (`Successfully registered model ...`, `Created version
-    ...`: it prints them whatever the log level); gptlab says what it did itself."""
+    """Turn MLflow's own lines to stderr off; gptlab says what it did itself.
+
+    MLflow prints `Successfully registered model ...`, `Created version ...` whatever the log level.
+    """
     from mlflow.utils.logging_utils import MLFLOW_LOGGING_STREAM
 
     was = MLFLOW_LOGGING_STREAM.enabled
@@ -417,9 +444,11 @@ def is_model_uri(run: Any) -> bool:
 
 
 def source_run(uri: str, model_uri: str) -> Optional[str]:
-    """The MLflow run a logged or registered model came from: its logged model's source run (the
-    MLmodel file names none: log_model logs it outside the run), or None when MLflow does not
-    say."""
+    """The MLflow run a logged or registered model came from, or None when MLflow does not say.
+
+    It is its logged model's source run (the MLmodel file names none: log_model logs it outside the
+    run).
+    """
     import mlflow
 
     mlflow.set_tracking_uri(uri)
@@ -438,9 +467,12 @@ NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "NOT_FOUND")
 
 
 def download(uri: str, model_uri: str, dest: Path) -> Path:
-    """The export folder of a logged or registered model (models:/NAME/3, models:/NAME@alias,
-    runs:/<id>/model), downloaded into dest. One line each for a store that does not answer (in
-    seconds), a model it does not have, a model whose files are gone, and one not gptlab's."""
+    """Download the export folder of a logged or registered model into dest.
+
+    The model: models:/NAME/3, models:/NAME@alias, runs:/<id>/model. One line each for a store that
+    does not answer (in seconds), a model it does not have, a model whose files are gone, and one
+    not gptlab's.
+    """
     import mlflow
 
     from gptlab.records.store import open_store, store_failure
@@ -461,9 +493,11 @@ def download(uri: str, model_uri: str, dest: Path) -> Path:
 
 
 def export_in(model_uri: str, got: Path) -> Path:
-    """gptlab's export folder in a downloaded model (MLflow keeps the logged folder's own name:
-    export/, or what export's out= named), or one line: its files are gone, or it is no gptlab
-    model."""
+    """gptlab's export folder in a downloaded model, or one line saying why there is none.
+
+    MLflow keeps the logged folder's own name: export/, or what export's out= named. The line says
+    its files are gone, or it is no gptlab model.
+    """
     import yaml
 
     folders = sorted(p.parent for p in got.glob("artifacts/*/config.json"))

@@ -1,2 +1,5 @@
-"""Scaling studies: fitting how loss falls with parameters and tokens (fit), and predicting the
-compute-optimal run for a budget."""
+"""Scaling studies: how loss falls with parameters and tokens, and compute-optimal runs.
+
+Fitting how loss falls with parameters and tokens (fit), and predicting the compute-optimal run for
+a budget.
+"""

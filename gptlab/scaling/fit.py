@@ -1,5 +1,7 @@
-"""Scaling-law fits of (FLOPs, parameters, tokens, loss) points: isoFLOP parabolas and the
-parametric loss, with bootstrap intervals and a held-out check.
+"""Scaling-law fits of (FLOPs, parameters, tokens, loss) points.
+
+The fits are isoFLOP parabolas and the parametric loss, with bootstrap intervals and a held-out
+check.
 
 Approach 2 of Hoffmann et al. (2022): per compute budget C, a parabola of the loss in ln N whose
 minimum is that budget's N_opt (D_opt = C / 6 N_opt); then power laws N_opt = k C^a, D_opt = k' C^b
@@ -60,9 +62,11 @@ def read_csv(path: Path) -> List[Point]:
 
 
 def budgets(points: Sequence[Point]) -> Dict[float, List[Point]]:
-    """The points by compute budget, smallest first: FLOPs within BUDGET_SPREAD of the smallest of a
-    group are one budget (runs rounded to whole steps spend a little more or less), keyed by the
-    group's median."""
+    """The points by compute budget, smallest first, keyed by each group's median.
+
+    FLOPs within BUDGET_SPREAD of the smallest of a group are one budget (runs rounded to whole
+    steps spend a little more or less).
+    """
     groups: List[List[Point]] = []
     for p in sorted(points, key=lambda p: p.flops):
         if groups and p.flops <= groups[-1][0].flops * BUDGET_SPREAD:
@@ -176,8 +180,10 @@ def bootstrap(points: Sequence[Point], rounds: int, seed: int) -> Dict[str, Tupl
 
 
 def held_out(points: Sequence[Point]) -> Optional[Dict[str, float]]:
-    """The fit without the largest budget, judged on it: the relative error of its N_opt and L_opt
-    against that budget's own parabola; None with fewer than three budgets."""
+    """The fit without the largest budget, judged on it; None with fewer than three budgets.
+
+    Judged: the relative error of its N_opt and L_opt against that budget's own parabola.
+    """
     groups = budgets(points)
     if len(groups) < 3:
         return None

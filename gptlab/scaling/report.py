@@ -1,6 +1,9 @@
-"""A fit's presentation: the points read from a study's run folders, both approaches with their
-intervals and the target's prediction (fit_all), the table gptlab.scale prints, the plot, and the
-files written beside the points (scaling.json, scaling.png)."""
+"""A fit's presentation: the points, both approaches, the printed table, the plot and files.
+
+The points read from a study's run folders, both approaches with their intervals and the target's
+prediction (fit_all), the table gptlab.scale prints, the plot, and the files written beside the
+points (scaling.json, scaling.png).
+"""
 
 from __future__ import annotations
 

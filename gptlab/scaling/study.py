@@ -92,8 +92,10 @@ def points(s: Any, fixed: Sequence[str]) -> List[Point]:
 
 
 def plan(point: Point, job: DictConfig, bounds: Sequence[float]) -> None:
-    """Fill the point's N, D and steps from its composed config (one line naming the point when the
-    shape or the budget is refused); leave it out when D/N is outside bounds."""
+    """Fill the point's N, D and steps from its composed config; drop it when D/N is out of bounds.
+
+    A shape or budget that is refused is one line naming the point.
+    """
     from gptlab.config import to_config
     from gptlab.perf import costs
 
@@ -192,8 +194,10 @@ class Study:
         return returns
 
     def fit(self) -> None:
-        """The study's fit, when every budget has 3 finished sizes: scaling.json and the plot in the
-        folder and in the parent run."""
+        """The study's fit, when every budget has 3 finished sizes.
+
+        It writes scaling.json and the plot in the folder and in the parent run.
+        """
         from gptlab.scaling import report
 
         done = [p for p in self.points if p.state in ("kept", "run")]
@@ -242,8 +246,10 @@ def log_fit(sweep_dir: Path, result: Dict[str, Any]) -> None:
 
 
 def nearest_run(held: Dict[str, Any], target: Dict[str, Any]) -> None:
-    """Add to the fit's target the study's size nearest its N_opt (in ln N) and the command that
-    trains it at the target budget."""
+    """Add to the fit's target the study's size nearest its N_opt (in ln N).
+
+    Also the command that trains it at the target budget.
+    """
     import math
     import shlex
 
@@ -262,8 +268,10 @@ def nearest_run(held: Dict[str, Any], target: Dict[str, Any]) -> None:
 
 
 def verify(folder: Path, target: Dict[str, Any], objective: str) -> None:
-    """Train the target's run (nearest_run) in <folder>/verify_<budget>/ and record its `objective`
-    beside the prediction (target['verify'])."""
+    """Train the target's run (nearest_run) in <folder>/verify_<budget>/.
+
+    Its `objective` is recorded beside the prediction (target['verify']).
+    """
     import subprocess
     import sys
 

@@ -1,5 +1,7 @@
-"""From a search to the big run: a sweep's or search's best configuration as a Hydra experiment
-file (`# @package _global_`), for `python -m gptlab.train experiment=<name> model.n_embd=<wide>`.
+"""From a search to the big run: a sweep's or search's best configuration as an experiment file.
+
+The file is a Hydra experiment file (`# @package _global_`), for `python -m gptlab.train
+experiment=<name> model.n_embd=<wide>`.
 
 It carries what was searched (the configuration's overrides) and the parametrization it was
 searched under (model.parametrization and model.mup_base_width from the best run's resolved
@@ -46,8 +48,11 @@ def _typed(key: str, text: str) -> Any:
 def sections(
     overrides: Dict[str, str], model: Optional[Dict[str, Any]]
 ) -> Tuple[List[str], Dict[str, Any], List[str]]:
-    """(the defaults list's group choices, the nested values, the keys left out) of a
-    configuration's overrides and the best run's resolved model section."""
+    """The sections of an experiment file from a configuration's overrides and model section.
+
+    Returns (the defaults list's group choices, the nested values, the keys left out) of a
+    configuration's overrides and the best run's resolved model section.
+    """
     defaults: List[str] = []
     nested: Dict[str, Any] = {}
     left_out = [k for k in overrides if not carried(k)]

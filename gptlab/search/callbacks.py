@@ -52,8 +52,10 @@ log = logging.getLogger(__name__)
 
 
 class SweepCallback(Callback):
-    """Records a multirun as an MLflow parent run (records/parent.py); the jobs' trackers nest under
-    it."""
+    """Records a multirun as an MLflow parent run (records/parent.py).
+
+    The jobs' trackers nest under it.
+    """
 
     def __init__(self) -> None:
         self.parent: Optional[Dict[str, Any]] = None
@@ -137,18 +139,24 @@ class SweepCallback(Callback):
         self.job_began = True  # in the launching process for Hydra's basic launcher only
 
     def _stopped(self) -> None:
-        """At exit, a sweep that did not end: one none of whose jobs began (the composition of its
-        first job failed) leaves nothing (its parent run deleted, its folder removed); any other
-        has its parent marked FAILED. A job that began and failed keeps its FAILED child run, even
-        when its own folder was removed (cli's failed start)."""
+        """At exit, clean up after a sweep that did not end.
+
+        One none of whose jobs began (the composition of its first job failed) leaves nothing (its
+        parent run deleted, its folder removed); any other has its parent marked FAILED. A job that
+        began and failed keeps its FAILED child run, even when its own folder was removed (cli's
+        failed start).
+        """
         if self.sweep_dir is not None and not self.job_began and not began(self.sweep_dir):
             self._discard()
         else:
             self._end(stopped=True)
 
     def _discard(self) -> None:
-        """Remove what this sweep's start made: the parent run (into MLflow's trash), sweep.json and
-        Hydra's multirun.yaml, the folder and the empty folders above it that it made."""
+        """Remove what this sweep's start made.
+
+        That is the parent run (into MLflow's trash), sweep.json and Hydra's multirun.yaml, the
+        folder and the empty folders above it that it made.
+        """
         assert self.sweep_dir is not None and self.existed is not None
         if self.parent is not None and self.created:
             p, self.ended = self.parent, True
@@ -172,8 +180,7 @@ class SweepCallback(Callback):
                 return
 
     def _end(self, stopped: bool) -> None:
-        """Close the parent run: FAILED if a job failed or the sweep stopped early, else
-        FINISHED."""
+        """End the parent run: FAILED if a job failed or the sweep stopped early, else FINISHED."""
         if self.parent is None or self.ended:
             return
         self.ended = True
@@ -194,8 +201,10 @@ class SweepCallback(Callback):
             )
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        """A job that failed before its tracker made a run still shows up, FAILED, under the
-        parent."""
+        """Record a failed job as a FAILED child run under the parent.
+
+        A job that failed before its tracker made a run still shows up, FAILED, under the parent.
+        """
         if job_return.status != JobStatus.FAILED or not slurm.first_task():
             return
         with never_fatal(
@@ -217,8 +226,11 @@ SCALING_SWEEPER = "hydra_plugins.gptlab_search.scaling_sweeper.GptlabScalingSwee
 
 
 def began(sweep_dir: Path) -> bool:
-    """Whether a job of the sweep in `sweep_dir` began: its folder holds more than its start wrote
-    (sweep.json, Hydra's multirun.yaml): a job's folder, submitit's .submitit/."""
+    """Whether a job of the sweep in `sweep_dir` began: its folder holds more than its start wrote.
+
+    The start writes sweep.json and Hydra's multirun.yaml; a job adds a job's folder, or submitit's
+    .submitit/.
+    """
     if not sweep_dir.is_dir():
         return False
     return any(e.name not in (layout.SWEEP, layout.MULTIRUN) for e in sweep_dir.iterdir())
@@ -235,8 +247,9 @@ def is_search(config: DictConfig) -> bool:
 
 
 class SubmissionReporter(Callback):
-    """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear, and
-    which rank on which node ended a job that lost a task.
+    """Says which SLURM jobs a submitit sweep submitted and where their logs go, as they appear.
+
+    It also says which rank on which node ended a job that lost a task.
 
     hydra-submitit-launcher submits silently and then waits for the whole sweep; this watches
     submitit's folder (<sweep dir>/.submitit/) from the launching process and prints each new job,

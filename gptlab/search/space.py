@@ -17,8 +17,11 @@ from gptlab.errors import GptlabError
 
 
 def parse(params: Mapping[str, Any], arguments: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
-    """(space: key -> distribution, fixed: overrides for every trial) from hydra.sweeper.params and
-    the command line's overrides (a sweep there, `optimizer.lr=1e-3,3e-3`, joins the space)."""
+    """(space: key -> distribution, fixed: overrides for every trial), from the sweep's params.
+
+    The params are hydra.sweeper.params and the command line's overrides (a sweep there,
+    `optimizer.lr=1e-3,3e-3`, joins the space).
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -39,8 +42,10 @@ def parse(params: Mapping[str, Any], arguments: Sequence[str]) -> Tuple[Dict[str
 
 
 def distribution(key: str, sweep: Any) -> Any:
-    """The Optuna distribution of one sweep value (Hydra's ChoiceSweep, RangeSweep,
-    IntervalSweep)."""
+    """The Optuna distribution of one sweep value.
+
+    The value is Hydra's ChoiceSweep, RangeSweep or IntervalSweep.
+    """
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
     from optuna.distributions import (
         CategoricalDistribution,
@@ -122,9 +127,11 @@ def _number(value: Any) -> bool:
 
 
 def cap(space: Dict[str, Any], key: str, limit: int, why: str) -> Any:
-    """Keep `key`'s distribution in `space` (a count of steps) at or under `limit`: a range reaching
-    past it is cut there and the note saying so returned (None when nothing was cut); one wholly
-    past it is refused in one line. `why` names the limit (`train.max_steps=60`)."""
+    """Keep `key`'s distribution in `space` (a count of steps) at or under `limit`.
+
+    A range reaching past it is cut there and the note saying so returned (None when nothing was
+    cut); one wholly past it is refused in one line. `why` names the limit (`train.max_steps=60`).
+    """
     from optuna.distributions import CategoricalDistribution
 
     dist = space.get(key)

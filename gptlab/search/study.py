@@ -89,9 +89,11 @@ def allowed_failures(hs: Any) -> int:
 
 
 def storage_url(setting: Optional[str], outputs: str) -> str:
-    """The study's database URL: the setting, else SQLite at <paths.outputs>/optuna.db; a relative
-    SQLite path is made absolute (trials run in other folders and on other nodes), and PostgreSQL
-    goes through psycopg 3 (the driver the team server's extra installs)."""
+    """The study's database URL: the setting, else SQLite at <paths.outputs>/optuna.db.
+
+    A relative SQLite path is made absolute (trials run in other folders and on other nodes), and
+    PostgreSQL goes through psycopg 3 (the driver the team server's extra installs).
+    """
     if not setting:
         return f"sqlite:///{(Path(outputs) / DEFAULT_DB).resolve()}"
     url = str(setting)
@@ -167,8 +169,10 @@ def make_sampler(name: str, seed: int, n_trials: int) -> Any:
 
 
 def definition(attrs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    """The search a study holds, from its system attributes: the one attribute, or for a study made
-    before it, the three it replaced once all are there; None while there is none."""
+    """The search a study holds, from its system attributes; None while there is none.
+
+    The one attribute, or for a study made before it, the three it replaced once all are there.
+    """
     if DEFINITION_ATTR in attrs:
         return attrs[DEFINITION_ATTR]
     if all(key in attrs for key in LEGACY_ATTRS.values()):
@@ -177,8 +181,10 @@ def definition(attrs: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def trial_seed(seed: Optional[int], number: int, draw: int = 0) -> Optional[int]:
-    """The sampler's seed for a trial's draw: the configured seed mixed with the trial's number,
-    unique in the study, so sweepers sharing a study never sample from the same stream."""
+    """The sampler's seed for a trial's draw: the configured seed mixed with the trial's number.
+
+    Unique in the study, so sweepers sharing a study never sample from the same stream.
+    """
     if seed is None:
         return None
     digest = hashlib.sha256(f"{seed}:{number}:{draw}".encode()).digest()
@@ -206,9 +212,12 @@ def _point_key(params: Dict[str, Any]) -> Tuple:
 
 
 def sample_point(study: Any, trial: Any, space: Dict[str, Any], hs: Any) -> Dict[str, Any]:
-    """A point of `space` for `trial` (a FrozenTrial just asked; the params it already has are kept)
-    from the configured sampler seeded by the trial's number (trial_seed), drawn again while
-    another trial of the study holds it (up to DRAWS times: a small discrete space can be spent)."""
+    """A point of `space` for `trial` from the configured sampler seeded by the trial's number.
+
+    `trial` is a FrozenTrial just asked; the params it already has are kept. The seed is
+    trial_seed's. The point is drawn again while another trial of the study holds it (up to DRAWS
+    times: a small discrete space can be spent).
+    """
     tried = {
         _point_key(t.params)
         for t in study.get_trials(deepcopy=False)

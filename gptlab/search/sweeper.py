@@ -1,5 +1,6 @@
-"""The sweeper's side of a search: ask the study for trials, launch each as a gptlab job, tell the
-study how it ended.
+"""The sweeper's side of a search: trials asked of the study, launched, and told back.
+
+It asks the study for trials, launches each as a gptlab job, and tells the study how it ended.
 
 - Up to hparams_search.n_jobs trials run at once on a submitit launcher (SLURM), each its own job
   (hardware.nodes x nproc_per_node tasks, like any gptlab job), a new one starting as soon as one
@@ -55,8 +56,10 @@ def owner_id() -> str:
 
 
 def owner_alive(owner: Optional[str], beats: Dict[str, Any], now: float) -> bool:
-    """Whether the sweeper `owner` (host:pid) still runs: a process check on this host, else its
-    heartbeat's age."""
+    """Whether the sweeper `owner` (host:pid) still runs.
+
+    A process check on this host, else its heartbeat's age.
+    """
     if not owner:
         return False
     host, _, pid = owner.rpartition(":")
@@ -73,8 +76,11 @@ def owner_alive(owner: Optional[str], beats: Dict[str, Any], now: float) -> bool
 
 
 def trial_alive(t: Any, beats: Dict[str, Any], now: float) -> bool:
-    """Whether a RUNNING trial's sweeper still runs. A trial another sweeper is asking for at
-    this moment has no owner yet: it is alive until it is as old as a stale heartbeat."""
+    """Whether a RUNNING trial's sweeper still runs.
+
+    A trial another sweeper is asking for at this moment has no owner yet: it is alive until it is
+    as old as a stale heartbeat.
+    """
     owner = t.system_attrs.get(studies.OWNER_ATTR)
     if owner:
         return owner_alive(owner, beats, now)
@@ -83,8 +89,10 @@ def trial_alive(t: Any, beats: Dict[str, Any], now: float) -> bool:
 
 
 def fill_params(study: Any, t: Any, space: Dict[str, Any], hs: Any) -> None:
-    """Sample the parameters an adopted trial lacks (its sweeper died between asking for it and
-    sampling it), so every trial that runs has the whole space."""
+    """Sample the parameters an adopted trial lacks, so every trial that runs has the whole space.
+
+    An adopted trial lacks some when its sweeper died between asking for it and sampling it.
+    """
     if any(k not in t.params for k in space):
         studies.set_point(study, study._storage, t._trial_id, space, hs)
 
@@ -165,8 +173,10 @@ class Search:
         return [base + i for i in range(k)]
 
     def _cap_warmup(self) -> Optional[str]:
-        """A warmup range reaching past the trials' max_steps is cut there (the note returned); one
-        wholly past it is refused."""
+        """Cut a warmup range reaching past the trials' max_steps there (the note returned).
+
+        A range wholly past it is refused.
+        """
         steps_dist = self.space.get("train.max_steps")
         steps = spaces.lowest(steps_dist) if steps_dist is not None else None
         if steps is None:
@@ -177,8 +187,10 @@ class Search:
         return spaces.cap(self.space, "optimizer.warmup_steps", steps, why)
 
     def _study(self) -> Any:
-        """The study, created with this search's definition, or an existing one holding the same
-        search (anything else is refused in one line)."""
+        """The study, made with this search's definition, or an existing one holding that search.
+
+        Anything else is refused in one line.
+        """
         import optuna
 
         hs = self.hs
@@ -225,9 +237,11 @@ class Search:
         return study
 
     def _held_search(self, study_id: int, ours: Dict[str, Any]) -> Dict[str, Any]:
-        """The search an existing study holds. Its maker writes it just after making the study: a
-        study without one is waited for a while, then given `ours` (made by hand, or its maker
-        died between the two)."""
+        """The search an existing study holds.
+
+        Its maker writes it just after making the study: a study without one is waited for a while,
+        then given `ours` (made by hand, or its maker died between the two).
+        """
         deadline = time.monotonic() + DEFINITION_WAIT_S
         while True:
             held = studies.definition(self.storage.get_study_system_attrs(study_id))
@@ -355,8 +369,10 @@ class Search:
         return numbers
 
     def _adopt(self, t: Any) -> None:
-        """Take over a dead sweeper's RUNNING trial: its SLURM job (if it still runs) is cancelled
-        and waited for, so the trial's folder is free for the job that resumes it.
+        """Take over a dead sweeper's RUNNING trial.
+
+        Its SLURM job (if it still runs) is cancelled and waited for, so the trial's folder is free
+        for the job that resumes it.
 
         The attempt is raised before the job id is read: a job of the dead sweeper that was still
         queued records its id and then reads the attempt when it starts (gptlab/search/trial.py),
@@ -376,9 +392,12 @@ class Search:
         fill_params(self.study, t, self.space, self.hs)
 
     def _drop_unsaved_attempt(self, number: int) -> None:
-        """A taken-over trial with no checkpoint starts afresh (its folder's records moved aside):
-        the MLflow run its cancelled job had begun holds nothing to continue, and is deleted, so the
-        trial stays one child of the search (MLflow keeps deleted runs restorable)."""
+        """Delete the MLflow run begun for a taken-over trial that has no checkpoint.
+
+        Such a trial starts afresh (its folder's records moved aside): the MLflow run its cancelled
+        job had begun holds nothing to continue, and is deleted, so the trial stays one child of the
+        search (MLflow keeps deleted runs restorable).
+        """
         from gptlab.checkpoint import state as checkpoint
 
         folders = self.folders(number)
@@ -430,8 +449,10 @@ class Search:
         ]
 
     def _launch(self, number: int, jobs: List[List[str]]) -> Any:
-        """Run one trial's jobs (blocks until they end); their JobReturns (one: itself), or the
-        exception."""
+        """Run one trial's jobs, blocking until they end; their JobReturns, or the exception.
+
+        One JobReturn per job (one: itself).
+        """
         try:
             returns = self.launcher.launch(jobs, initial_job_idx=number * len(jobs))
             return returns[0] if len(jobs) == 1 else list(returns)
@@ -492,8 +513,11 @@ class Search:
         return state, value, why, results
 
     def _mean_of_seeds(self, judged: List[tuple]) -> tuple:
-        """A trial of several seeds: COMPLETE with their mean when every seed completed, else FAIL
-        naming the first seed that did not."""
+        """The outcome of a trial of several seeds.
+
+        COMPLETE with their mean when every seed completed, else FAIL naming the first seed that did
+        not.
+        """
         from optuna.trial import TrialState
 
         for seed, (state, _, why, _) in zip(self.seed_values, judged):
@@ -640,8 +664,11 @@ class Search:
 
 
 def check(config: DictConfig) -> None:
-    """Everything a search can be told wrong (settings, space, keys, storage), said in one line
-    before anything is made of it (the sweep callback calls this before the MLflow parent run)."""
+    """Check everything a search can be told wrong: settings, space, keys, storage.
+
+    What is wrong is said in one line before anything is made of it (the sweep callback calls this
+    before the MLflow parent run).
+    """
     params = OmegaConf.to_container(config.hydra.sweeper.get("params") or {}, resolve=True)
     seeds = config.hydra.sweeper.get("seeds", 1)
     Search(config, None, params, seeds).prepare([str(o) for o in config.hydra.overrides.task])
@@ -652,8 +679,10 @@ def _fmt(v: Any) -> str:
 
 
 def cancel_and_wait(job: str, timeout_s: float = 300.0) -> None:
-    """scancel a SLURM job (it saves a checkpoint on SIGTERM) and wait until it has left the
-    queue."""
+    """scancel a SLURM job and wait until it has left the queue.
+
+    The job saves a checkpoint on SIGTERM.
+    """
     try:
         subprocess.run(["scancel", job], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):

@@ -74,8 +74,11 @@ class TrialLink:
 
 
 def open_link(hs: Any, is_main: bool) -> Optional[TrialLink]:
-    """The trial's link when this job is a search trial (hparams_search.trial is set). A job that a
-    later launch of its trial superseded stops here, on every rank, before it claims the folder."""
+    """The trial's link when this job is a search trial (hparams_search.trial is set).
+
+    A job that a later launch of its trial superseded stops here, on every rank, before it claims
+    the folder.
+    """
     if hs.trial is None:
         return None
     link = TrialLink(hs, is_main)

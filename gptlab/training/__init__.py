@@ -1,2 +1,5 @@
-"""A training run: config turned into objects (build), the built run (run), the one loop (loop)
-and its profiler (profiling)."""
+"""A training run: building it, the built run, the one loop and its profiler.
+
+Config turned into objects (build), the built run (run), the one loop (loop) and its profiler
+(profiling).
+"""

@@ -72,8 +72,7 @@ def seed_everything(seed: int) -> None:
 def autocast_factory(
     device_type: str, precision: str, attention_backend: str = "auto"
 ) -> Callable[[], contextlib.AbstractContextManager]:
-    """The context every forward runs in: the hardware's autocast precision and SDPA kernel
-    choice."""
+    """The context every forward runs in: the hardware's autocast precision and SDPA kernels."""
     dtype = _AUTOCAST[precision]
 
     def context() -> contextlib.AbstractContextManager:
@@ -87,8 +86,10 @@ def autocast_factory(
 
 
 def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, Any]) -> None:
-    """For a recipe with an `expected:` block: whether the run met it, in results and as an MLflow
-    tag."""
+    """Records whether the run met its recipe's `expected:` block, in results and as an MLflow tag.
+
+    For a recipe with an `expected:` block only.
+    """
     met = expectation_met(expected, results) if expected else None
     if met is not None:
         results["expected_met"] = met
@@ -98,12 +99,11 @@ def record_expectation(run: "Run", expected: Dict[str, Any], results: Dict[str, 
 def build(
     cfg: Config, run_dir: Path, resolved: Dict[str, Any], auto_steps: Optional[int] = None
 ) -> Run:
-    """Build every object of a training run from a validated Config: this process's place in the
-    job, the data, the model and its wrapping, the optimizer, the loaders, the resumed state, the
-    records.
+    """Build every object of a training run from a validated Config.
 
-    auto_steps: the run length compile=auto decides for (default train.max_steps; a benchmark
-    passes the run it stands for)."""
+    This process's place in the job, the data, the model and its wrapping, the optimizer, the
+    loaders, the resumed state, the records. auto_steps: the run length compile=auto decides for
+    (default train.max_steps; a benchmark passes the run it stands for)."""
     d = distributed.setup(cfg.hardware, cfg.parallelism)
     cfg, source = pretrained_source(cfg, d, run_dir)  # model.init_from's shape, before the data
     cfg, choices = resolve_auto(cfg, auto_steps)  # precision and compile: auto's choices
@@ -169,8 +169,7 @@ def new_run(
     run_dir: Path,
     resolved: Dict[str, Any],
 ) -> Run:
-    """The Run of the built parts, with the optimizer, schedule and figures derived from the
-    config."""
+    """The Run of the built parts, with optimizer, schedule and figures derived from the config."""
     peak_lr = scaled_lr(cfg.optimizer, d.world_size)
     fpt, hfpt = flops_for(mcfg, data.vocab_size, cfg.parallelism.activation_checkpointing)
     # the loop's tokens/s are the whole job's, so MFU compares with the whole job's peak
@@ -262,8 +261,10 @@ def _sharding(cfg: Config, world: int) -> str:
 def build_loaders(
     cfg: Config, d: Dist, train_tokens: Any, val_tokens: Any, data: Any = None
 ) -> Tuple[Any, List[Any], Dict[str, Tuple[float, List[Any]]]]:
-    """(this rank's training loader, its fixed validation batches, and a mixture's per source:
-    {name: (weight, batches)}, {} for one dataset)."""
+    """This rank's training loader, its fixed validation batches, and a mixture's per source.
+
+    A mixture's per source is {name: (weight, batches)}; {} for one dataset.
+    """
     if isinstance(data, Mixture):
         return mixture_loaders(cfg, d, data, train_tokens, val_tokens)
     mb, T, t = cfg.micro_batch_size, cfg.model.block_size, cfg.train
@@ -340,8 +341,10 @@ def mixture_summary(cfg: Config, data: Any) -> str:
 
 
 def shared_run_dir(run_dir: Path) -> Path:
-    """Rank 0's run folder, on every rank (under torchrun each rank's Hydra picked its own
-    timestamp)."""
+    """Rank 0's run folder, on every rank.
+
+    Under torchrun each rank's Hydra picked its own timestamp.
+    """
     own_dir, shared = Path(run_dir), Path(distributed.broadcast_object(str(run_dir)))
     if (
         own_dir != shared
@@ -353,8 +356,10 @@ def shared_run_dir(run_dir: Path) -> Path:
 
 
 def build_data(cfg: Config, d: Dist):
-    """(prepared data, train tokens, val tokens): rank 0 prepares the token files, the others read
-    them."""
+    """(prepared data, train tokens, val tokens), the token files prepared by rank 0.
+
+    Rank 0 prepares the token files, the others read them.
+    """
     T = cfg.model.block_size
     if cfg.data.sources:
         mixed = main_first(d, lambda: prepare_mixture(cfg.data, log.info, T))
@@ -380,8 +385,10 @@ def main_first(d: Dist, make: Callable[[], Any]) -> Any:
 
 
 def build_hellaswag(cfg: Config, d: Dist, tokenizer: Any) -> Optional[List[Any]]:
-    """eval.hellaswag's examples rendered with the run's tokenizer, on every rank (rank 0
-    downloads the file first); None when it is off."""
+    """eval.hellaswag's examples rendered with the run's tokenizer, on every rank; None when off.
+
+    Rank 0 downloads the file first.
+    """
     h = cfg.eval.hellaswag
     if not h.every:
         return None
@@ -393,9 +400,11 @@ def build_hellaswag(cfg: Config, d: Dist, tokenizer: Any) -> Optional[List[Any]]
 def build_model(
     cfg: Config, mcfg: GPTConfig, d: Dist, source: Optional[pretrained.Source] = None
 ) -> Tuple[GPT, nn.Module]:
-    """(the plain model, the model as trained: checkpointing -> compile -> data-parallel
-    wrapper). source: model.init_from's weights, loaded whole on every rank before the model is
-    wrapped, so that fsdp shards the loaded weights as it shards initialised ones."""
+    """(the plain model, the model as trained: checkpointing -> compile -> data-parallel wrapper).
+
+    source: model.init_from's weights, loaded whole on every rank before the model is wrapped, so
+    that fsdp shards the loaded weights as it shards initialised ones.
+    """
     seed_everything(cfg.train.seed)  # identical initialisation on every rank
     raw_model = GPT(mcfg).to(d.device)
     if source is not None:
@@ -417,9 +426,12 @@ def build_model(
 def pretrained_source(
     cfg: Config, d: Dist, run_dir: Path
 ) -> Tuple[Config, Optional[pretrained.Source]]:
-    """model.init_from: the source found (rank 0 downloads first), its shape made the model's and
-    its tokenizer checked, before the data is prepared or anything allocated; (cfg, None) without
-    one. Only command-line model.* overrides (Hydra's overrides.yaml) are checked against it."""
+    """model.init_from: the source found, its shape made the model's and its tokenizer checked.
+
+    Rank 0 downloads first. This happens before the data is prepared or anything allocated; (cfg,
+    None) without one. Only command-line model.* overrides (Hydra's overrides.yaml) are checked
+    against it.
+    """
     spec = cfg.model.init_from
     if spec is None:
         return cfg, None
@@ -433,8 +445,10 @@ def pretrained_source(
 
 
 def init_from_figures(m: GPTConfig) -> Dict[str, Any]:
-    """derived.json's record of the source and the shape it gave (config_resolved.yaml keeps the
-    composed model keys, which the source's replaced)."""
+    """derived.json's record of the source and the shape it gave.
+
+    config_resolved.yaml keeps the composed model keys, which the source's replaced.
+    """
     if m.init_from is None:
         return {}
     shape = (
@@ -451,8 +465,11 @@ def init_from_figures(m: GPTConfig) -> Dict[str, Any]:
 
 
 def locate_source(cfg: Config, spec: str) -> pretrained.Source:
-    """model.init_from's source read from where it is: the Hub's cache for a GPT-2 name, a download
-    from the run's MLflow store for a model URI, else a local folder or file."""
+    """model.init_from's source, read from where it is.
+
+    The Hub's cache for a GPT-2 name, a download from the run's MLflow store for a model URI, else a
+    local folder or file.
+    """
     if spec in pretrained.HUB:
         return pretrained.read_source(spec, pretrained.hub_folder(spec))
     if serving.is_model_uri(spec):
@@ -499,8 +516,10 @@ def resume(
 def open_tracker(
     cfg: Config, run: Run, resolved: Dict[str, Any], mlflow_run_id: Optional[str]
 ) -> Tracker:
-    """Rank 0's records: the run folder and MLflow, with the config and derived figures as
-    params."""
+    """Rank 0's records: the run folder and MLflow.
+
+    The config and derived figures go in as params.
+    """
     params = {**flatten(resolved), **{f"derived.{k}": v for k, v in run.derived.items()}}
     ident = identity.identify(resolved, run.run_dir, identity.this_process())
     store = local_uri(Path(cfg.paths.mlflow_db))
@@ -534,9 +553,11 @@ def write_sample(run: Run) -> Optional[str]:
 
 
 def log_model(config: Any, tracker: Any, run_dir: Path, results: Dict[str, Any]) -> None:
-    """tracking.log_model: the finished run's last checkpoint (its evaluated weights) as the run's
-    MLflow model, after the run's records are complete. A failure is a warning naming the command
-    that logs it later: the run itself is done."""
+    """tracking.log_model: the finished run's last checkpoint as the run's MLflow model.
+
+    The last checkpoint holds its evaluated weights; it is logged after the run's records are
+    complete. A failure is a warning naming the command that logs it later: the run itself is done.
+    """
     if not (config.tracking.mlflow and config.tracking.log_model) or tracker.run_id is None:
         return
     if not config.train.save_checkpoints:
@@ -608,8 +629,9 @@ def shared_restore(
     claimed: Tuple[Path, Optional[checkpoint.TrainingState]],
     verify: bool = True,
 ) -> Tuple[Path, checkpoint.TrainingState]:
-    """Restore shared_claim's checkpoint into objects (every rank calls it): (the checkpoint, its
-    state).
+    """Restore shared_claim's checkpoint into objects: (the checkpoint, its state).
+
+    Every rank calls it.
 
     A sharded checkpoint an entry of which does not read back (damaged, or crafted) is claimed past:
     named with its cause, moved to checkpoints/broken/, and the previous one restored.

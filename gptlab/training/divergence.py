@@ -1,5 +1,7 @@
-"""Divergence: each step's loss and grad norm tested on the device, and the rollback to the last
-good state (train.on_divergence, train.spike_factor, train.max_rollbacks; docs/checkpoints.md).
+"""Divergence: each step's loss and grad norm tested on the device, and the rollback.
+
+The rollback goes to the last good state (train.on_divergence, train.spike_factor,
+train.max_rollbacks; docs/checkpoints.md).
 
 A step diverges when its loss (the mean over ranks) or its grad norm is not finite, or, with
 train.spike_factor > 0, when its loss is above spike_factor x the median of the last WINDOW good
@@ -57,8 +59,10 @@ class Watch:
             self.recent[WINDOW - len(kept) :] = torch.tensor(kept, device=self.device)
 
     def state(self) -> Dict[str, Any]:
-        """What a checkpoint keeps (Progress.state_dict's divergence): a resumed run tests and
-        skips as the uninterrupted one would."""
+        """What a checkpoint keeps (Progress.state_dict's divergence).
+
+        A resumed run tests and skips as the uninterrupted one would.
+        """
         recent = [x for x in self.recent.tolist() if not math.isnan(x)]
         return {"rollbacks": [dict(r) for r in self.rollbacks], "recent_losses": recent}
 
@@ -83,8 +87,11 @@ class Watch:
         return torch.stack([code, loss, norm])
 
     def step_ok(self, step: int, loss: torch.Tensor, norm: torch.Tensor) -> bool:
-        """Whether the optimizer may take this step (rollback mode reads the verdict now; stop mode
-        keeps the first bad step on the device and always says yes)."""
+        """Whether the optimizer may take this step.
+
+        Rollback mode reads the verdict now; stop mode keeps the first bad step on the device and
+        always says yes.
+        """
         verdict = self._verdict(loss, norm)
         if not self.rollback:
             row = torch.cat([torch.full((1,), float(step), device=self.device), verdict.double()])
@@ -140,9 +147,11 @@ def _host(value: Any) -> Any:
 
 
 class Snapshot:
-    """The last good state in host memory: the model's and optimizer's tensors (each rank its own
-    shards), the scaler, the loader's position and the loop's progress. Restored in place, so the
-    live objects (and a sharded model's layout) stay as they are.
+    """The last good state in host memory, restored in place.
+
+    The model's and optimizer's tensors (each rank its own shards), the scaler, the loader's
+    position and the loop's progress. Restored in place, so the live objects (and a sharded model's
+    layout) stay as they are.
 
     Taken at the start and after every checkpoint save (train.checkpoint_every sets how far back a
     rollback goes); it costs one host copy of the model and optimizer state per rank, made when a
@@ -188,8 +197,11 @@ def _params(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 def _restore_param_state(opt: Any, p: torch.Tensor, saved: Optional[Dict[str, Any]]) -> None:
-    """One parameter's optimizer state back as it was: in place where the entry still exists (a
-    sharded entry keeps its layout), gone where it did not exist yet (AdamW's lazy first step)."""
+    """One parameter's optimizer state back as it was.
+
+    In place where the entry still exists (a sharded entry keeps its layout), gone where it did not
+    exist yet (AdamW's lazy first step).
+    """
     if saved is None:
         opt.state.pop(p, None)
         return

@@ -1,5 +1,6 @@
-"""Test-only fault injection (train.faults): a non-finite or spiking loss at chosen steps, a rank
-that dies.
+"""Test-only fault injection (train.faults): bad losses at chosen steps, a rank that dies.
+
+A bad loss is non-finite or spiking.
 
 The tests of restarts and divergence rollback use these to make the failures they recover from;
 a user never sets train.faults (docs/testing.md).
@@ -17,9 +18,12 @@ SPIKE = 100.0  # what faults.spike_at multiplies a loss by
 
 
 def poison(loss: torch.Tensor, step: int, faults: Any, fired: Sequence[int] = ()) -> torch.Tensor:
-    """loss, made NaN when `step` (1-based, the step being trained) is in faults.nonfinite_loss_at,
-    or SPIKE times larger when it is in faults.spike_at. A step in `fired` (already rolled back) is
-    left alone: a fault happens once, as a bad batch would, and the retrained step is clean."""
+    """loss, made NaN or SPIKE times larger when `step` is one the faults name.
+
+    NaN when `step` (1-based, the step being trained) is in faults.nonfinite_loss_at, or SPIKE times
+    larger when it is in faults.spike_at. A step in `fired` (already rolled back) is left alone: a
+    fault happens once, as a bad batch would, and the retrained step is clean.
+    """
     if faults is None or step in fired:
         return loss
     if step in list(faults.nonfinite_loss_at or ()):
@@ -30,8 +34,10 @@ def poison(loss: torch.Tensor, step: int, faults: Any, fired: Sequence[int] = ()
 
 
 def maybe_crash(step: int, rank: int, run_dir: Path, faults: Any) -> None:
-    """Exit abruptly (no cleanup, like a segfault or a lost node) when this rank reaches
-    faults.crash_at_step; with crash_once, only the first time in this run folder."""
+    """Exit abruptly when this rank reaches faults.crash_at_step, like a segfault or a lost node.
+
+    There is no cleanup; with crash_once, only the first time in this run folder.
+    """
     if faults is None or faults.crash_at_step is None:
         return
     if step != faults.crash_at_step or rank != faults.crash_rank:

@@ -32,8 +32,9 @@ if TYPE_CHECKING:  # only for type hints: loop.py does not build anything itself
 
 
 class StopOnSignal:
-    """SIGTERM / SIGUSR2 (preemption, scancel, SLURM's time-limit warning) and SIGINT (Ctrl-C) ask
-    the loop to stop.
+    """SIGTERM / SIGUSR2 and SIGINT (Ctrl-C) ask the loop to stop.
+
+    SIGTERM / SIGUSR2 come from preemption, scancel, or SLURM's time-limit warning.
 
     The handler only sets a flag; the loop checks it at the next step boundary, where every rank
     agrees to stop, rank 0 saves a checkpoint, and the run ends cleanly. A second SIGINT or SIGTERM
@@ -74,8 +75,10 @@ LN2 = math.log(2)
 
 @torch.no_grad()
 def evaluate(run: "Run") -> Dict[str, float]:
-    """Validation loss and bits per byte over the fixed validation batches, summed over all ranks,
-    of the evaluated weights (the weight average with optimizer.ema_decay > 0).
+    """Validation loss and bits per byte of the evaluated weights, summed over all ranks.
+
+    Over the fixed validation batches; the evaluated weights are the weight average with
+    optimizer.ema_decay > 0.
 
     val_loss is the mean cross-entropy per token (nats); val_bpb is the summed cross-entropy in
     bits over the UTF-8 bytes of the targets (run.token_bytes: special tokens count no bytes and
@@ -105,9 +108,11 @@ def _mixture_figures(run: "Run") -> Dict[str, float]:
 
 
 def _val_figures(run: "Run", batches: Any) -> Dict[str, float]:
-    """val_loss and val_bpb over these batches. A sharded model's every forward is a collective,
-    so each rank runs as many forwards as the rank with the most batches (ceil(eval_steps /
-    world)), padding with uncounted ones."""
+    """val_loss and val_bpb over these batches.
+
+    A sharded model's every forward is a collective, so each rank runs as many forwards as the rank
+    with the most batches (ceil(eval_steps / world)), padding with uncounted ones.
+    """
     model, dev = run.model, run.dist.device
     # nats of every target, their count, nats of the targets that have bytes, those bytes
     sums = torch.zeros(4, dtype=torch.float64, device=dev)
@@ -178,10 +183,13 @@ def checkpoint_saver(run: "Run") -> background.Saver:
 
 
 def save_checkpoint(run: "Run", p: "Progress", val: Optional[float]) -> None:
-    """Every rank captures its state; rank 0 writes a whole checkpoint, or every rank its shards of
-    a sharded one (train.checkpoint_async: in the background, after the previous save is written).
-    Every rank then waits, so nobody races ahead of a slow save. The seconds this held the loop
-    are the save's stall: checkpoint/stall_s, and results.json's mean checkpoint_stall_s."""
+    """Save a checkpoint: every rank captures its state, then rank 0 or every rank writes it.
+
+    Rank 0 writes a whole checkpoint, or every rank its shards of a sharded one
+    (train.checkpoint_async: in the background, after the previous save is written). Every rank then
+    waits, so nobody races ahead of a slow save. The seconds this held the loop are the save's
+    stall: checkpoint/stall_s, and results.json's mean checkpoint_stall_s.
+    """
     start = time.perf_counter()
     state = checkpoint.TrainingState.capture(
         run.stateful(),
@@ -212,9 +220,11 @@ def optimizer_step(
     step: int,
     watch: Optional[divergence.Watch] = None,
 ) -> torch.Tensor:
-    """Step `step` (1-based) over this rank's micro-batches; adds the loss to loss_sum, returns the
-    grad norm. A watch tests the step before the optimizer takes it: a step it refuses leaves the
-    weights and the optimizer state as they were (watch.pending says why)."""
+    """Step `step` (1-based) over this rank's micro-batches; returns the grad norm.
+
+    Adds the loss to loss_sum. A watch tests the step before the optimizer takes it: a step it
+    refuses leaves the weights and the optimizer state as they were (watch.pending says why).
+    """
     model, opt, scaler, dev = run.model, run.optimizer, run.scaler, run.dist.device
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)  # muP's per-layer lrs (optim.decay_groups)
@@ -278,8 +288,11 @@ class Progress:
         return cls(0, 0, math.inf, torch.zeros((), device=device))
 
     def state_dict(self) -> Dict[str, Any]:
-        """What a checkpoint keeps of the loop (its TrainingState entries). Every rank calls it:
-        the train-loss sum in progress is averaged over the ranks (a collective)."""
+        """What a checkpoint keeps of the loop (its TrainingState entries).
+
+        Every rank calls it: the train-loss sum in progress is averaged over the ranks (a
+        collective).
+        """
         window = distributed.all_reduce_mean(self.loss_sum.detach().clone()).item()
         return {
             "step": self.step,
@@ -297,8 +310,11 @@ class Progress:
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from a checkpoint's state_dict() (empty: a new run). What an older checkpoint
-        lacks keeps its value at the start; the train-loss sum stays on its device."""
+        """Continue from a checkpoint's state_dict() (empty: a new run).
+
+        What an older checkpoint lacks keeps its value at the start; the train-loss sum stays on its
+        device.
+        """
         if not state:
             return
         self.step, self.tokens, self.best_val = (
@@ -387,8 +403,10 @@ def record_step(run: "Run", p: Progress, lr: float, grad_norm: Any, due_now: Tup
 
 
 def pruned_now(run: "Run", p: Progress, evaluated: bool, metrics: Dict[str, Any]) -> bool:
-    """A search trial, just evaluated before its last step: whether the pruner stops it here (every
-    rank gets rank 0's answer)."""
+    """Whether the pruner stops a search trial here, just evaluated before its last step.
+
+    Every rank gets rank 0's answer.
+    """
     if run.trial is None or not evaluated or p.stopped_by is not None:
         return False
     if p.step >= run.train.max_steps:
@@ -449,8 +467,10 @@ def train(run: "Run") -> Dict[str, Any]:
 
 
 def watch_divergence(run: "Run", p: Progress) -> None:
-    """The divergence test of every step (training/divergence.py), and with on_divergence=rollback
-    the first good state to go back to: the start."""
+    """The divergence test of every step (training/divergence.py).
+
+    With on_divergence=rollback, also the first good state to go back to: the start.
+    """
     norm_counts = run.grad_clip > 0 and not run.scaler.is_enabled()
     p.watch = divergence.Watch(run.train, run.dist.device, norm_counts, p.resumed_divergence)
     if p.watch.rollback:
@@ -465,8 +485,10 @@ def keep_good_state(run: "Run", p: Progress) -> None:
 
 
 def roll_back(run: "Run", p: Progress) -> None:
-    """The step the watch refused: the last good state back, the data since then skipped (the
-    loader stays past the bad step's batches), the rollback recorded and said."""
+    """Roll back the step the watch refused: the last good state back, the data since skipped.
+
+    The loader stays past the bad step's batches; the rollback is recorded and said.
+    """
     watch = p.watch
     bad = watch.pending
     watch.check_limit()
@@ -489,8 +511,11 @@ def roll_back(run: "Run", p: Progress) -> None:
 
 
 def profiled_step(run: "Run", lr: float, p: Progress, prof: Any) -> torch.Tensor:
-    """optimizer_step; a CUDA step that runs out of memory first leaves the allocator's history
-    (train.profile.oom_snapshot) and says where."""
+    """optimizer_step, leaving the allocator's history when a CUDA step first runs out of memory.
+
+    A CUDA step that runs out of memory first leaves the allocator's history
+    (train.profile.oom_snapshot) and says where.
+    """
     if prof is None:
         return optimizer_step(run, lr, p.loss_sum, p.step + 1, p.watch)
     try:
@@ -516,8 +541,10 @@ def mean_train_loss(p: Progress) -> float:
 
 
 def results(run: "Run", p: Progress, wall_s: float) -> Dict[str, Any]:
-    """The run's final figures (results.json); throughput counts this session's training time
-    only."""
+    """The run's final figures (results.json).
+
+    Throughput counts this session's training time only.
+    """
     session_tokens, train_time = p.tokens - run.start_tokens, run.reporter.train_time
     tok_s = session_tokens / train_time if train_time > 0 else None
     return {

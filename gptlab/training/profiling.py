@@ -1,5 +1,7 @@
-"""train.profile: record chosen steps of a run with torch.profiler, and what a CUDA step that runs
-out of memory held.
+"""train.profile: chosen steps recorded with torch.profiler, and what an out-of-memory step held.
+
+Records chosen steps of a run with torch.profiler, and what a CUDA step that runs out of memory
+held.
 
 ``train.profile.steps=[A,B]`` records steps A..B (inclusive) with CPU (and CUDA) activities,
 shapes and memory, and writes into ``<run folder>/profile/``:
@@ -59,8 +61,11 @@ PIPE_BYTES = 1 << 20  # the pipe's buffer: a burst of stderr is never waiting on
 
 
 class StepProfiler:
-    """Records train.profile.steps of the loop; the loop calls begin(step) before a step and
-    end(step) after it. Does nothing (one comparison a step) when profiling is off."""
+    """Records train.profile.steps of the loop.
+
+    The loop calls begin(step) before a step and end(step) after it. Does nothing (one comparison a
+    step) when profiling is off.
+    """
 
     def __init__(
         self,
@@ -170,8 +175,11 @@ class StepProfiler:
 
 
 class StderrFilter:
-    """While on, file descriptor 2 (C++'s std::cerr and Python's sys.stderr alike) is a pipe read by
-    a thread that writes each line on to the real stderr unless it matches one of noise."""
+    """While on, file descriptor 2 is a pipe whose lines go on to the real stderr unless noise.
+
+    File descriptor 2 (C++'s std::cerr and Python's sys.stderr alike) is a pipe read by a thread
+    that writes each line on to the real stderr unless it matches one of noise.
+    """
 
     def __init__(self, noise: Sequence["re.Pattern[bytes]"] = NOISE):
         self.noise = noise

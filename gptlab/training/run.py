@@ -93,9 +93,11 @@ class Run:
 
     @contextlib.contextmanager
     def evaluated_weights(self) -> Iterator[None]:
-        """Inside, the model holds the weights a run evaluates, samples and exports: the weight
-        average with optimizer.ema_decay > 0 (the training weights come back afterwards), else the
-        weights."""
+        """Inside, the model holds the weights a run evaluates, samples and exports.
+
+        That is the weight average with optimizer.ema_decay > 0 (the training weights come back
+        afterwards), else the weights.
+        """
         with averaged_weights(self.optimizer) as swapped:
             try:
                 yield
@@ -105,8 +107,7 @@ class Run:
                     distributed.reshard(self.raw_model)
 
     def close(self, status: str) -> None:
-        """Finish the records (FINISHED / FAILED), let the run folder go, and leave the process
-        group."""
+        """Finish the records (FINISHED / FAILED), free the run folder, leave the process group."""
         self.tracker.finish(status)
         runfolder.unlock(self.run_dir)
         distributed.teardown()

@@ -149,3 +149,26 @@ def test_a_slurm_jobs_failure_is_recorded_with_the_launchers_cause(tmp_path, mon
     assert event["cause"] == "SLURM job 105: rank 1 on gptlab-n2: Killed"
     assert (event["launcher"], event["rank"], event["node"]) == ("slurm", 1, "gptlab-n2")
     assert (event["died_at_step"], event["resumed_from"], event["steps_lost"]) == (12, 10, 2)
+
+
+def test_slurms_own_requeue_after_a_failure_is_recorded_once_and_a_stop_is_not(
+    tmp_path, monkeypatch
+):
+    """A job SLURM requeued (a lost node) whose ranks had gone past the resumed checkpoint is one
+    restart; the same count again, a requeue after a stop (resumed where it stopped), or a first
+    start is none."""
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    restarts.StepMarks(tmp_path, 0).mark(12)
+    restarts.StepMarks(tmp_path, 1).mark(11)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert restarts.slurm_requeue_failure(tmp_path, [], 10) == []  # a first start
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert restarts.slurm_requeue_failure(tmp_path, [], 12) == []  # stopped at 12, resumed there
+    (failure,) = restarts.slurm_requeue_failure(tmp_path, [], 10)
+    assert failure["launcher"] == "slurm" and failure["died_at_step"] == 12
+    assert "requeued job 41 after it failed" in failure["cause"]
+    event = restarts.complete(failure, 10, None, 1)
+    assert (event["steps_lost"], event["cause"]) == (2, failure["cause"])
+    assert restarts.slurm_requeue_failure(tmp_path, [event], 10) == []  # recorded already
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert len(restarts.slurm_requeue_failure(tmp_path, [event], 10)) == 1  # a second requeue

@@ -178,6 +178,36 @@ def torchrun_failure(run_dir: Path, known: List[Dict[str, Any]]) -> List[Dict[st
     ]
 
 
+def slurm_requeue_failure(
+    run_dir: Path, known: List[Dict[str, Any]], resumed_from: int
+) -> List[Dict[str, Any]]:
+    """A start of a job SLURM requeued itself after it failed (a lost node), not recorded yet.
+
+    SLURM counts a job's requeues (SLURM_RESTART_COUNT); a requeue after a stop (SIGUSR2, a
+    preemption) resumes at the step the job stopped at, so only a start whose ranks had gone past
+    the checkpoint it resumes from follows a failure.
+    """
+    count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    job = os.environ.get("SLURM_JOB_ID")
+    died_at = furthest_step(run_dir)
+    if count == 0 or died_at is None or died_at <= resumed_from:
+        return []
+    if any(e.get("slurm_restart") == count and e.get("slurm_job_id") == job for e in known):
+        return []
+    ended = f"SLURM requeued job {job} after it failed (a lost node; requeue {count})"
+    return [
+        {
+            "launcher": "slurm",
+            "rank": None,  # the controller's accounting names the node (sacct -D -j JOB)
+            "ended": ended,
+            "cause": ended,
+            "died_at_step": died_at,
+            "slurm_restart": count,
+            "slurm_job_id": job,
+        }
+    ]
+
+
 def lost_since(
     checkpoint_dir: Path, step: int, attempt_started_at: Optional[float]
 ) -> Optional[float]:
@@ -220,6 +250,8 @@ def record(run: Any) -> List[Dict[str, Any]]:
     run_dir = Path(run.run_dir)
     history = _listed(run_dir / layout.RESTARTS, "restarts")
     pending = _listed(run_dir / layout.FAILURE, "failures") + torchrun_failure(run_dir, history)
+    if slurm.slurm_task():
+        pending += slurm_requeue_failure(run_dir, history, run.start_step)
     if not pending:
         return history
     for f in pending:

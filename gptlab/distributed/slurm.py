@@ -1,6 +1,8 @@
-"""SLURM, in one module: a task's identity and environment, the rendezvous port, the job's record
-in the run folder (slurm.json, written and read here), and what went wrong with a job (srun's
-lines, the controller's state), with the submitit job watcher that asks the controller.
+"""SLURM's side of a job: a task's identity, the rendezvous port, slurm.json and what went wrong.
+
+A task's identity and environment, the rendezvous port, the job's record in the run folder
+(slurm.json, written and read here), and what went wrong with a job (srun's lines, the
+controller's state), with the submitit job watcher that asks the controller.
 
 submitit's private attributes are touched in ControllerCheckedWatcher alone.
 """
@@ -29,8 +31,10 @@ log = logging.getLogger(__name__)
 
 
 def first_task() -> bool:
-    """Whether this is a job's first task: with several tasks every one runs the whole job, and
-    only the first one records."""
+    """Whether this is a job's first task, the only one that records.
+
+    With several tasks every one runs the whole job.
+    """
     return os.environ.get("SLURM_PROCID", os.environ.get("RANK", "0")) == "0"
 
 
@@ -145,8 +149,10 @@ def check_rendezvous_port(port: int) -> None:
 
 
 def slurm_job_info() -> Optional[dict]:
-    """For a SLURM task (started by submitit or by srun): its job id, nodes, and where its output
-    goes."""
+    """A SLURM task's job id, nodes, and where its output goes.
+
+    For a task started by submitit or by srun.
+    """
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":
         import submitit
 
@@ -200,10 +206,10 @@ _REQUEUE = "DUE TO JOB REQUEUE"
 
 
 def srun_failures(text: str, requeued: bool = False) -> Tuple[List[str], bool]:
-    """The tasks that srun says ended badly, one line each (`rank 1 on gptlab-n2: Killed`), and
-    whether the text ends inside a requeue (to carry into the next piece of the same log).
+    """The tasks srun says ended badly, one line each, and whether the text ends inside a requeue.
 
-    The tasks that a requeue stops are not failures, and are left out.
+    Each line reads `rank 1 on gptlab-n2: Killed`; a text ending inside a requeue carries into the
+    next piece of the same log. The tasks that a requeue stops are not failures, and are left out.
     """
     found = []
     for line in text.splitlines():
@@ -227,15 +233,19 @@ _FAILURE_LINE = re.compile(r"^ranks? (?P<ranks>[0-9][0-9,-]*) on (?P<node>\S+): 
 
 
 def failure_parts(line: str) -> Optional[Tuple[str, str, str]]:
-    """(ranks, node, how it ended) of one of srun_failures' lines: `rank 1 on gptlab-n2: Killed`
-    -> ("1", "gptlab-n2", "Killed"); None for any other text."""
+    """The (ranks, node, how it ended) of one of srun_failures' lines; None for any other text.
+
+    `rank 1 on gptlab-n2: Killed` -> ("1", "gptlab-n2", "Killed").
+    """
     m = _FAILURE_LINE.match(line)
     return (m["ranks"], m["node"], m["what"]) if m else None
 
 
 def job_failures(job_folder: Path) -> List[str]:
-    """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job). srun writes to
-    the batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`."""
+    """srun's bad-exit lines in a SLURM job's logs (submitit's folder of that job).
+
+    srun writes to the batch step's stderr, which submitit sends to task 0's `<job>_0_log.err`.
+    """
     found: List[str] = []
     for err in sorted(Path(job_folder).glob("*_0_log.err")) if Path(job_folder).is_dir() else []:
         try:
@@ -277,9 +287,11 @@ LIVE_STATES = frozenset(
 
 
 def controller_state(job_id: str) -> Optional[str]:
-    """A job's state in SLURM's controller (`scontrol show job`), or None where the controller
-    cannot say: it has forgotten the job (MinJobAge after the end), does not answer, or there is no
-    scontrol."""
+    """A job's state in SLURM's controller (`scontrol show job`), or None where it cannot say.
+
+    None: the controller has forgotten the job (MinJobAge after the end), does not answer, or
+    there is no scontrol.
+    """
     try:
         r = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
@@ -294,8 +306,7 @@ def controller_state(job_id: str) -> Optional[str]:
 
 
 class ControllerCheckedWatcher(SlurmInfoWatcher):
-    """submitit's job watcher, which believes accounting (sacct) that a job ended only when SLURM's
-    controller agrees.
+    """submitit's job watcher, believing sacct that a job ended only when the controller agrees.
 
     submitit takes the first ended state sacct reports as final, and the launcher then fails the
     sweep if the job's result file does not appear soon after. Accounting is fed by the controller
@@ -325,8 +336,10 @@ class ControllerCheckedWatcher(SlurmInfoWatcher):
 
 
 def install_watcher() -> Optional[SlurmInfoWatcher]:
-    """Make submitit's jobs wait through ControllerCheckedWatcher: the watcher it replaced (to put
-    back with restore_watcher), or None when it is installed already."""
+    """Make submitit's jobs wait through ControllerCheckedWatcher; returns the watcher it replaced.
+
+    Put it back with restore_watcher; None when ControllerCheckedWatcher is installed already.
+    """
     if isinstance(SlurmJob.watcher, ControllerCheckedWatcher):
         return None
     stock = SlurmJob.watcher  # a class attribute: every job of the launcher waits through it

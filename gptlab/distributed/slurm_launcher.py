@@ -51,9 +51,11 @@ POLL_S = 1.0
 
 
 def first_failure(lines: Sequence[str]) -> Dict[str, Any]:
-    """The task srun reported dead first, out of slurm.job_failures' lines (kill-on-bad-exit ended
-    the others because of it): its rank (None for a range of ranks), node and how it ended; {} when
-    srun named none (a lost node, a batch script that failed before srun)."""
+    """The task srun reported dead first, out of slurm.job_failures' lines; {} when none is named.
+
+    Kill-on-bad-exit ended the others because of it: its rank (None for a range of ranks), node
+    and how it ended. srun names none for a lost node or a batch script that failed before srun.
+    """
     for line in lines:
         parts = slurm.failure_parts(line)
         if parts is not None:
@@ -77,8 +79,11 @@ def slurm_failure(
     died_at_step: Optional[int],
     started_at: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """A SLURM job's failure as the launcher saw it (restarts.leave_failure's record): its state,
-    the task srun reported dead first (first_failure), the furthest step any rank started."""
+    """A SLURM job's failure as the launcher saw it (restarts.leave_failure's record).
+
+    Its state, the task srun reported dead first (first_failure), and the furthest step any rank
+    started.
+    """
     f = {
         "launcher": "slurm",
         "job_id": job_id,
@@ -95,8 +100,10 @@ def slurm_failure(
 
 
 def not_resubmitted(f: Dict[str, Any], raised: bool) -> Optional[str]:
-    """Why a failed job is not submitted again whatever the budget (None: it may be): a user error
-    or an exception the job raised is the same at every start."""
+    """Why a failed job is not submitted again whatever the budget (None: it may be).
+
+    A user error or an exception the job raised is the same at every start.
+    """
     if raised:
         return "the job raised an error (submitit's error below)"
     if f["ended"] == USER_ERROR:
@@ -110,8 +117,11 @@ def failed_job(f: Dict[str, Any]) -> str:
 
 
 def stop_line(failures: List[Dict[str, Any]], max_restarts: int) -> Optional[str]:
-    """The one line that ends a job's restarts: the budget is spent, or the job failed at the same
-    step as the time before (no progress in between); None while it may be submitted again."""
+    """The one line that ends a job's restarts; None while it may be submitted again.
+
+    The budget is spent, or the job failed at the same step as the time before (no progress in
+    between).
+    """
     last = failures[-1]
     head = failed_job(last)
     if max_restarts == 0:
@@ -131,8 +141,11 @@ def stop_line(failures: List[Dict[str, Any]], max_restarts: int) -> Optional[str
 def resubmitted_line(
     f: Dict[str, Any], new_id: str, excluded: Optional[str], n: int, max_restarts: int
 ) -> str:
-    """`SLURM job 105 failed (rank 1 on gptlab-n2: Killed): resubmitted as job 106 without
-    gptlab-n2 (restart 1 of train.max_restarts=3)`."""
+    """The line a resubmission prints.
+
+    `SLURM job 105 failed (rank 1 on gptlab-n2: Killed): resubmitted as job 106 without gptlab-n2
+    (restart 1 of train.max_restarts=3)`.
+    """
     without = f" without {excluded}" if excluded else ""
     return (
         f"SLURM job {f['job_id']} failed ({what_failed(f)}): resubmitted as job {new_id}{without} "
@@ -147,8 +160,11 @@ def node_to_exclude(
     excluded: Set[str],
     need: int,
 ) -> Optional[str]:
-    """The node the next submission leaves out: the one srun named (or a lost job's only node),
-    unless too few nodes would be left in the partition for the job (`need` of them)."""
+    """The node the next submission leaves out, if the partition can spare it.
+
+    The one srun named (or a lost job's only node), unless too few nodes would be left in the
+    partition for the job (`need` of them).
+    """
     node = f.get("node") or (job_nodes[0] if len(job_nodes) == 1 else None)
     if node is None or node in excluded:
         return None
@@ -201,8 +217,11 @@ def raised(job: Any) -> bool:
 
 
 class _Watched:
-    """One Hydra job of the sweep: its current SLURM job, the launcher's arguments that submit it,
-    its failures so far, the nodes left out, and the line that ended it (if one did)."""
+    """One Hydra job of the sweep, as the launcher follows it.
+
+    Its current SLURM job, the launcher's arguments that submit it, its failures so far, the nodes
+    left out, and the line that ended it (if one did).
+    """
 
     def __init__(self, job: Any, args: tuple):
         self.job, self.args = job, args
@@ -215,8 +234,10 @@ class _Watched:
 def launch(
     launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
 ) -> Sequence[JobReturn]:
-    """RestartingSlurmLauncher.launch: submit the sweep's jobs as one array (as the stock
-    launcher does), wait for them all, submitting again each that lost a task or node."""
+    """RestartingSlurmLauncher.launch: submit, wait, resubmit each job that lost a task or node.
+
+    The sweep's jobs go as one array, as the stock launcher submits them.
+    """
     assert launcher.config is not None and len(job_overrides) > 0
     sweeping = _Sweep(launcher)
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
@@ -243,8 +264,11 @@ class _Sweep:
         self.executor = self._executor()
 
     def _executor(self) -> Any:
-        """submitit's SLURM executor with the preset's parameters (as the stock launcher maps
-        them: the queue's common keys as they are, the others prefixed `slurm_`)."""
+        """submitit's SLURM executor with the preset's parameters.
+
+        As the stock launcher maps them: the queue's common keys as they are, the others prefixed
+        `slurm_`.
+        """
         import submitit
 
         params = dict(self.params)
@@ -259,8 +283,10 @@ class _Sweep:
         return executor
 
     def wait(self, watched: List[_Watched]) -> List[JobReturn]:
-        """Wait for every job, submitting again those that lost a task or node; then their
-        results, or one line for the jobs whose restarts ended, or submitit's error."""
+        """Wait for every job, submitting again those that lost a task or node.
+
+        Then their results, or one line for the jobs whose restarts ended, or submitit's error.
+        """
         while not all(w.ended for w in watched):
             for w in watched:
                 if not w.ended and w.job.done():
@@ -303,8 +329,7 @@ class _Sweep:
         self._resubmit(w, f, budget)
 
     def _resubmit(self, w: _Watched, f: Dict[str, Any], budget: int) -> None:
-        """Submit w's Hydra job again, without the node that failed where the partition can spare
-        it."""
+        """Submit w's Hydra job again, without the failed node where the partition can spare it."""
         need = int(self.params.get("nodes") or 1)
         configured = [n for n in str(self.params.get("exclude") or "").split(",") if n]
         node = node_to_exclude(
@@ -322,9 +347,11 @@ class _Sweep:
         log.warning(resubmitted_line(f, w.job.job_id, node, len(w.failures), budget))
 
     def _job_config(self, args: tuple) -> tuple:
-        """(run folder, train.max_restarts) of the Hydra job that `args` submit: its sweep config,
-        composed here as the job composes it. The folder is None if it does not exist (the job
-        died before Hydra made it)."""
+        """The (run folder, train.max_restarts) of the Hydra job that `args` submit.
+
+        Its sweep config, composed here as the job composes it. The folder is None if it does not
+        exist (the job died before Hydra made it).
+        """
         hydra_context, config = self.launcher.hydra_context, self.launcher.config
         overrides, _, num = args[:3]
         cfg = or_none(hydra_context.config_loader.load_sweep_config, config, overrides)

@@ -204,6 +204,12 @@ def _task_pid(job_id: str, rank: int) -> Tuple[int, str]:
     return 0, ""
 
 
+def _job_nodes(run_dir: Path) -> Tuple[str, List[str]]:
+    """(job id, nodes) of a run's latest start, from its slurm.json."""
+    job = json.loads((run_dir / "slurm.json").read_text())
+    return str(job["job_id"]), job["nodes"]
+
+
 def on_two_nodes(test):
     """A slow test on the 2-node cluster (brought up once for all of them)."""
     return pytest.mark.slow(pytest.mark.usefixtures("two_nodes")(test))
@@ -374,7 +380,7 @@ def test_ddp_across_two_nodes_matches_one_process(tmp_path, shakespeare):
     }
     sbatch_job = _sbatch(tmp_path / "sbatch", 2, 1, *args)
     try:
-        out = {name: p.communicate(timeout=300)[0] for name, p in {"ref": ref, **sweeps}.items()}
+        out = {name: p.communicate(timeout=600)[0] for name, p in {"ref": ref, **sweeps}.items()}
         _wait(
             lambda: _job_state(sbatch_job) not in ("PENDING", "RUNNING", "COMPLETING"),
             300,
@@ -531,6 +537,77 @@ def test_a_job_that_lost_its_node_is_resubmitted_without_it_and_finishes(tmp_pat
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "train_loss" in r]
     assert steps == [1, *range(10, 301, 10)], steps  # each step logged once, none missing
+
+
+def _lose_node(node: str) -> None:
+    """A node's loss: SIGKILL to its slurmd and every process of its network namespace (slurmstepd,
+    the batch script, srun, the tasks), until none is left."""
+    for _ in range(20):
+        pids = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True)
+        if not pids.stdout.split():
+            return
+        subprocess.run(["kill", "-KILL", *pids.stdout.split()], capture_output=True)
+        time.sleep(0.2)
+    pytest.fail(f"processes of {node} outlived SIGKILL")
+
+
+def _node_state(node: str) -> str:
+    return _run(["sinfo", "-h", "-n", node, "-o", "%T"]).stdout.strip()
+
+
+@on_two_nodes
+def test_a_lost_node_is_detected_fast_and_its_job_requeued_onto_the_other(tmp_path, shakespeare):
+    """gptlab-n2, running a one-node job (gptlab-n1 held by another), is lost: the controller marks
+    it down within SlurmdTimeout, SLURM requeues the job (JobRequeue=1, the default), which starts
+    again as the same job on gptlab-n1, resumes from its latest checkpoint and records the restart;
+    `up` brings gptlab-n2 back."""
+    cwd = tmp_path / "node"
+    hold = f"sbatch --parsable -p {PARTITION} -w gptlab-n1 --exclusive -o /dev/null --wrap"
+    hold = _run([*hold.split(), "sleep 600"]).stdout.strip()
+    train = "train.max_steps=200 train.log_every=10 train.checkpoint_every=20 train.eval_every=200"
+    proc = _sweep(
+        cwd,
+        "model=gpt_nano",
+        f"data.path={shakespeare}",
+        *train.split(),
+        "train.eval_steps=2",
+        "train.sample_tokens=0",
+    )
+    try:
+        checkpoints = lambda: list(cwd.glob("outputs/sweeps/*/0/checkpoints/ckpt_*"))  # noqa: E731
+        _wait(checkpoints, 180, "a first checkpoint", proc)
+        _run(["scancel", hold])
+        run_dir = checkpoints()[0].parent.parent
+        job_id = str(json.loads((run_dir / "slurm.json").read_text())["job_id"])
+        assert _job_nodes(run_dir) == (job_id, ["gptlab-n2"])
+        t0 = time.monotonic()
+        _lose_node("gptlab-n2")
+        _wait(lambda: "down" in _node_state("gptlab-n2"), 90, "gptlab-n2 to be down", proc)
+        detected = time.monotonic() - t0
+        _wait(lambda: _job_state(job_id) != "RUNNING", 60, "the job to leave gptlab-n2", proc)
+        if _job_state(job_id) == "PENDING":  # a requeued job is held a while (BeginTime)
+            _run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"])
+        out = proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        subprocess.run(["scancel", hold], capture_output=True)
+        r, took = _local_slurm("up", nodes=2)  # restarts gptlab-n2's slurmd; it returns to service
+        assert r.returncode == 0, r.stdout + r.stderr
+    print(f"\ngptlab-n2 lost: down after {detected:.1f} s; back with `up` in {took:.1f} s")
+    assert proc.returncode == 0, out[-3000:] + _job_records(job_id)
+    starts = _run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList"]).stdout
+    assert starts.split() == ["NODE_FAIL|gptlab-n2", "COMPLETED|gptlab-n1"], starts
+    assert _job_nodes(run_dir) == (job_id, ["gptlab-n1"])
+    assert "resubmitted" not in out  # SLURM's requeue: no failure the launcher saw
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 200, results
+    (restart,) = results["restarts"]  # recorded by the start SLURM's requeue made
+    assert restart["launcher"] == "slurm" and f"requeued job {job_id}" in restart["cause"]
+    assert restart["died_at_step"] > restart["resumed_from"], restart
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train_loss" in r] == [1, *range(10, 201, 10)]
+    assert _node_count() == 2 and _node_state("gptlab-n2") == "idle"
 
 
 @on_two_nodes

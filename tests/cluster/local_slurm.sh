@@ -60,6 +60,11 @@
 #   - Job ids go on across restarts and node-count changes (the controller's state is kept in the
 #     state folder, and FirstJobId carries the next id in case that state is lost), so a reused
 #     submitit folder never meets an old job's files.
+#   - A lost node: SlurmdTimeout=15, so the controller marks a node whose slurmd went silent down
+#     (measured: 25-35 s after its slurmd and processes were killed) and its jobs NODE_FAIL; SLURM then
+#     requeues a batch job (JobRequeue left at its default, 1: submitit's `scontrol requeue` needs it).
+#     `up` again brings the node back: it starts the missing slurmd, and the node returns to service
+#     (ReturnToService=2; `up` also resumes a node still down).
 #   - KillOnBadExit is left at SLURM's default (0), as on most real clusters: gptlab's own launchers
 #     ask for it (the hydra launcher presets and launch/sbatch_gptlab.sh), and the tests check that.
 # What does not (and is not attempted):
@@ -221,6 +226,11 @@ $accounting
 JobCompType=jobcomp/none
 MailProg=/bin/true
 ReturnToService=2
+# A lost node (its slurmd silent) is DOWN within ~SlurmdTimeout and its jobs end NODE_FAIL, not
+# after SLURM's 300 s; slurmd restarted there brings it back (ReturnToService=2).
+SlurmdTimeout=15
+# JobRequeue stays at SLURM's default (1), as on most clusters: submitit's scontrol requeue (USR2)
+# needs it, and with it SLURM itself requeues a batch job whose node was lost (same job id).
 SchedulerType=sched/backfill
 # Seconds between SIGTERM and SIGKILL when a job is cancelled or hits its time limit.
 KillWait=10

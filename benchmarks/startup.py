@@ -4,8 +4,8 @@
 
 Runs each command `repeats` times in a fresh interpreter (this one's) and prints a Markdown table of
 the best CPU seconds (user + sys of the child) and wall seconds. Not a test: the figures depend on
-the machine and its load; tests/test_startup.py holds that none of these imports torch, MLflow or
-Optuna.
+the machine and its load; tests/system/test_startup.py holds that none of these imports torch,
+MLflow or Optuna.
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ The schema is registered with Hydra.
 The rule for defaults: the schema gives types and structure, ``conf/`` gives every value. No field
 here has a default (OmegaConf reads a field without one as MISSING, ``???``), so a value lives in
 exactly one YAML file and a key that no file sets is a one-line error naming it;
-tests/test_config_schema.py keeps it so. A package's own section lives in its torch-free config.py
-(``GPTConfig`` in model/, ``OptimizerConfig`` in optim/, ``DataConfig`` in data/); the run-wide
-sections (train and its profile, hardware, parallelism, tracking, paths) live here. Nothing this
-module imports pulls in torch or MLflow, so a command's --help and config errors answer at once
-(tests/test_startup.py).
+tests/system/test_config_schema.py keeps it so. A package's own section lives in its torch-free
+config.py (``GPTConfig`` in model/, ``OptimizerConfig`` in optim/, ``DataConfig`` in data/); the
+run-wide sections (train and its profile, hardware, parallelism, tracking, paths) live here.
+Nothing this module imports pulls in torch or MLflow, so a command's --help and config errors
+answer at once (tests/system/test_startup.py).
 
 ``to_config`` is the one DictConfig -> dataclass conversion. Past it, code reads typed objects.
 It re-validates the composed config against the schema (a ``+key=value`` override slips past

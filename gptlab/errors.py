@@ -11,8 +11,8 @@ class GptlabError(Exception):
 
 
 # The package catches `Exception` blindly in these helpers, and in the few places that name their
-# reason in place (tests/test_design.py counts them): side work that must never stop a run, and a
-# library's failure that the user must read as one line.
+# reason in place (tests/system/test_design.py counts them): side work that must never stop a run,
+# and a library's failure that the user must read as one line.
 
 
 @contextmanager

@@ -43,7 +43,7 @@
 # output goes to one log beside it (gpu_check.log). Exit code 0 when no step failed or timed out.
 #
 # --cpu: the same steps on the CPU with every model shrunk (hardware=cpu, fp32, no compile, gloo),
-# a dry run of this script that CI runs (tests/test_gpu_check.py); budget 480 s.
+# a dry run of this script that CI runs (tests/system/test_gpu_check.py); budget 480 s.
 #
 # The machine needs no network: the text is Tiny Shakespeare if found (GPTLAB_SHAKESPEARE,
 # shared/data/, ../shared/data/), else generated, tokenized by characters.

@@ -2,7 +2,7 @@
 its parent run id and its experiment.
 
 The sweep is made once per session (tests/test_search_callbacks.py checks its MLflow parent run and
-children, tests/test_browser.py renders them)."""
+children, tests/system/test_browser.py renders them)."""
 
 import json
 from pathlib import Path

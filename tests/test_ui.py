@@ -1,5 +1,5 @@
 """python -m gptlab.ui: which store and experiment it opens (the real command over a real sweep, and
-the page it serves, are tested in tests/test_browser.py)."""
+the page it serves, are tested in tests/system/test_browser.py)."""
 
 import contextlib
 

@@ -1,4 +1,4 @@
-# Debian's chromium for tests/test_browser.py (the MLflow UI rendered by a real, headless browser).
+# Debian's chromium for tests/system/test_browser.py (the MLflow UI rendered by a real, headless browser).
 ci_up_chromium() {
     if ! command -v chromium >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium

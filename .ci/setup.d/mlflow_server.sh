@@ -2,7 +2,7 @@
 # PostgreSQL, installed with apt when missing) for the whole session, in a fresh state folder and on a
 # free port, so that it never meets a server a user runs on the default 5000. The tests reach it
 # through GPTLAB_TEST_MLFLOW_URI: the SLURM sweeps log to it, as a cluster's jobs would.
-# (tests/test_mlflow_server.py starts servers of its own: it stops and kills them.)
+# (tests/system/test_mlflow_server.py starts servers of its own: it stops and kills them.)
 
 ci_up_mlflow_server() {
     local python="${GPTLAB_PYTHON:-.venv/bin/python}"

@@ -1,5 +1,6 @@
-"""The SLURM presets' launcher (hydra_plugins/gptlab_slurm's RestartingSlurmLauncher, whose launch
-is `launch` here): submitit's, which also submits a job again after one of its tasks or nodes died.
+"""The SLURM presets' launcher: submitit's, submitting a job again after a task or node died.
+
+hydra_plugins/gptlab_slurm's RestartingSlurmLauncher, whose launch is `launch` here.
 
 hydra-submitit-launcher's SlurmLauncher submits each Hydra job of a sweep as a SLURM job and waits
 for them all; a job whose task died (killed, or exited non-zero: srun's kill-on-bad-exit then ends

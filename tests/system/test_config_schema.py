@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import Config, PathsConfig, to_config
 
-SNAPSHOTS = Path(__file__).parent / "golden" / "cfg_job"
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "golden" / "cfg_job"
 GROUPS = ["model", "data", "optimizer", "parallelism", "hardware", "experiment", "debug"]
 SECTIONS = ("model", "data", "optimizer", "parallelism", "hardware", "train", "tracking", "paths")
 CHOICES = [[]] + [[f"{g}={p.stem}"] for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]

@@ -7,7 +7,7 @@ nothing behind.
 The cluster tests (slow) bring the 2-node cluster up themselves and, when the last one ends, put
 back the cluster they found (in CI the 1-node cluster that .ci/setup.d starts for the whole session:
 the other SLURM tests reach services on the host's loopback, which a node in a namespace cannot).
-Like tests/test_slurm.py they need a running local cluster, and root; without them they are skipped,
+Like test_slurm.py they need a running local cluster, and root; without them they are skipped,
 except in CI (CI=true). The first tests, on the rendezvous port and on reading srun's reports, need
 neither.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 MAX_LINES = 300
 # the guides and measurements this test keeps linked (ARCHITECTURE.md is the design test's)

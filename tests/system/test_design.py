@@ -9,7 +9,8 @@ from helpers import compose_config
 
 from gptlab.config import to_config
 
-PKG = Path(__file__).resolve().parents[1] / "gptlab"
+PKG = Path(__file__).resolve().parents[2] / "gptlab"
+TESTS = PKG.parent / "tests"
 # modules (or packages) that import no other gptlab module but their own package's, errors,
 # safe_dcp
 LEAVES = ["model.gpt", "model.config", "optim", "perf.measure", "checkpoint", "data",
@@ -230,7 +231,7 @@ def test_a_runs_name_is_computed_in_one_module():
 
 def test_tests_import_their_helpers_from_helpers_not_conftest():
     imports_conftest = re.compile(r"^\s*(from conftest import|import conftest)", re.M)
-    found = [p.name for p in sorted(PKG.parent.joinpath("tests").glob("*.py"))
+    found = [str(p.relative_to(TESTS)) for p in sorted(TESTS.rglob("*.py"))
              if imports_conftest.search(p.read_text())]  # fmt: skip
     assert not found, found
 
@@ -447,7 +448,8 @@ def factories_without_device(source: str):
 @pytest.mark.parametrize("path", DEVICE_PATHS)
 def test_tensor_factories_on_the_device_paths_name_their_device(path):
     """A factory without device= makes a CPU tensor: on a GPU it fails where it meets the model's
-    (tests/test_devices.py runs these paths under a device guard); device="cpu" says it is meant."""
+    (tests/system/test_devices.py runs these paths under a device guard); device="cpu" says it
+    is meant."""
     assert factories_without_device((PKG / path).read_text()) == []
 
 
@@ -536,17 +538,57 @@ def test_blind_excepts_are_few_and_each_says_why():
     assert not unexplained, f"a blind except without its reason: {unexplained}"
 
 
-def test_each_test_file_is_named_for_what_it_tests_or_listed_in_testing_md():
-    """tests/test_<package>_<module>.py, tests/test_<package>.py or tests/test_<top module>.py;
-    any other test file is named in docs/testing.md's table of where the tests are."""
-    modules = {p.stem for p in PKG.glob("*.py")}
-    modules |= {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
-    modules |= {f"{p.parent.name}_{p.stem}" for p in PKG.glob("*/*.py") if p.stem != "__init__"}
+def mirrored_names() -> "set[str]":
+    """What a file in tests/ may be named for: a top module, a package, <package>_<module>."""
+    names = {p.stem for p in PKG.glob("*.py")}
+    names |= {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    return names | {f"{p.parent.name}_{p.stem}" for p in PKG.glob("*/*.py") if p.stem != "__init__"}
+
+
+PLACEMENT_EXCEPTIONS = "### Test files the rule does not place"
+
+
+def placement_exceptions() -> "dict[str, str]":
+    """docs/testing.md's table of the test files the rule does not place: name -> reason."""
     docs = (PKG.parent / "docs" / "testing.md").read_text()
-    table = docs[docs.index("## Where each module's tests are") :]
-    unplaced = [
-        p.name
-        for p in sorted((PKG.parent / "tests").glob("test_*.py"))
-        if p.stem[len("test_") :] not in modules and f"`{p.name}`" not in table
+    section = docs[docs.index(PLACEMENT_EXCEPTIONS) :].split("\n#", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| `test_")]
+    return {cells[0].strip().strip("`"): cells[-1].strip() for cells in rows}
+
+
+def test_each_test_file_mirrors_a_module_or_is_a_system_test_or_a_documented_exception():
+    """tests/test_<package>_<module>.py, tests/test_<package>.py or tests/test_<top module>.py;
+    tests/system/test_<behaviour>.py, named for no module, for a whole-system behaviour; at most 5
+    other files, each in docs/testing.md's table of exceptions with its reason."""
+    names, exceptions = mirrored_names(), placement_exceptions()
+    flat = [p.name for p in sorted(TESTS.glob("test_*.py"))]
+    unplaced = [f for f in flat if f[5:-3] not in names and f not in exceptions]
+    assert not unplaced, f"test files named for no module and not in docs/testing.md: {unplaced}"
+    system = [p.name for p in sorted((TESTS / "system").glob("test_*.py"))]
+    misplaced = [f for f in system if f[5:-3] in names]
+    assert not misplaced, (
+        f"named for a module, so they belong in tests/, not tests/system/: {misplaced}"
+    )
+    stale = [f for f in exceptions if f not in flat or f[5:-3] in names]
+    assert not stale, (
+        f"docs/testing.md lists as exceptions files the rule places or that are gone: {stale}"
+    )
+    assert 0 < len(exceptions) <= 5, sorted(exceptions)  # none: the table's heading moved
+    assert all(exceptions.values()), f"an exception without its reason: {exceptions}"
+    folders = (TESTS, TESTS / "system")
+    elsewhere = [
+        str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py") if p.parent not in folders
     ]
-    assert not unplaced, f"test files neither named for a module nor in docs/testing.md: {unplaced}"
+    assert not elsewhere, f"test files outside tests/ and tests/system/: {elsewhere}"
+
+
+def test_every_docstring_opens_with_a_one_line_summary():
+    """A docstring's first paragraph, its summary, fits on its first line; the rest is the body."""
+    wrapped = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=False)
+                if doc and "\n" in doc.strip().split("\n\n")[0].strip():
+                    wrapped.append(f"{path.relative_to(PKG.parent)}:{getattr(node, 'lineno', 1)}")
+    assert wrapped == [], f"summaries over more than one line: {wrapped}"

@@ -53,6 +53,8 @@
 #   GPU_CHECK_ONLY       comma-separated steps to run (the others are recorded as skipped);
 #                        wheels and env always run
 #   GPU_CHECK_TIMEOUTS   per-step timeouts in seconds over the defaults, e.g. "gpt1b=60,fsdp=90"
+#   GPU_CHECK_TIMEOUT_SCALE  a whole number the default timeouts are multiplied by (default 1; the
+#                        test suite's dry run, on a machine other tests share, uses 3)
 #   GPU_CHECK_HARDWARE   hardware overrides (default "hardware=h200"; for an H100: "hardware=h100x8
 #                        hardware.nproc_per_node=1")
 #   GPU_CHECK_SHRINK     overrides added last to every run (--cpu: the small shapes)
@@ -115,6 +117,7 @@ GPT1B_COMPILE=${GPU_CHECK_GPT1B_COMPILE:-false}
 LADDER=${GPU_CHECK_LADDER:-off}
 ONLY=${GPU_CHECK_ONLY:-}
 TIMEOUTS=${GPU_CHECK_TIMEOUTS:-}
+TIMEOUT_SCALE=${GPU_CHECK_TIMEOUT_SCALE:-1}
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 RESERVE=8  # seconds kept for the last JSON write
 GRACE=10   # timeout -k: seconds between TERM and KILL
@@ -314,9 +317,9 @@ left() { echo $((BUDGET - ($(now) - T_START))); }
 declare -A STATUS
 FATAL=""
 
-# cap_for NAME DEFAULT: the step's timeout, GPU_CHECK_TIMEOUTS over the default
+# cap_for NAME DEFAULT: the step's timeout, GPU_CHECK_TIMEOUTS over the default (x the scale)
 cap_for() {
-  local item cap=$2
+  local item cap=$(($2 * TIMEOUT_SCALE))
   for item in ${TIMEOUTS//,/ }; do
     if [ "${item%%=*}" = "$1" ]; then cap=${item#*=}; fi
   done

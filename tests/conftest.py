@@ -71,9 +71,6 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         keep = [item for item in items if imports_any(item.path, packages)]
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
         items[:] = keep
-    # the longest files first, each kept whole (its module-wide fixtures made once): xdist hands
-    # out work in this order, so the last minutes are not one long test on one busy worker
-    items.sort(key=lambda item: LONGEST_FIRST.get(item.path.name, len(LONGEST_FIRST)))
     for item in items:
         if item.path.name in SERVICES_FILES:
             item.add_marker(pytest.mark.services)
@@ -107,24 +104,6 @@ def imports_any(path: Path, packages: "list[str]") -> bool:
 SLURM_FILES = {"test_slurm.py", "test_multinode.py", "test_search_slurm.py"}
 # run alone after the rest (make test): SLURM jobs and server restarts with deadlines of their own
 SERVICES_FILES = SLURM_FILES | {"test_mlflow_server.py"}
-# files whose multi-process tests take minutes, longest first (make test's --durations lists them)
-LONGEST_FIRST = {
-    name: i
-    for i, name in enumerate(
-        [
-            "test_fsdp.py",
-            "test_gpu_check.py",
-            "test_distributed_processes.py",
-            "test_checkpoint_state.py",
-            "test_sync.py",
-            "test_plan.py",
-            "test_scaling_study.py",
-            "test_data_mixture.py",
-            "test_distributed_restarts.py",
-            "test_search.py",
-        ]
-    )
-}
 # a test module's shared fixtures that cost nothing to make again
 CHEAP_SHARED = {"slurm_cluster", "bpe_ranks"}
 

@@ -26,6 +26,9 @@ from gptlab.checkpoint import state as checkpoint
 from gptlab.model.inference import load_model
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+# each test trains several multi-process runs (and a shared one in its set-up): on a machine the
+# rest of the suite shares, more than pytest-timeout's 600 s
+pytestmark = pytest.mark.timeout(1500)
 
 
 def base(shakespeare, *extra):

@@ -45,6 +45,7 @@ def gptlab_model(folder: Path, vocab: int = CHARS, multiple: int = 1, **changes)
     return model.eval()
 
 
+@pytest.mark.integration  # builds transformers' model and gptlab's from one folder
 @pytest.mark.parametrize(
     "rows, multiple", [(CHARS, 1), (CHARS, 64), (128, 1)], ids=["same", "gptlab-pads", "hf-pads"]
 )
@@ -191,6 +192,7 @@ def test_bad_sources_are_one_line_before_the_data_or_the_model(tmp_path, shakesp
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # the command in a subprocess
 @pytest.mark.parametrize(
     "case", ["gpt2 offline", "contradicting override", "truncated"], ids=lambda c: c.split()[0]
 )
@@ -245,6 +247,7 @@ def val_losses(run_dir: Path):
     return [r["val_loss"] for r in rows if "val_loss" in r]
 
 
+@pytest.mark.integration  # trains
 def test_the_finetune_recipe_on_a_small_gpt2_lowers_val_loss_and_records_its_source(
     tmp_path, shakespeare
 ):

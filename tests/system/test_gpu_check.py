@@ -33,6 +33,11 @@ def env(tmp, **extra):
     return {**base, "PYTHON": sys.executable, "TMPDIR": str(tmp), **extra}
 
 
+# the suite's other tests share the machine: the dry run gets three times the steps' timeouts and
+# a budget to match (its own, measured alone: docs/measurements)
+SHARED = {"GPU_CHECK_TIMEOUT_SCALE": "3", "GPU_CHECK_BUDGET": "1200"}
+
+
 def run_check(out, timeout=560, **extra):
     return subprocess.run(
         ["bash", str(SCRIPT), "--cpu", str(out)],
@@ -41,15 +46,16 @@ def run_check(out, timeout=560, **extra):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the script's own budget (SHARED) decides
 def test_cpu_dry_run_measures_every_step_inside_its_budget(tmp_path):
     """Every step runs on the CPU with the models shrunk; the JSON holds one entry per step."""
     out = tmp_path / "gpu_check.json"
-    done = run_check(out)
+    done = run_check(out, timeout=1300, **SHARED)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     steps = report["steps"]
     assert list(steps) == STEPS and report["complete"] and report["ok"] and report["mode"] == "cpu"
-    assert report["wall_s"] <= report["budget_s"] == 480
+    assert report["wall_s"] <= report["budget_s"] == 1200
     assert steps["wheels"]["status"] == "skipped"  # this interpreter has Hydra
     ladder = steps["ladder"]
     assert ladder["status"] == "skipped" and "GPU_CHECK_LADDER" in ladder["reason"]  # off

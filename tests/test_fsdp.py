@@ -221,16 +221,18 @@ def test_evaluating_the_weight_average_leaves_no_gathered_copy_for_the_next_step
     assert_same_curves(curves(sharded), curves(single))
 
 
+def fsdp_run(tmp_path_factory, shakespeare, steps: int) -> Path:
+    """A steps-long fsdp run of base's settings on 2 processes, in a folder of its own."""
+    tmp = tmp_path_factory.mktemp(f"fsdp_{steps}")
+    args = [*base(shakespeare, f"train.max_steps={steps}"), "hardware=cpu_x2", "parallelism=fsdp"]
+    train(args, tmp / "run", tmp)
+    return tmp / "run"
+
+
 @pytest.fixture(scope="module")
 def straight_fsdp(tmp_path_factory, shakespeare):
     """A 20-step fsdp run on 2 processes, never interrupted: what every resumed run must equal."""
-    tmp = tmp_path_factory.mktemp("straight")
-    train(
-        [*base(shakespeare, "train.max_steps=20"), "hardware=cpu_x2", "parallelism=fsdp"],
-        tmp / "run",
-        tmp,
-    )
-    return tmp / "run"
+    return fsdp_run(tmp_path_factory, shakespeare, 20)
 
 
 @pytest.mark.slow
@@ -364,13 +366,7 @@ class Exploit:
 @pytest.fixture(scope="module")
 def fifteen_fsdp(tmp_path_factory, shakespeare):
     """The first 15 steps of straight_fsdp's run, as their own run: each damage test copies it."""
-    tmp = tmp_path_factory.mktemp("fifteen")
-    train(
-        [*base(shakespeare, "train.max_steps=15"), "hardware=cpu_x2", "parallelism=fsdp"],
-        tmp / "run",
-        tmp,
-    )
-    return tmp / "run"
+    return fsdp_run(tmp_path_factory, shakespeare, 15)
 
 
 @pytest.mark.slow

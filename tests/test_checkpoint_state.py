@@ -700,7 +700,9 @@ def test_an_incomplete_sharded_checkpoint_names_every_missing_shard(
     tmp_path, one_rank_group, monkeypatch
 ):
     path, _ = _save_sharded(tmp_path, 5)
-    monkeypatch.setattr(checkpoint, "missing_data", lambda *_: ["__0_0.distcp", "__1_0.distcp"])
+    from gptlab.checkpoint import safe_dcp
+
+    monkeypatch.setattr(safe_dcp, "missing_data", lambda *_: ["__0_0.distcp", "__1_0.distcp"])
     with pytest.raises(GptlabError) as e:
         checkpoint.load(path)
     names = "__0_0.distcp, __1_0.distcp"

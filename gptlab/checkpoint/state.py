@@ -35,21 +35,17 @@ import re
 import shutil
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from gptlab.checkpoint.safe_dcp import (
-    METADATA,
-    UnreadableEntry,
-    load_into,
-    load_whole,
-    missing_data,
-    read_metadata,
-    would_run,
-)
 from gptlab.errors import GptlabError
+
+# safe_dcp (torch.distributed.checkpoint, and DTensor with it) is imported where a sharded
+# checkpoint is read: a whole-file run's start never pays for it
+if TYPE_CHECKING:
+    from gptlab.checkpoint.safe_dcp import UnreadableEntry
 
 # v2: model and optimizer keyed by parameter name (v1 keyed the optimizer's state by position)
 FORMAT_VERSION = 2
@@ -201,6 +197,8 @@ def load(path: Path, verify: bool = True) -> Dict[str, Any]:
 def _check_shards(path: Path) -> None:
     import pickle
 
+    from gptlab.checkpoint.safe_dcp import METADATA, missing_data, read_metadata
+
     if not (path / STATE_FILE).is_file() or not (path / METADATA).is_file():
         raise GptlabError(
             f"checkpoint {path} is a folder but not a sharded checkpoint (no {STATE_FILE} and "
@@ -242,6 +240,8 @@ def _load_file(path: Path, name: Optional[Path] = None, verify: bool = True) -> 
     except Exception as e:  # noqa: BLE001 - truncated, corrupt or unsafe files all land here
         # torch's own message is a page long (its weights_only upgrade notice) or says nothing
         # ("101", "pop from empty list"): say what the file is instead.
+        from gptlab.checkpoint.safe_dcp import would_run
+
         blocked = would_run(e)
         try:
             with open(path, "rb") as f:
@@ -459,6 +459,8 @@ class TrainingState:
             set_state_dict,
         )
 
+        from gptlab.checkpoint.safe_dcp import UnreadableEntry, load_into
+
         model, optimizer = objects["model"], objects["optimizer"]
         # read into the live layout: each rank reads the slices it holds
         if self.shards is not None:
@@ -609,6 +611,8 @@ def read_model(
     """
     state = TrainingState.load(path, verify)
     if state.shards is not None:
+        from gptlab.checkpoint.safe_dcp import UnreadableEntry, load_whole
+
         try:
             state.model = load_whole(state.shards, ["model"])["model"]
             if optimizer_entries:

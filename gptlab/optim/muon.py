@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterator, List, Sequence, Tuple
+import sys
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.optim.adam import adam as adam_step
 
 from gptlab.optim import width_mult
 from gptlab.optim.config import OptimizerConfig
+
+if TYPE_CHECKING:  # imported where a sharded run uses it: every run's start would pay for it
+    from torch.distributed.tensor import DTensor
+
+
+def is_dtensor(x: Any) -> bool:
+    """x is a DTensor; none can exist before torch.distributed.tensor is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
 
 # a quintic Newton-Schulz iteration tuned to converge in ~5 steps
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
@@ -128,12 +138,12 @@ def orthogonalized_updates(
     A DTensor's local rows, else the whole matrix. Split over ranks where there are several (see
     above).
     """
-    if all(isinstance(u, DTensor) for u in updates):
+    if all(is_dtensor(u) for u in updates):
         mesh = updates[0].device_mesh
         if _row_sharded(updates, mesh) and mesh.size(mesh.ndim - 1) > 1:
             return iter(enumerate(_sharded_split(updates, steps, dtype, mesh)))
         return _whole(updates, steps, dtype)
-    replicated = not any(isinstance(u, DTensor) for u in updates)
+    replicated = not any(is_dtensor(u) for u in updates)
     if replicated and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return _replicated_split(updates, steps, dtype, dist.group.WORLD)
     return _whole(updates, steps, dtype)
@@ -144,16 +154,20 @@ def _row_sharded(updates: Sequence[DTensor], mesh) -> bool:
 
     Each is also replicated over any other dimension (fsdp, hsdp).
     """
+    from torch.distributed.tensor import Replicate, Shard
+
     wanted = (*[Replicate()] * (mesh.ndim - 1), Shard(0))
     return all(u.device_mesh == mesh and tuple(u.placements) == wanted for u in updates)
 
 
 def _whole(updates: Sequence[torch.Tensor], steps: int, dtype: torch.dtype):
     """Every matrix orthogonalised here: a DTensor gathered whole first, and its rows kept after."""
-    wholes = [u.full_tensor() if isinstance(u, DTensor) else u for u in updates]
+    wholes = [u.full_tensor() if is_dtensor(u) else u for u in updates]
     for i, o in orthogonalized(wholes, steps, dtype):
         u = updates[i]
-        if isinstance(u, DTensor):  # this rank's rows, sliced here: no communication
+        if is_dtensor(u):  # this rank's rows, sliced here: no communication
+            from torch.distributed.tensor import distribute_tensor
+
             o = distribute_tensor(
                 o.contiguous(), u.device_mesh, u.placements, src_data_rank=None
             ).to_local()
@@ -333,7 +347,7 @@ class Muon(torch.optim.Optimizer):
         for i, o in orthogonalized_updates(updates, group["ns_steps"], dtype):
             p = params[i]
             alpha = -group["lr"] * 0.2 * math.sqrt(max(p.shape))
-            (p.to_local() if isinstance(p, DTensor) else p).add_(o, alpha=alpha)
+            (p.to_local() if is_dtensor(p) else p).add_(o, alpha=alpha)
             del o  # its stack is freed before the next one is built
 
     def _adamw(self, group, params):

@@ -197,16 +197,12 @@ def _prompts(model_input: Any) -> List[str]:
     return [str(v) for v in model_input]
 
 
-try:
-    from mlflow.pyfunc import PythonModel
-except ImportError:  # MLflow is an install extra of the tracking tools
-    PythonModel = object  # type: ignore[assignment,misc]
+class GptlabModel:
+    """The pyfunc model's behaviour: loads the export folder once, generates text per prompt.
 
-
-class GptlabModel(PythonModel):  # type: ignore[misc]
-    """The pyfunc model: loads the export folder once, generates text per prompt.
-
-    Each generation stays within the request's Budget.
+    Each generation stays within the request's Budget. MLflow's PythonModel is added to it where
+    MLflow builds the model (pyfunc_model.py), so that importing this module (on every training
+    run's path) does not import MLflow.
     """
 
     # the logged signature is the schema: MLflow is not to read one from predict's type hints

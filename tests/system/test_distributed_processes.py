@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import run_cli
+from helpers import run_cli, slack
 
 # ------------------------------------------------------------------ real processes: gloo on the CPU
 
@@ -71,7 +71,7 @@ def test_two_gloo_processes_match_one_process(tmp_path, shakespeare):
     for name, cmd in runs.items():
         cwd = tmp_path / name
         cwd.mkdir()
-        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=slack(300))
         assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
         out[name] = losses(cwd)
         if name != "cpu":
@@ -99,7 +99,7 @@ def test_ddp_with_fewer_validation_batches_than_ranks_finishes(tmp_path, shakesp
             "parallelism.timeout_s=60"]  # fmt: skip
     r = subprocess.run(
         [sys.executable, "-m", "gptlab.train", *args],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, capture_output=True, text=True, timeout=slack(180),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     _, val = losses(tmp_path)
@@ -107,7 +107,7 @@ def test_ddp_with_fewer_validation_batches_than_ranks_finishes(tmp_path, shakesp
 
 
 def _wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
+    deadline = time.time() + slack(timeout)
     while time.time() < deadline:
         if pred():
             return
@@ -145,7 +145,7 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGKILL)
         t0 = time.time()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=slack(60))
         assert time.time() - t0 < 30  # well within the collective timeout
     finally:
         if proc.poll() is None:
@@ -216,7 +216,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
         workers = _spawned_workers(proc.pid)
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=slack(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -313,7 +313,7 @@ def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_p
         shakespeare, run_dir, "train.checkpoint_every=5", "train.log_every=5", steps=step + 2
     )
     r = subprocess.run(
-        again, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+        again, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=slack(300)
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert (
@@ -346,7 +346,7 @@ def test_a_second_start_in_a_busy_folder_is_one_line_with_two_processes(tmp_path
             env=cli_env(),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=slack(120),
         )
     finally:
         first.kill()
@@ -388,7 +388,7 @@ def test_a_two_process_run_on_a_terminal_ends_without_a_resource_tracker_warning
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=slack(300))
     reader.join(60)
     os.close(primary)
     terminal = b"".join(seen).decode(errors="replace")
@@ -436,7 +436,7 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path, shakespeare):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=slack(180),
     )
     took = time.time() - t0
     assert r.returncode != 0
@@ -470,7 +470,7 @@ def _train_x2(shakespeare, run_dir, *extra):
 def _finished(cmd, cwd, timeout=300):
     from helpers import cli_env
 
-    r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=slack(timeout))
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -549,7 +549,7 @@ def test_a_worker_killed_from_outside_is_restarted_and_the_run_finishes(tmp_path
         workers = _spawned_workers(proc.pid)
         assert len(workers) == 2
         workers[1].send_signal(signal.SIGKILL)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=slack(300))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -575,7 +575,7 @@ def test_a_rank_that_dies_every_time_stops_when_the_restarts_are_used_up(tmp_pat
     from helpers import cli_env
 
     r = subprocess.run(
-        cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300
+        cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=slack(300)
     )
     assert r.returncode != 0
     last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]

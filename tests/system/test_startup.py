@@ -114,3 +114,17 @@ def test_train_help_imports_no_heavy_module():
     modules = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if "|" in line}
     assert "gptlab.config" in modules  # the import-time report was read
     assert not [m for m in HEAVY if m in modules], sorted(m for m in modules if m in HEAVY)
+
+
+@pytest.mark.integration
+def test_the_training_path_imports_neither_mlflow_nor_sharded_checkpoints():
+    """A run with tracking off, and a whole-file checkpoint's reader, never pay for MLflow (its
+    pyfunc model's base class), DCP or DTensor at start-up: each costs about a second per process."""
+    later = ("mlflow", "torch.distributed.checkpoint", "torch.distributed.tensor")
+    code = (
+        "import sys, gptlab.training.build, gptlab.checkpoint.state, gptlab.registry.serving; "
+        f"print([m for m in {later!r} if m in sys.modules])"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"

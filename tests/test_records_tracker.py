@@ -481,3 +481,48 @@ def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past
     left = sender.close(5)
     assert done == [2, 3]
     assert [(c.what, c.points) for c in left] == [("tag bad", 0), ("metrics", 4), ("metrics", 4)]
+
+
+def test_a_new_sqlite_store_is_a_copy_of_one_migrated_once_and_records_as_mlflows_own(
+    tmp_path, monkeypatch
+):
+    """Two new stores: the first makes the template (MLflow's migration), the second copies it; each
+    records a run, and reads as a store MLflow migrated itself (same schema, same Default)."""
+    import sqlite3
+
+    from gptlab.records import store
+
+    def schema(db):  # tables, their columns, indexes and the migration (not the order of CHECKs)
+        with sqlite3.connect(db) as c:
+            names = sorted(c.execute("select type, name from sqlite_master"))
+            columns = {n: c.execute(f'pragma table_info("{n}")').fetchall() for t, n in names}
+            return names, columns, c.execute("select version_num from alembic_version").fetchall()
+
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
+    made, defaults = [], {}
+    for name in ("a", "b", "mlflows_own"):
+        if name == "mlflows_own":
+            monkeypatch.setattr(store, "_migrated_template", lambda: 1 / 0)
+        db = tmp_path / name / "mlflow.db"
+        client = store.mlflow_client(store.local_uri(db))
+        made.append(sorted((tmp_path / "cache" / "mlflow").iterdir()))
+        default = client.get_experiment("0")
+        defaults[name] = (default.name, default.artifact_location, default.lifecycle_stage)
+        run = client.create_run("0")
+        client.log_metric(run.info.run_id, "train_loss", 1.5, step=1)
+        assert client.get_run(run.info.run_id).data.metrics == {"train_loss": 1.5}
+    (template,) = made[0]
+    assert made[1] == [template] and template.name.startswith("empty-store-")
+    assert schema(tmp_path / "b" / "mlflow.db") == schema(tmp_path / "mlflows_own" / "mlflow.db")
+    assert defaults["a"] == defaults["b"] == defaults["mlflows_own"]
+    assert not list(tmp_path.glob("*/.*partial"))
+
+
+def test_a_store_whose_template_cannot_be_made_is_migrated_by_mlflow(tmp_path, monkeypatch):
+    from gptlab.records import store
+
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
+    db = tmp_path / "run" / "mlflow.db"
+    client = store.mlflow_client(store.local_uri(db))
+    assert client.get_experiment("0").name == "Default" and db.is_file()

@@ -18,13 +18,14 @@ import os
 import random
 import re
 import shlex
+import shutil
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from gptlab.errors import GptlabError, as_user_error
+from gptlab.errors import GptlabError, as_user_error, or_none
 
 log = logging.getLogger(__name__)
 
@@ -256,10 +257,51 @@ def mlflow_client(uri: str) -> Any:
     quiet_bounded_mlflow()
     from mlflow.tracking import MlflowClient
 
-    if sqlite_path(uri) is None:
+    db = sqlite_path(uri)
+    if db is None:
         return MlflowClient(tracking_uri=uri)
     with store_lock(uri):  # MlflowClient() connects: it creates, migrates and checks the store
+        if not db.exists():
+            seed_sqlite_store(db)
         return RetryingClient(retry_locked(MlflowClient, tracking_uri=uri))
+
+
+def seed_sqlite_store(db: Path) -> None:
+    """A new SQLite store at db, as a copy of an empty one MLflow migrated (made once per version).
+
+    MLflow takes a new SQLite store through its whole schema history on the first connection, in
+    every fresh run folder; a file copy is far cheaper. The copy holds MLflow's tables and no
+    experiment: MLflow makes the Default one, under this store's artifact root, when it connects.
+    Where the template cannot be made, MLflow migrates the store itself.
+    """
+    template = or_none(_migrated_template)
+    if template is None:
+        return
+    partial = db.with_name(f".{db.name}.{os.getpid()}.partial")
+    shutil.copyfile(template, partial)
+    os.replace(partial, db)  # a store is there whole or not at all
+
+
+def _migrated_template() -> Path:
+    """The empty store MLflow migrated, in gptlab's cache ($GPTLAB_CACHE_DIR or ~/.cache/gptlab)."""
+    import mlflow
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    root = Path(os.environ.get("GPTLAB_CACHE_DIR") or "~/.cache/gptlab").expanduser() / "mlflow"
+    template = root / f"empty-store-{mlflow.__version__}.db"
+    if template.is_file():
+        return template
+    root.mkdir(parents=True, exist_ok=True)
+    partial = root / f".{template.name}.{os.getpid()}.partial"
+    partial.unlink(missing_ok=True)
+    engine = sqlalchemy.create_engine(f"sqlite:///{partial}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    os.replace(partial, template)  # several processes may make it at once: the last one stays
+    return template
 
 
 def open_store(uri: str, advice: str, create: bool = True) -> Any:

@@ -21,6 +21,10 @@ MUTANTS ?=
 # assume a machine not saturated, and they mostly wait.
 WORKERS ?= 4
 NICE ?= 10
+# Python writes its bytecode in the recipes even where the environment says not to: pytest then keeps
+# the test files it rewrote for their assertions (else every xdist worker rewrites them all again,
+# seconds each), and every process the tests start reads compiled modules.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup train test unit lint bytecode mutation clean
 

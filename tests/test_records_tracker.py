@@ -483,6 +483,7 @@ def test_the_sender_gives_up_a_call_the_store_refuses_and_the_oldest_points_past
     assert [(c.what, c.points) for c in left] == [("tag bad", 0), ("metrics", 4), ("metrics", 4)]
 
 
+@pytest.mark.integration  # real MLflow stores, each migrated by MLflow: seconds
 def test_a_new_sqlite_store_is_a_copy_of_one_migrated_once_and_records_as_mlflows_own(
     tmp_path, monkeypatch
 ):
@@ -518,6 +519,7 @@ def test_a_new_sqlite_store_is_a_copy_of_one_migrated_once_and_records_as_mlflow
     assert not list(tmp_path.glob("*/.*partial"))
 
 
+@pytest.mark.integration
 def test_a_store_whose_template_cannot_be_made_is_migrated_by_mlflow(tmp_path, monkeypatch):
     from gptlab.records import store
 

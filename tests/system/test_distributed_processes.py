@@ -135,14 +135,8 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     try:
-        metrics = lambda: list((tmp_path / "outputs").rglob("metrics.jsonl"))  # noqa: E731
-        _wait_for(
-            lambda: metrics() and len(metrics()[0].read_text().splitlines()) >= 3,
-            120,
-            "training to start",
-        )
-        workers = _spawned_workers(proc.pid)
-        assert len(workers) == 2
+        metrics = lambda: next((tmp_path / "outputs").rglob("metrics.jsonl"), None)  # noqa: E731
+        workers = _workers_once_logging(proc, metrics)
         workers[1].send_signal(signal.SIGKILL)
         t0 = time.time()
         _, err = proc.communicate(timeout=slack(60))
@@ -207,14 +201,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
     ]
     proc = start_cli(["gptlab.train", *args], tmp_path)
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait_for(
-            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
-            120,
-            "training to start",
-        )
-        workers = _spawned_workers(proc.pid)
-        assert len(workers) == 2
+        workers = _workers_once_logging(proc, lambda: run_dir / "metrics.jsonl")
         workers[1].send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=slack(60))
     finally:
@@ -225,6 +212,20 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, shakesp
     results = json.loads((run_dir / "results.json").read_text())
     assert results["stopped_by"] == "SIGTERM"
     assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{results['steps']:08d}.pt"
+
+
+def _workers_once_logging(proc, metrics, lines=3, what="training to start"):
+    """The 2 ranks of launcher proc, once the metrics file that metrics() names (None: not yet
+    there) holds `lines` lines."""
+
+    def logged() -> bool:
+        path = metrics()
+        return path is not None and path.exists() and len(path.read_text().splitlines()) >= lines
+
+    _wait_for(logged, 120, what)
+    workers = _spawned_workers(proc.pid)
+    assert len(workers) == 2
+    return workers
 
 
 def _spawned_workers(launcher: int):
@@ -285,14 +286,7 @@ def test_a_killed_launcher_leaves_no_worker_and_a_free_folder_that_resumes(tmp_p
         preexec_fn=ignore_sigint,
     )
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait_for(
-            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3,
-            120,
-            "training to start",
-        )
-        workers = _spawned_workers(proc.pid)
-        assert len(workers) == 2
+        workers = _workers_once_logging(proc, lambda: run_dir / "metrics.jsonl")
         proc.kill()
         proc.wait()
         for w in workers:
@@ -470,7 +464,9 @@ def _train_x2(shakespeare, run_dir, *extra):
 def _finished(cmd, cwd, timeout=300):
     from helpers import cli_env
 
-    r = subprocess.run(cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=slack(timeout))
+    r = subprocess.run(
+        cmd, cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=slack(timeout)
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
@@ -540,14 +536,7 @@ def test_a_worker_killed_from_outside_is_restarted_and_the_run_finishes(tmp_path
         cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        metrics = run_dir / "metrics.jsonl"
-        _wait_for(
-            lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 7,
-            120,
-            "a checkpoint",
-        )
-        workers = _spawned_workers(proc.pid)
-        assert len(workers) == 2
+        workers = _workers_once_logging(proc, lambda: run_dir / "metrics.jsonl", 7, "a checkpoint")
         workers[1].send_signal(signal.SIGKILL)
         out, err = proc.communicate(timeout=slack(300))
     finally:

@@ -119,7 +119,7 @@ def test_train_help_imports_no_heavy_module():
 @pytest.mark.integration
 def test_the_training_path_imports_neither_mlflow_nor_sharded_checkpoints():
     """A run with tracking off, and a whole-file checkpoint's reader, never pay for MLflow (its
-    pyfunc model's base class), DCP or DTensor at start-up: each costs about a second per process."""
+    pyfunc model's base class), DCP or DTensor at start-up: a second or more per process each."""
     later = ("mlflow", "torch.distributed.checkpoint", "torch.distributed.tensor")
     code = (
         "import sys, gptlab.training.build, gptlab.checkpoint.state, gptlab.registry.serving; "

@@ -106,6 +106,9 @@ SLURM_FILES = {"test_slurm.py", "test_multinode.py", "test_search_slurm.py"}
 SERVICES_FILES = SLURM_FILES | {"test_mlflow_server.py"}
 # a test module's shared fixtures that cost nothing to make again
 CHEAP_SHARED = {"slurm_cluster", "bpe_ranks"}
+# fixtures of several files that return one cached object (test_compare.make_sweep keeps the sweep
+# it made): their tests share one group, so the object is made once, on one worker
+SHARED_ACROSS_FILES = {"sweep": "test_compare.py:sweep"}
 
 
 def xdist_group(item) -> "str | None":
@@ -122,7 +125,7 @@ def xdist_group(item) -> "str | None":
                 and in_a_test_file
                 and name not in CHEAP_SHARED
             ):
-                return f"{item.path.name}:{name}"
+                return SHARED_ACROSS_FILES.get(name, f"{item.path.name}:{name}")
     return None
 
 

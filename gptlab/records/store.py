@@ -278,8 +278,11 @@ def seed_sqlite_store(db: Path) -> None:
     if template is None:
         return
     partial = db.with_name(f".{db.name}.{os.getpid()}.partial")
-    shutil.copyfile(template, partial)
-    os.replace(partial, db)  # a store is there whole or not at all
+    try:
+        shutil.copyfile(template, partial)
+        os.replace(partial, db)  # a store is there whole or not at all
+    except OSError:  # a full disk, say: nothing left behind, and MLflow's own connection says why
+        partial.unlink(missing_ok=True)
 
 
 def _migrated_template() -> Path:
@@ -298,6 +301,9 @@ def _migrated_template() -> Path:
     engine = sqlalchemy.create_engine(f"sqlite:///{partial}")
     try:
         _initialize_tables(engine)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # no half-migrated template is left in the cache
+        raise
     finally:
         engine.dispose()
     os.replace(partial, template)  # several processes may make it at once: the last one stays

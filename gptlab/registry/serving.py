@@ -197,12 +197,12 @@ def _prompts(model_input: Any) -> List[str]:
     return [str(v) for v in model_input]
 
 
-class GptlabModel:
+class TextGeneration:
     """The pyfunc model's behaviour: loads the export folder once, generates text per prompt.
 
-    Each generation stays within the request's Budget. MLflow's PythonModel is added to it where
-    MLflow builds the model (pyfunc_model.py), so that importing this module (on every training
-    run's path) does not import MLflow.
+    Each generation stays within the request's Budget. GptlabModel is this class with MLflow's
+    PythonModel, made on first use (module __getattr__), so that importing this module (on every
+    training run's path) does not import MLflow.
     """
 
     # the logged signature is the schema: MLflow is not to read one from predict's type hints
@@ -222,6 +222,20 @@ class GptlabModel:
                 texts.append(generate(self.model, self.tokenizer, prompt, settings, budget.stop))
             budget.check()
         return texts
+
+
+def __getattr__(name: str) -> Any:
+    """GptlabModel, the pyfunc model class (TextGeneration with MLflow's PythonModel), made once.
+
+    Every logged model's code (pyfunc_model.py, copied into the model) imports it by this name.
+    """
+    if name != "GptlabModel":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from mlflow.pyfunc import PythonModel
+
+    model = type("GptlabModel", (TextGeneration, PythonModel), {"__module__": __name__})
+    globals()[name] = model
+    return model
 
 
 def signature() -> Any:

@@ -291,6 +291,7 @@ def _migrated_template() -> Path:
     import sqlalchemy
     from mlflow.store.db.utils import _initialize_tables
 
+    # data.sources.cache_root's default: spelled here, as this leaf module imports no gptlab module
     root = Path(os.environ.get("GPTLAB_CACHE_DIR") or "~/.cache/gptlab").expanduser() / "mlflow"
     template = root / f"empty-store-{mlflow.__version__}.db"
     if template.is_file():

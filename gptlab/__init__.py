@@ -8,6 +8,17 @@ import warnings
 
 __version__ = "0.1.0"
 
+
+def is_dtensor(x) -> bool:
+    """x is a DTensor (a tensor sharded by fully_shard), answered without importing DTensor.
+
+    None can exist before torch.distributed.tensor is imported, and importing it costs every
+    unsharded run's start; the one answer for the model, the optimizer and the checkpoint alike.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
 # Modules that moved into packages (2026-12): the old path still imports, with a deprecation
 # warning, so a user's script, notebook or logged MLflow model written against it keeps working.
 MOVED = {

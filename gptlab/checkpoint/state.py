@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import numpy as np
 import torch
 
+from gptlab import is_dtensor
 from gptlab.errors import GptlabError
 
 # safe_dcp (torch.distributed.checkpoint, and DTensor with it) is imported where a sharded
@@ -443,9 +444,7 @@ class TrainingState:
     @property
     def sharded(self) -> bool:
         """Captured from a sharded model: its model entries are DTensors (saved through DCP)."""
-        from torch.distributed.tensor import DTensor
-
-        return any(isinstance(v, DTensor) for v in (self.model or {}).values())
+        return any(is_dtensor(v) for v in (self.model or {}).values())
 
     def restore(self, objects: Dict[str, Any]) -> None:
         """Load every object's state and the random generators, so the run continues exactly.

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gptlab import is_dtensor
 from gptlab.config import SHARDED
 from gptlab.distributed import restarts, slurm
 from gptlab.errors import GptlabError
@@ -682,9 +683,7 @@ def reshard(model: nn.Module) -> None:
 
 def is_sharded(model: nn.Module) -> bool:
     """True for a model sharded by fully_shard (its parameters are DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def no_sync(model: nn.Module, sync: bool):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
@@ -11,17 +10,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.adam import adam as adam_step
 
+from gptlab import is_dtensor
 from gptlab.optim import width_mult
 from gptlab.optim.config import OptimizerConfig
 
 if TYPE_CHECKING:  # imported where a sharded run uses it: every run's start would pay for it
     from torch.distributed.tensor import DTensor
-
-
-def is_dtensor(x: Any) -> bool:
-    """x is a DTensor; none can exist before torch.distributed.tensor is imported."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(x, module.DTensor)
 
 
 # a quintic Newton-Schulz iteration tuned to converge in ~5 steps

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from gptlab import is_dtensor
 from gptlab.distributed import world as distributed
 from gptlab.errors import GptlabError
 
@@ -137,7 +138,7 @@ def describe(step: int, cause: str, loss: float, norm: float, factor: float) -> 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) entry's own shard; a plain tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _host(value: Any) -> Any:

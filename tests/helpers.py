@@ -131,6 +131,13 @@ def cli_env(env_extra=None) -> Dict[str, str]:
 SLACK = float(os.environ.get("GPTLAB_TEST_SLACK", 3 if os.environ.get("CI") == "true" else 1))
 
 
+def need(problem: str) -> None:
+    """Skip the test for `problem`, or fail it under CI=true (where the services must be there)."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{problem} (.ci/run should have provided it)")
+    pytest.skip(problem)
+
+
 def slack(seconds: float) -> float:
     """A subprocess deadline of `seconds` on a quiet machine, stretched for a loaded one (SLACK)."""
     return seconds * SLACK

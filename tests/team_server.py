@@ -20,17 +20,11 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
+from helpers import need  # noqa: F401 - test_mlflow_server imports it from here
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "mlflow_server.sh"
 SESSION_URI = "GPTLAB_TEST_MLFLOW_URI"  # exported by .ci/setup.d/mlflow_server.sh
-
-
-def need(problem: str) -> None:
-    """Skip the test for `problem`, or fail it under CI=true (where the services must be there)."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{problem} (.ci/run should have provided it)")
-    pytest.skip(problem)
 
 
 def session_server_uri() -> Optional[str]:

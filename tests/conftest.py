@@ -40,6 +40,41 @@ def _torch_threads_restored():
         torch.set_num_threads(before)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With GPTLAB_TEST_CPU=FILE, each test's CPU and wall seconds are appended to FILE.
+
+    CPU counts the test's process and every process it started and waited for: what makes the
+    suite slow on a busy machine is CPU, which wall times under xdist hide (docs/testing.md).
+    """
+    path = os.environ.get("GPTLAB_TEST_CPU")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        total = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            total += usage.ru_utime + usage.ru_stime
+        return total
+
+    cpu0, wall0 = cpu(), time.monotonic()
+    yield
+    row = {
+        "test": item.nodeid,
+        "cpu": round(cpu() - cpu0, 2),
+        "wall": round(time.monotonic() - wall0, 2),
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "end": round(time.time(), 1),
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     return find_shakespeare()

@@ -36,9 +36,12 @@ def cpu_units(monkeypatch):
 @pytest.mark.parametrize("avx512_bf16,amx", [(False, True), (True, False)])
 @pytest.mark.integration
 def test_on_a_cpu_with_bf16_units_a_wide_model_gets_bf16_and_the_default_fp32(
-    cpu_units, avx512_bf16, amx
+    cpu_units, avx512_bf16, amx, monkeypatch
 ):
     cpu_units(avx512_bf16, amx)
+    # compile's rule reads the peak at the chosen precision: a CPU without the units only emulates
+    # the bf16 matmul that would measure it, and the peak is not what this test decides
+    monkeypatch.setattr(costs, "measured_cpu_peak", lambda *args, **kwargs: 1e11)
     cfg, choices = resolved(BABY + ["train.max_steps=20"])
     assert cfg.hardware.precision == "bf16" and choices["precision"].auto
     assert "width 384" in choices["precision"].reason
@@ -439,6 +442,24 @@ def test_a_set_compile_is_kept_and_parallelism_compile_is_folded_into_it():
             want, "set", False
         )
         assert out.parallelism.compile is None  # decided once, in hardware.compile
+
+
+def test_auto_compile_estimates_the_step_only_where_its_rule_needs_it(monkeypatch):
+    """On the CPU auto never compiles: the step time (which measures the CPU's peak, at bf16 a
+    slow matmul without bf16 units) is not asked for; on a GPU it is, once."""
+    asked = []
+
+    def step_s(cfg):
+        asked.append(cfg.hardware.device)
+        return 0.1
+
+    cpu = to_config(compose_config(["model=gpt_nano", "hardware.threads=null"]))
+    out, choices = fastpath.resolve(cpu, step_s)
+    assert out.hardware.compile is False and choices["compile"].auto and asked == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cuda = to_config(compose_config(["model=gpt_nano", "hardware.device=cuda"]))
+    fastpath.resolve(cuda, step_s, steps=10**6, rate=None)
+    assert asked == ["cuda"]
 
 
 def test_rates_and_hours_are_rounded_as_they_are_said():

@@ -15,11 +15,12 @@ figures behind the rules were measured: docs/measurements/2026-12-03-fastpath.md
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 
@@ -136,16 +137,24 @@ def compile_cost_s(device: str) -> float:
     return warm if cache.is_dir() and any(cache.iterdir()) else cold
 
 
-def choose_compile(requested: Any, device: str, steps: int, step_s: Optional[float]) -> Choice:
+def choose_compile(
+    requested: Any,
+    device: str,
+    steps: int,
+    step_s: Union[None, float, Callable[[], Optional[float]]],
+) -> Choice:
     """hardware.compile: as set, or auto's choice from the run's expected eager time.
 
-    step_s: the expected eager step time (None: unknown, then eager)."""
+    step_s: the expected eager step time (None: unknown, then eager), or a function giving it,
+    called only where the rule needs it (the estimate measures the device's peak)."""
     if requested is not AUTO and requested != AUTO:
         return Choice(bool(requested), "set", False)
     if COMPILE_SAVING[device] <= 0:
         return Choice(False, f"a compiled step measured no faster on the {device.upper()}", True)
     if device == "cpu" and not shutil.which(os.environ.get("CXX", "g++")):
         return Choice(False, "inductor needs a C++ compiler (g++) on the CPU", True)
+    if callable(step_s):
+        step_s = step_s()
     if not step_s:
         return Choice(False, "the step time is unknown", True)
     cost, saving = compile_cost_s(device), COMPILE_SAVING[device] * steps * step_s
@@ -194,7 +203,8 @@ def resolve(
     requested = cfg.parallelism.compile if cfg.parallelism.compile is not None else hw.compile
     if requested == AUTO:
         staged = dataclasses.replace(cfg, hardware=hw)
-        compiled = choose_compile(AUTO, hw.device, steps or cfg.train.max_steps, step_s(staged))
+        expected = functools.partial(step_s, staged)
+        compiled = choose_compile(AUTO, hw.device, steps or cfg.train.max_steps, expected)
     else:
         compiled = choose_compile(requested, hw.device, 0, None)
     hw = dataclasses.replace(hw, compile=compiled.value)

@@ -53,6 +53,7 @@ def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path,
     """From the command line: which=best exports the best checkpoint, not the newest; a SwiGLU model
     gets its safetensors and one line saying why there is no Hugging Face folder."""
     from gptlab.checkpoint import state as checkpoint
+    from gptlab.export import main as export
 
     run_dir = tmp_path / "run"
     overrides = nano_overrides(
@@ -81,11 +82,9 @@ def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path,
         tmp_path / "best" / "hf_gpt2"
     ).exists()
     assert (tmp_path / "best" / "tokenizer.json").is_file()  # the tokenizer still goes with it
-    r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'latest'}"], cwd=tmp_path)
-    assert (
-        r.returncode == 0
-        and json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
-    )
+    # the default, in this process: the newest checkpoint
+    export([f"run={run_dir}", f"out={tmp_path / 'latest'}"])
+    assert json.loads((tmp_path / "latest" / "config.json").read_text())["step"] == 10
 
 
 @pytest.mark.slow
@@ -93,6 +92,7 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
     """The path lm_eval's hf model takes: AutoTokenizer and GPT2LMHeadModel on the folder give
     gptlab's ids and logits, and the config names the tokenizer's special tokens."""
     transformers = pytest.importorskip("transformers")
+    from gptlab.export import main as export
     from gptlab.model.inference import load_model
 
     run_dir = tmp_path / "run"
@@ -104,8 +104,7 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
         "data.tokenizer.vocab_size=512",
     )
     run_training(compose_config(overrides), run_dir)
-    r = run_cli(["gptlab.export", f"run={run_dir}", f"out={tmp_path / 'out'}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
+    export([f"run={run_dir}", f"out={tmp_path / 'out'}"])  # the command, in this process
     folder = tmp_path / "out" / "hf_gpt2"
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import cli_env
 
 from gptlab import cli
 from gptlab.bench import BenchConfig, bench_config
@@ -147,18 +144,21 @@ def test_a_dropped_lever_is_not_measured_again_when_nothing_was_kept_after_it(
 
 @pytest.mark.slow
 def test_the_ladder_measures_each_rung_in_its_own_benchmark_and_prints_one_table(
-    shakespeare, tmp_path
+    shakespeare, tmp_path, monkeypatch, capsys
 ):
+    """bench.ladder=true's job (gptlab.bench._job's ladder.run) here: each rung a real benchmark."""
     # compile's rung is skipped (minutes on a CPU), and with dropout the fused attention's: the
     # rungs measured are plain, bf16 and fused AdamW, then the two measured again
-    env = {**cli_env(), "CXX": "no-such-compiler"}
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # as a user's shell starts the rungs
+    monkeypatch.chdir(tmp_path)
     folder = tmp_path / "ladder"
-    args = [sys.executable, "-m", "gptlab.bench", "bench.ladder=true", "model=gpt_nano",
-            f"data.path={shakespeare}", "bench.warmup=1", "bench.steps=3", "train.batch_size=8",
-            "hardware.precision=bf16", "model.dropout=0.1", f"hydra.run.dir={folder}"]  # fmt: skip
-    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = json.loads(out.stdout.strip().splitlines()[-1])
+    args = ["bench.ladder=true", "model=gpt_nano", f"data.path={shakespeare}", "bench.warmup=1",
+            "bench.steps=3", "train.batch_size=8", "hardware.precision=bf16",
+            "model.dropout=0.1"]  # fmt: skip
+    ladder.run(cli.compose("bench", args), typed, args, folder)
+    out = capsys.readouterr()
+    line = json.loads(out.out.strip().splitlines()[-1])
     assert line == json.loads((folder / "ladder.json").read_text())
     rows = {r["rung"]: r for r in line["ladder"]}
     assert rows["plain fp32"]["precision"] == "fp32"  # the plain rung overrides the user's bf16
@@ -174,6 +174,6 @@ def test_the_ladder_measures_each_rung_in_its_own_benchmark_and_prints_one_table
     benches = sorted(p.parent.name for p in folder.glob("*/bench.json"))
     # the rungs, and the plainest and the best measured again (one, if no lever was kept)
     assert len(benches) in (len(measured) + 1, len(measured) + 2)
-    table = out.stdout
+    table = out.out
     assert "x plain" in table and "measured again at the end" in table
     assert os.path.exists(folder / "ladder.txt")

@@ -231,23 +231,22 @@ def test_micro_batch_auto_uses_the_planner():
 
 @pytest.mark.slow
 def test_plan_cli_gpt1b(tmp_path):
-    ok = run_cli(["gptlab.plan", "experiment=gpt1b_shakespeare"], cwd=REPO, timeout=120)
-    assert ok.returncode == 0, ok.stderr
-    assert "with activation checkpointing: fits at micro-batch 8" in ok.stdout
-    assert "without activation checkpointing: does not fit at micro-batch 8" in ok.stdout
+    """The command's exit code and one line where the recipe does not fit, and nothing written; the
+    report of a plan that fits is test_the_readmes_planner_figures's, in this process."""
     no = run_cli(
         [
             "gptlab.plan",
             "experiment=gpt1b_shakespeare",
             "parallelism.activation_checkpointing=false",
         ],
-        cwd=REPO,
+        cwd=tmp_path,
         timeout=120,
     )
     assert no.returncode == 2
     err = no.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("gptlab.plan: error: train.micro_batch_size=8")
-    assert "parallelism.activation_checkpointing=true" in err[0]
+    assert "parallelism.activation_checkpointing=true" in err[0] and "would fit" in err[0]
+    assert list(tmp_path.iterdir()) == []  # no outputs/, .hydra/ or log file
 
 
 @pytest.mark.slow
@@ -901,8 +900,9 @@ def muon_step_held(mode, ns):
         holder.matrices = matrices
         fully_shard(holder, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
     params = list(matrices)
+    # one Newton-Schulz iteration: each holds the same buffers, and bf16 matmuls are slow on a CPU
     opt = Muon([{"params": params, "weight_decay": 0.1, "muon": True}], 0.02, (0.9, 0.95), 1e-8,
-               0.9, 5, False, ns)  # fmt: skip
+               0.9, 1, False, ns)  # fmt: skip
     for p in params:
         g = torch.randn(p.shape)
         if isinstance(p, DTensor):

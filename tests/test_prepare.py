@@ -35,6 +35,7 @@ def test_prepare_command_then_train_on_bpe_shakespeare(tmp_path, shakespeare):
             "train.log_every=3",
             "train.sample_tokens=10",
             "tracking.mlflow=false",
+            "tracking.plots=false",  # the loss plot: test_train.py, test_records_tracker.py
             # six steps at the peak lr: enough to learn the commonest tokens
             "optimizer.warmup_steps=0",
             "optimizer.lr=1e-2",

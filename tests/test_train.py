@@ -93,6 +93,7 @@ def _long_run(shakespeare, *extra):
         "train.log_every=10",
         "train.eval_every=0",
         "tracking.mlflow=false",
+        "tracking.plots=false",  # the loss plot an ending run draws is not what these tests check
         "train.sample_tokens=0",
         "parallelism.timeout_s=30",
         "data.progress=false",

@@ -132,6 +132,18 @@ def test_measured_cpu_peak_is_the_best_trials_rate(monkeypatch):
     assert rate == 2 * n**3 * 9 / (10 / 1024)
 
 
+def test_a_slow_dtypes_peak_is_measured_on_a_product_that_fits_the_time(monkeypatch):
+    """One probe product of 128 sizes the measured one: a CPU that multiplies a dtype at 42 MFLOP/s
+    (bf16 without bf16 units is of that order) is measured at 128, a fast one at the full 1024."""
+    sizes = []
+    monkeypatch.setattr(measure, "best_matmul_rate", lambda a, *args, **kw: sizes.append(a.shape))
+    for tick, n in ((0.1, 128), (1e-6, 1024)):  # the probe's time: 2 x 128^3 flops in one tick
+        readings = iter([0.0, tick])
+        monkeypatch.setattr(measure.time, "perf_counter", readings.__next__)
+        measure.measured_cpu_peak.__wrapped__("bfloat16", seconds=0.3)
+        assert sizes.pop() == (n, n)
+
+
 def test_rss_helpers():
     assert measure.current_rss_bytes() > 0
     assert measure.reset_peak_rss()

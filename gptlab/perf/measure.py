@@ -39,9 +39,28 @@ def measured_cpu_peak(
     load as much as the CPU, and a peak is the rate the CPU reaches when it is ours.
     """
     dtype = getattr(torch, dtype_name)
+    n = _size_within(dtype, n, seconds / 2)
     a = torch.randn(n, n, dtype=dtype, device="cpu")
     b = torch.randn(n, n, dtype=dtype, device="cpu")
     return best_matmul_rate(a, b, seconds, trials, warmup=2)
+
+
+def _size_within(dtype: torch.dtype, largest: int, seconds: float, probe: int = 128) -> int:
+    """The largest square size up to `largest` (a multiple of `probe`) whose product takes at most
+    `seconds`, from one timed product of size `probe`.
+
+    A dtype this CPU multiplies slowly (bf16 without bf16 units: a 1024 product can take seconds)
+    is then measured in a fraction of a second, as fast ones are.
+    """
+    if largest <= probe:
+        return largest
+    a = torch.randn(probe, probe, dtype=dtype, device="cpu")
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    rate = 2 * probe**3 / max(time.perf_counter() - t0, 1e-9)
+    fits = int((rate * seconds / 2) ** (1 / 3)) // probe * probe
+    return max(probe, min(largest, fits))
 
 
 def best_matmul_rate(

@@ -132,11 +132,14 @@ def body(lines):
 
 
 @pytest.mark.slow
-def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
+def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep, monkeypatch, capsys):
+    """In this process: the command is run by
+    test_an_experiment_shows_its_sweep_and_search_parents_over_their_jobs."""
     cwd, sweep_dir, info, _ = sweep
-    r = run_cli(["gptlab.compare", str(sweep_dir)], cwd=cwd)
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.splitlines()
+    monkeypatch.chdir(cwd)
+    compare_main([str(sweep_dir)])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     # a column the same in every row (the wall time, 0s in runs this short) is said above the heads
     said = lines[0] if lines[0].startswith("every run: ") else ""
     heads = ["run", "best val loss", "best val bpb", "status", "optimizer.lr", "tokens/s", "MFU",
@@ -163,7 +166,7 @@ def test_compare_a_sweep_folder_prints_the_table_and_writes_the_png(sweep):
     assert all(len(ln) <= WIDTH for ln in lines[:-1]), lines  # all but the PNG's path
     assert "errors:" in lines and any("2: GptlabError: optimizer.lr" in ln for ln in lines)
     png = sweep_dir / "compare_val_loss.png"
-    assert f"val loss curves: {png}" in r.stdout
+    assert f"val loss curves: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -73,12 +73,8 @@ def test_resume_never_moves_the_earlier_run_aside_and_never_mixes(tmp_path, shak
 @pytest.mark.integration
 def test_auto_refuses_another_runs_checkpoint_in_one_line_naming_the_keys(tmp_path, shakespeare):
     run_dir = tmp_path / "r"
-    assert (
-        cli(
-            [*overrides(shakespeare, "train.max_steps=10"), f"hydra.run.dir={run_dir}"], tmp_path
-        ).returncode
-        == 0
-    )
+    # the earlier run in this process: the refusal is the command's
+    run_training(compose_config(overrides(shakespeare, "train.max_steps=10")), run_dir)
     snapshot = {
         p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.parent.name != ".hydra"
     }
@@ -142,13 +138,13 @@ def test_every_checkpoint_broken_is_refused_and_nothing_is_touched(tmp_path, sha
 
 
 @pytest.mark.slow
-def test_rerunning_a_finished_run_changes_nothing(tmp_path, shakespeare):
+def test_rerunning_a_finished_run_changes_nothing(tmp_path, shakespeare, monkeypatch):
     run_dir = tmp_path / "r"
-    args = [
-        *overrides(shakespeare, "train.max_steps=10", "tracking.mlflow=true"),
-        f"hydra.run.dir={run_dir}",
-    ]
-    assert cli(args, tmp_path).returncode == 0
+    first = overrides(shakespeare, "train.max_steps=10", "tracking.mlflow=true")
+    # the first run in this process, its store where the command's is: the rerun is the command's
+    monkeypatch.chdir(tmp_path)
+    run_training(compose_config(first), run_dir)
+    args = [*first, f"hydra.run.dir={run_dir}"]
     assert not (run_dir / ".gptlab.lock").exists()  # held only while the run lasts
     files = {
         p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.parent.name != ".hydra"
@@ -175,8 +171,8 @@ def test_a_stop_checkpoint_is_kept_and_the_resumed_curve_is_the_uninterrupted_on
 ):
     """Issue 11 case 1 and 8: SIGTERM mid-run in a reused folder, then the same run again."""
     run_dir, straight = tmp_path / "r", tmp_path / "straight"
-    first = [*overrides(shakespeare, "train.max_steps=60"), f"hydra.run.dir={run_dir}"]
-    assert cli(first, tmp_path).returncode == 0
+    # the earlier run in the folder, in this process: the stop and the resume are the commands'
+    run_training(compose_config(overrides(shakespeare, "train.max_steps=60")), run_dir)
     second = [
         *overrides(
             shakespeare,

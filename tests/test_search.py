@@ -10,12 +10,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from helpers import run_cli
 
+from gptlab.compare import main as compare_main
 from gptlab.errors import GptlabError
 from gptlab.search import space as spaces
 from gptlab.search import study as studies
@@ -105,14 +107,20 @@ def test_the_storage_url_is_absolute_and_postgresql_goes_through_psycopg(tmp_pat
 def test_sweepers_opening_a_new_study_database_at_once_all_open_it(tmp_path):
     """Two sweepers started together both create the tables of a new SQLite study; the one that
     loses the race finds them made, instead of stopping on a UNIQUE constraint."""
-    code = "import sys; from gptlab.search import study; study.open_storage(sys.argv[1]); print(1)"
-    for round_ in range(3):
-        url = f"sqlite:///{tmp_path}/{round_}/optuna.db"
-        procs = [subprocess.Popen([sys.executable, "-c", code, url], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert out.strip() == "1", err[-1000:]
+    # each process opens the three rounds' databases, all of them the same one at the same moment
+    code = (
+        "import sys, time; from gptlab.search import study\n"
+        "start = float(sys.argv[1])\n"
+        "for n, url in enumerate(sys.argv[2:]):\n"
+        "    time.sleep(max(0.0, start + n - time.time())); study.open_storage(url); print(1)"
+    )
+    urls = [f"sqlite:///{tmp_path}/{round_}/optuna.db" for round_ in range(3)]
+    start = str(time.time() + 3)
+    procs = [subprocess.Popen([sys.executable, "-c", code, start, *urls], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert out.split() == ["1"] * 3, err[-1000:]
 
 
 @pytest.mark.integration
@@ -380,7 +388,9 @@ def trials_of(url: str, name: str):
 
 
 @pytest.mark.slow
-def test_a_local_search_records_failed_and_pruned_trials_and_completes(shakespeare, tmp_path):
+def test_a_local_search_records_failed_and_pruned_trials_and_completes(
+    shakespeare, tmp_path, capsys, monkeypatch
+):
     outputs = tmp_path / "outputs"
     # half the lr range (log scale) diverges
     r = run_cli(
@@ -440,20 +450,22 @@ def test_a_local_search_records_failed_and_pruned_trials_and_completes(shakespea
     assert parent.data.metrics["search/best_value"] == pytest.approx(best)
     assert parent.info.status == "FINISHED"  # failures within max_failure_rate
     assert parent.data.params["space/optimizer.lr"] == "float log [0.001, 1000.0]"
-    # compare lists the trials best first, the pruned ones marked
-    c = run_cli(["gptlab.compare", str(search), f"paths.outputs={outputs}"], cwd=tmp_path)
-    assert c.returncode == 0, c.stderr[-2000:]
+    # compare (in this process: test_compare.py runs its command) lists the trials best first, the
+    # pruned ones marked
+    monkeypatch.chdir(tmp_path)  # where the command ran
+    compare_main([str(search), f"paths.outputs={outputs}"])
+    out = capsys.readouterr().out
     # a table wider than 100 columns goes on in a second part, led again by each trial
-    rows = list(
-        dict.fromkeys(ln.split()[0] for ln in c.stdout.splitlines()[2:] if ln[:1].isdigit())
-    )
+    rows = list(dict.fromkeys(ln.split()[0] for ln in out.splitlines()[2:] if ln[:1].isdigit()))
     complete = sorted((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
     assert rows[0] == str(complete[0].number) and len(rows) == 6
-    assert "PRUNED" in c.stdout
+    assert "PRUNED" in out
 
 
 @pytest.mark.slow
-def test_a_search_over_seeds_ranks_each_point_by_its_seeds_mean(shakespeare, tmp_path):
+def test_a_search_over_seeds_ranks_each_point_by_its_seeds_mean(
+    shakespeare, tmp_path, capsys, monkeypatch
+):
     outputs = tmp_path / "outputs"
     r = run_cli(
         search_args(
@@ -474,11 +486,12 @@ def test_a_search_over_seeds_ranks_each_point_by_its_seeds_mean(shakespeare, tmp
         assert t.value == pytest.approx(sum(losses) / 2, rel=1e-12)
         assert t.user_attrs["seed_values"] == pytest.approx(losses)
     assert "(mean ± std of 2 seeds)" in r.stdout + r.stderr
-    # compare: the trials' seeds are replicates of 2 configurations
-    c = run_cli(["gptlab.compare", str(search), f"paths.outputs={outputs}"], cwd=tmp_path)
-    assert c.returncode == 0, c.stderr[-2000:]
-    assert "4 runs, 2 configurations (by train.seed)" in c.stdout
-    assert "0/seed_5" in c.stdout and "1/seed_6" in c.stdout
+    # compare, in this process: the trials' seeds are replicates of 2 configurations
+    monkeypatch.chdir(tmp_path)  # where the command ran
+    compare_main([str(search), f"paths.outputs={outputs}"])
+    out = capsys.readouterr().out
+    assert "4 runs, 2 configurations (by train.seed)" in out
+    assert "0/seed_5" in out and "1/seed_6" in out
 
 
 @pytest.mark.slow

@@ -48,8 +48,9 @@ def measured_cpu_peak(
 def _size_within(dtype: torch.dtype, largest: int, seconds: float, probe: int = 128) -> int:
     """The largest square size up to `largest` whose product takes at most `seconds`.
 
-    A multiple of `probe`, from one timed product of that size. A dtype this CPU multiplies slowly (bf16 without bf16 units: a 1024 product can take seconds)
-    is then measured in a fraction of a second, as fast ones are.
+    A multiple of `probe`, from one timed product of that size. A dtype this CPU multiplies slowly
+    (bf16 without bf16 units: a 1024 product can take seconds) is then measured in a fraction of a
+    second, as fast ones are.
     """
     if largest <= probe:
         return largest

@@ -326,23 +326,20 @@ def cli(args, cwd):
 
 
 @pytest.mark.slow
-def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, shakespeare):
+def test_two_process_resume_is_exact_and_can_continue_on_one_process(tmp_path, shakespeare, capsys):
     base = [*resume_overrides(shakespeare), "model.dropout=0.0", "train.micro_batch_size=4"]
     straight, split, moved = tmp_path / "straight", tmp_path / "split", tmp_path / "moved"
-    assert (
-        cli(
-            [*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={straight}"], tmp_path
-        ).returncode
-        == 0
-    )
-    r = cli([*base, "hardware=cpu_x2", "train.max_steps=10", f"hydra.run.dir={split}"], tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
+    # in this process, whose fork server starts the workers of every two-process run it launches
+    run_training(compose_config([*base, "hardware=cpu_x2", "train.max_steps=20"]), straight)
+    run_training(compose_config([*base, "hardware=cpu_x2", "train.max_steps=10"]), split)
     shutil.copytree(split, moved)  # the same first leg, resumed below on one process
     r = cli([*base, "hardware=cpu_x2", "train.max_steps=20", f"hydra.run.dir={split}"], tmp_path)
     assert r.returncode == 0 and "resuming from" in r.stdout, r.stderr[-2000:]
     # the same global batch of 8 on one process: 4 x 2 accumulation steps
-    r = cli([*base, "hardware=cpu", "train.max_steps=20", f"hydra.run.dir={moved}"], tmp_path)
-    assert r.returncode == 0 and "= 4 x 2 accum x 1 ranks" in r.stdout, r.stderr[-2000:]
+    capsys.readouterr()
+    run_training(compose_config([*base, "hardware=cpu", "train.max_steps=20"]), moved)
+    out = capsys.readouterr().out
+    assert "= 4 x 2 accum x 1 ranks" in out and "resuming from" in out, out[-2000:]
     a, b = final_params(straight), final_params(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
     ref = logged_losses(straight)
@@ -417,7 +414,7 @@ def test_sigkill_while_writing_a_checkpoint_loses_nothing(tmp_path, shakespeare)
 
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
-    tmp_path, shakespeare
+    tmp_path, shakespeare, capsys, monkeypatch
 ):
     run_dir = tmp_path / "run"
     args = [
@@ -444,10 +441,13 @@ def test_sigterm_stops_cleanly_with_a_checkpoint_and_the_same_command_continues(
     assert stopped["stopped_by"] == "SIGTERM"
     step = stopped["steps"]
     assert checkpoint.latest(run_dir / "checkpoints").name == f"ckpt_{step:08d}.pt"
-    # the same command continues from there
-    args = [a for a in args if not a.startswith("train.max_steps=")]
-    r = run_cli(["gptlab.train", *args, f"train.max_steps={step + 5}"], tmp_path, timeout=120)
-    assert r.returncode == 0 and f"step {step}" in r.stdout, r.stderr[-2000:]
+    # the same overrides continue from there, in this process, from the same working folder
+    args = [a for a in args if not a.startswith(("train.max_steps=", "hydra.run.dir="))]
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    run_training(compose_config([*args, f"train.max_steps={step + 5}"]), run_dir)
+    out = capsys.readouterr().out
+    assert f"step {step}" in out, out[-2000:]
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if "train_loss" in x]
     assert steps == list(range(1, step + 6))  # every step once: none missing, none logged twice
     # one MLflow run across the restart, with one point per logged step

@@ -203,16 +203,17 @@ def test_two_processes_equal_one_and_a_run_moves_to_one_process_mid_mixture(
             "train.eval_every=4", "train.sample_tokens=0", "model.dropout=0.0",
             "optimizer.decay_steps=8", "train.micro_batch_size=4"]  # fmt: skip
     straight, two, moved = tmp_path / "straight", tmp_path / "two", tmp_path / "moved"
-    legs = [
+    # in this process (its fork server starts both two-process runs' workers)
+    for run_dir, hardware, steps in [
         (straight, "hardware=cpu", 8),
         (two, "hardware=cpu_x2", 8),
         (moved, "hardware=cpu_x2", 4),
-        (moved, "hardware=cpu", 8),
-    ]
-    for run_dir, hardware, steps in legs:
-        r = run_cli(["gptlab.train", *base, hardware, f"train.max_steps={steps}",
-                     f"hydra.run.dir={run_dir}"], tmp_path)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-2000:]
+    ]:
+        run_training(compose_config([*base, hardware, f"train.max_steps={steps}"]), run_dir)
+    # the continuation as a user runs it: the command says it resumed
+    r = run_cli(["gptlab.train", *base, "hardware=cpu", "train.max_steps=8",
+                 f"hydra.run.dir={moved}"], tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
     assert "resuming from" in r.stdout
     for key in ("train_loss", "val/plays/loss", "val/notes/loss"):
         ref = _logged(straight, key)

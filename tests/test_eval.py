@@ -234,6 +234,8 @@ def test_gptlab_eval_equals_lm_evals_hf_model_on_the_export(tmp_path, shakespear
 @pytest.mark.slow
 def test_two_processes_score_a_sharded_checkpoint_as_one_does(tmp_path, shakespeare):
     """An fsdp run's sharded checkpoint, evaluated by 1 and by 2 processes (gloo): equal figures."""
+    from gptlab.eval import main as evaluate
+
     run_dir = tmp_path / "run"
     overrides = nano_overrides(
         shakespeare, "train.max_steps=20", "train.sample_tokens=0", "hardware=cpu_x2",
@@ -243,13 +245,10 @@ def test_two_processes_score_a_sharded_checkpoint_as_one_does(tmp_path, shakespe
     assert any(p.is_dir() for p in (run_dir / "checkpoints").glob("ckpt_*"))  # sharded
     tasks = next_line_task(tmp_path / "tasks", shakespeare, 25)
     figures = []
+    # in this process: test_two_processes_leave_stderr_clean runs the command on 2 processes
     for hardware in ("cpu", "cpu_x2"):
-        r = run_cli(
-            ["gptlab.eval", f"run={run_dir}", "tasks=[next_line]", f"eval.include={tasks}",
-             f"hardware={hardware}", "eval.mlflow=false"],
-            cwd=tmp_path, timeout=600,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
+        evaluate([f"run={run_dir}", "tasks=[next_line]", f"eval.include={tasks}",
+                  f"hardware={hardware}", "eval.mlflow=false"])  # fmt: skip
         body = eval_json(run_dir)["_body"]
         assert body["processes"] == (1 if hardware == "cpu" else 2)
         figures.append({(x["task"], x["metric"]): x["value"] for x in body["results"]})

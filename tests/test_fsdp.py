@@ -20,10 +20,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import REPO, cli_env, nano_overrides, overwrite_entry, run_cli
+from helpers import REPO, cli_env, compose_config, nano_overrides, overwrite_entry, run_cli
 
 from gptlab.checkpoint import state as checkpoint
 from gptlab.model.inference import load_model
+from gptlab.train import run_training
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 # each test trains several multi-process runs (and a shared one in its set-up): on a machine the
@@ -65,6 +66,44 @@ def train(
         )
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def train_here(args, run_dir: Path) -> None:
+    """run_training in this process, for a run whose console lines the test does not read.
+
+    With hardware=cpu_x2 this process is the launcher: its workers fork from this process's fork
+    server, which imported torch once for every such run of the test process.
+    """
+    run_training(compose_config(list(args)), run_dir)
+
+
+TRAIN_IN_ONE_PROCESS = textwrap.dedent("""
+    import pathlib, sys
+    sys.path.insert(0, {tests!r})
+    from helpers import compose_config
+    from gptlab.train import run_training
+    for args, run_dir in {runs!r}:
+        print({separator!r}, flush=True)
+        print({separator!r}, file=sys.stderr, flush=True)
+        run_training(compose_config(args), pathlib.Path(run_dir))
+""")
+
+
+def train_in_one_process(runs, cwd: Path, timeout=600) -> "list[tuple[str, str]]":
+    """Train each (args, run_dir) in turn in one new process; return each run's (stdout, stderr).
+
+    Its workers fork from that process's one fork server, and their lines come back too.
+    """
+    separator = "--- gptlab test: the next run ---"
+    script = TRAIN_IN_ONE_PROCESS.format(
+        tests=str(REPO / "tests"), runs=[(list(a), str(d)) for a, d in runs], separator=separator
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=cli_env(),
+                       capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    outs, errs = (text.split(separator + "\n")[1:] for text in (r.stdout, r.stderr))
+    assert len(outs) == len(errs) == len(runs)
+    return list(zip(outs, errs))
 
 
 def curves(run_dir: Path):
@@ -130,10 +169,15 @@ def test_fsdp_and_hsdp_on_two_processes_match_one_process(tmp_path, shakespeare)
             "hsdp mesh 2x1 (replicate x shard)",
         ),
     }
+    # every run but torchrun's in one process: each run's lines, its workers' too, come back
+    spawned = [name for name, run in runs.items() if run[1] is None]
+    legs = [([*args, *runs[n][0]], tmp_path / n) for n in spawned]
+    stdouts = {n: out for n, (out, _) in zip(spawned, train_in_one_process(legs, tmp_path))}
     out = {}
     for name, (extra, launcher, shown) in runs.items():
-        r = train([*args, *extra], tmp_path / name, tmp_path, launcher)
-        assert shown in r.stdout, f"{name}: {r.stdout[-2000:]}"
+        if name not in stdouts:
+            stdouts[name] = train([*args, *extra], tmp_path / name, tmp_path, launcher).stdout
+        assert shown in stdouts[name], f"{name}: {stdouts[name][-2000:]}"
         assert len((tmp_path / name / "samples.txt").read_text()) >= 20
         out[name] = curves(tmp_path / name)
     ref = out.pop("single")
@@ -163,8 +207,8 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shake
     )
     fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
     single, straight, resumed = tmp_path / "single", tmp_path / "straight", tmp_path / "resumed"
-    train([*args, "hardware=cpu", "train.max_steps=10"], single, tmp_path)
-    train([*args, *fsdp2, "train.max_steps=10"], straight, tmp_path)
+    train_here([*args, "hardware=cpu", "train.max_steps=10"], single)
+    train_here([*args, *fsdp2, "train.max_steps=10"], straight)
     got, ref = curves(straight), curves(single)
     worst = max(abs(g[s] - r[s]) for g, r in zip(got, ref) for s in r)
     print(f"muon fsdp: largest |loss - 1 process| over 10 train and 2 val losses: {worst:.2e}")
@@ -185,7 +229,7 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_exactly(tmp_path, shake
         [TORCHRUN, "--nproc_per_node=2"],
     )
     assert_same_curves(curves(hsdp), ref, abs=2e-5)
-    train([*args, *fsdp2, "train.max_steps=5"], resumed, tmp_path)
+    train_here([*args, *fsdp2, "train.max_steps=5"], resumed)
     r = train([*args, *fsdp2, "train.max_steps=10"], resumed, tmp_path)
     assert "resuming from" in r.stdout
     assert curves(resumed) == curves(straight)
@@ -212,11 +256,10 @@ def test_evaluating_the_weight_average_leaves_no_gathered_copy_for_the_next_step
         shakespeare, *muon, "train.max_steps=8", "train.eval_every=4", "optimizer.warmup_steps=2"
     )
     single, sharded = tmp_path / "single", tmp_path / "sharded"
-    train([*args, "hardware=cpu"], single, tmp_path)
-    train(
+    train_here([*args, "hardware=cpu"], single)
+    train_here(
         [*args, "hardware=cpu_x2", "parallelism=fsdp", "parallelism.reshard_after_forward=false"],
         sharded,
-        tmp_path,
     )
     assert_same_curves(curves(sharded), curves(single))
 
@@ -225,7 +268,7 @@ def fsdp_run(tmp_path_factory, shakespeare, steps: int) -> Path:
     """A steps-long fsdp run of base's settings on 2 processes, in a folder of its own."""
     tmp = tmp_path_factory.mktemp(f"fsdp_{steps}")
     args = [*base(shakespeare, f"train.max_steps={steps}"), "hardware=cpu_x2", "parallelism=fsdp"]
-    train(args, tmp / "run", tmp)
+    train_here(args, tmp / "run")
     return tmp / "run"
 
 
@@ -242,7 +285,7 @@ def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strateg
     args = base(shakespeare)
     fsdp2 = ["hardware=cpu_x2", "parallelism=fsdp"]
     first = tmp_path / "first"
-    train([*args, *fsdp2, "train.max_steps=10"], first, tmp_path)
+    train_here([*args, *fsdp2, "train.max_steps=10"], first)
     ckpts = checkpoint.list_checkpoints(first / "checkpoints")
     assert [p.name for p in ckpts] == ["ckpt_00000005", "ckpt_00000010"]  # folders: sharded
     assert sorted(f.name for f in ckpts[-1].iterdir()) == [
@@ -270,7 +313,7 @@ def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strateg
     }.items():
         moved = tmp_path / name
         shutil.copytree(first, moved)
-        train([*args, *topology, "train.max_steps=20"], moved, tmp_path)
+        train_here([*args, *topology, "train.max_steps=20"], moved)
         assert_same_curves(curves(moved), (ref_train, ref_val), steps=range(11, 21))
         got = final_params(moved)
         assert all(torch.allclose(got[k], ref_params[k], atol=1e-5, rtol=0) for k in ref_params), (
@@ -278,9 +321,9 @@ def test_sharded_checkpoints_resume_exactly_and_reshard_to_any_world_and_strateg
         )
     # a DDP checkpoint resumes under fsdp
     ddp = tmp_path / "from_ddp"
-    train([*args, "hardware=cpu_x2", "parallelism=ddp", "train.max_steps=10"], ddp, tmp_path)
+    train_here([*args, "hardware=cpu_x2", "parallelism=ddp", "train.max_steps=10"], ddp)
     assert checkpoint.latest(ddp / "checkpoints").name == "ckpt_00000010.pt"
-    train([*args, *fsdp2, "train.max_steps=20"], ddp, tmp_path)
+    train_here([*args, *fsdp2, "train.max_steps=20"], ddp)
     assert checkpoint.latest(ddp / "checkpoints").name == "ckpt_00000020"
     assert_same_curves(curves(ddp), (ref_train, ref_val), steps=range(11, 21))
 
@@ -369,19 +412,12 @@ def fifteen_fsdp(tmp_path_factory, shakespeare):
     return fsdp_run(tmp_path_factory, shakespeare, 15)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("damage", ["random_bytes", "crafted_pickle"])
-def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(  # noqa: E501
-    tmp_path, shakespeare, straight_fsdp, fifteen_fsdp, damage
-):
-    """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would
-    run code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names
-    the entry and why in one line, moves the checkpoint to broken/ and resumes the one before,
-    bitwise the run never damaged; the crafted entry runs nothing, and nothing tells the user to
-    load unsafely."""
-    run_dir, marker = tmp_path / "run", tmp_path / "pwned"
-    args = [*base(shakespeare), "hardware=cpu_x2", "parallelism=fsdp"]
-    shutil.copytree(fifteen_fsdp, run_dir)
+def damaged_copy(fifteen: Path, run_dir: Path, damage: str, marker: Path):
+    """A copy of fifteen with one entry of its newest checkpoint damaged in place, sizes kept.
+
+    Returns the checkpoint, the entry, its shard file, the cause the line gives, and the sizes.
+    """
+    shutil.copytree(fifteen, run_dir)
     newest = run_dir / "checkpoints" / "ckpt_00000015"
     sizes = {f.name: f.stat().st_size for f in newest.iterdir()}
     if damage == "random_bytes":  # a moment tensor: its zip archive is gone, torch.load fails on it
@@ -393,28 +429,46 @@ def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_
         )
         cause = "(unsafe: loading it would run posix.system)"
     assert {f.name: f.stat().st_size for f in newest.iterdir()} == sizes
+    return newest, entry, shard, cause, sizes
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_with_an_unreadable_entry_is_named_moved_aside_and_the_previous_one_resumed(  # noqa: E501
+    tmp_path, shakespeare, straight_fsdp, fifteen_fsdp
+):
+    """Issue 27 case 1: random bytes over an optimizer moment (sizes kept), or a pickle that would
+    run code in place of a non-tensor entry (stock DCP unpickles those unsafely): the rerun names
+    the entry and why in one line, moves the checkpoint to broken/ and resumes the one before,
+    bitwise the run never damaged; the crafted entry runs nothing, and nothing tells the user to
+    load unsafely. Both damages' reruns run in one process, one after the other."""
+    marker = tmp_path / "pwned"
+    args = [*base(shakespeare), "hardware=cpu_x2", "parallelism=fsdp"]
+    damages = ["random_bytes", "crafted_pickle"]
+    cases = {d: damaged_copy(fifteen_fsdp, tmp_path / d, d, marker) for d in damages}
     # the entries' own reader, behind the digests (test_checkpoint_state.py tests those): off here
-    r = train([*args, "train.max_steps=20", "train.verify_checkpoints=false"], run_dir, tmp_path)
-    out = r.stdout + r.stderr
-    # the one line naming it, and why
-    (line,) = [ln for ln in out.splitlines() if str(newest) in ln]
-    assert line in r.stderr.splitlines()  # a warning
-    assert line.startswith(
-        f"gptlab: checkpoint {newest} has an unreadable entry {entry} in {shard} {cause}"
-    )
-    assert line.endswith("); trying the previous checkpoint")
-    assert (
-        "resuming from" in out and f"{run_dir / 'checkpoints' / 'ckpt_00000010'} (step 10)" in out
-    )
-    assert "does not fit" not in out and "weights_only" not in out and "Traceback" not in out
+    rerun = [*args, "train.max_steps=20", "train.verify_checkpoints=false"]
+    printed = train_in_one_process([(rerun, tmp_path / d) for d in damages], tmp_path)
+    ref_params, ref_curves = final_params(straight_fsdp), curves(straight_fsdp)
+    for damage, (stdout, stderr) in zip(damages, printed):
+        run_dir, (newest, entry, shard, cause, sizes) = tmp_path / damage, cases[damage]
+        out = stdout + stderr
+        # the one line naming it, and why
+        (line,) = [ln for ln in out.splitlines() if str(newest) in ln]
+        assert line in stderr.splitlines(), damage  # a warning
+        assert line.startswith(
+            f"gptlab: checkpoint {newest} has an unreadable entry {entry} in {shard} {cause}"
+        )
+        assert line.endswith("); trying the previous checkpoint")
+        ckpt_10 = run_dir / "checkpoints" / "ckpt_00000010"
+        assert "resuming from" in out and f"{ckpt_10} (step 10)" in out
+        assert "does not fit" not in out and "weights_only" not in out and "Traceback" not in out
+        broken = run_dir / "checkpoints" / "broken" / "ckpt_00000015" / shard
+        assert broken.stat().st_size == sizes[shard]
+        assert json.loads((run_dir / "results.json").read_text())["steps"] == 20
+        got = final_params(run_dir)
+        assert all(torch.equal(got[k], ref_params[k]) for k in ref_params)  # nothing left behind
+        assert curves(run_dir) == ref_curves
     assert not marker.exists()
-    assert (run_dir / "checkpoints" / "broken" / "ckpt_00000015" / shard).stat().st_size == sizes[
-        shard
-    ]
-    assert json.loads((run_dir / "results.json").read_text())["steps"] == 20
-    got, ref = final_params(run_dir), final_params(straight_fsdp)
-    assert all(torch.equal(got[k], ref[k]) for k in ref)  # the failed restore left nothing behind
-    assert curves(run_dir) == curves(straight_fsdp)
 
 
 @pytest.mark.slow

@@ -285,14 +285,16 @@ def test_the_finetune_recipe_on_a_small_gpt2_lowers_val_loss_and_records_its_sou
         assert torch.equal(again.eval()(idx)[0], trained(idx)[0])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_init_from_under_two_processes_equals_one_process(tmp_path, shakespeare, strategy):
-    """Weights loaded whole on every rank before wrapping (fsdp shards the loaded model): the
-    per-step losses of 2 gloo processes are one process's within 1e-5."""
-    from test_fsdp import assert_same_curves, base, curves, train
+@pytest.fixture(scope="module")
+def init_from_one(tmp_path_factory, shakespeare):
+    """A short run from a GPT-2 source on one process: its overrides and its folder.
 
-    folder = hf_gpt2(tmp_path / "hf")
+    The reference both strategies' two-process runs must equal.
+    """
+    from test_fsdp import base, train_here
+
+    tmp = tmp_path_factory.mktemp("init_from")
+    folder = hf_gpt2(tmp / "hf")
     args = base(
         shakespeare,
         f"model.init_from={folder}",
@@ -302,6 +304,17 @@ def test_init_from_under_two_processes_equals_one_process(tmp_path, shakespeare,
         "train.save_checkpoints=false",
         "parallelism.activation_checkpointing=false",
     )
-    train([*args, "hardware=cpu"], tmp_path / "one", tmp_path)
-    train([*args, "hardware=cpu_x2", f"parallelism={strategy}"], tmp_path / "two", tmp_path)
-    assert_same_curves(curves(tmp_path / "two"), curves(tmp_path / "one"))
+    train_here([*args, "hardware=cpu"], tmp / "one")
+    return args, tmp / "one"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_init_from_under_two_processes_equals_one_process(tmp_path, init_from_one, strategy):
+    """Weights loaded whole on every rank before wrapping (fsdp shards the loaded model): the
+    per-step losses of 2 gloo processes are one process's within 1e-5."""
+    from test_fsdp import assert_same_curves, curves, train_here
+
+    args, one = init_from_one
+    train_here([*args, "hardware=cpu_x2", f"parallelism={strategy}"], tmp_path / "two")
+    assert_same_curves(curves(tmp_path / "two"), curves(one))

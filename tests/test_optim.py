@@ -432,7 +432,16 @@ def test_muon_split_over_two_ranks_equals_one_process(tmp_path):
     both (measured), since each matrix's iteration does not depend on the others in its stack."""
     import torch.multiprocessing as mp
 
-    mp.spawn(split_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    from gptlab.distributed.world import PRELOAD
+
+    # forked from one server that imported torch once (training's, if this process started it)
+    mp.set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        split_worker,
+        args=(str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        start_method="forkserver",
+    )
     ranks = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
     owners, worst = muon_owners(SPLIT_SHAPES, 2), 0.0
     for ns, mode in ranks[0]:

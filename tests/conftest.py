@@ -29,6 +29,19 @@ def _isolated_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _console_restored(monkeypatch):
+    """A test that calls gptlab.bench's main in process leaves the next test's lines on stdout.
+
+    bench's main sends INFO lines to stderr for its whole process (stdout is its JSON line).
+    """
+    from gptlab.console import ConsoleHandler
+
+    monkeypatch.setattr(
+        ConsoleHandler, "info_stream_is_stderr", ConsoleHandler.info_stream_is_stderr
+    )
+
+
+@pytest.fixture(autouse=True)
 def _torch_threads_restored():
     """A run built in this process may set torch's thread count (hardware.threads): the next test
     starts from the same count."""

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-from helpers import need  # noqa: F401 - test_mlflow_server imports it from here
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "launch" / "mlflow_server.sh"

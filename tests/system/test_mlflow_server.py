@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import List
 
 import pytest
-from helpers import cli_env, run_cli
-from team_server import ScriptServer, alive, live_pids, need, stop_group
+from helpers import cli_env, need, run_cli
+from team_server import ScriptServer, alive, live_pids, stop_group
 from test_sync import expected_points, recorded_points
 
 pytestmark = pytest.mark.slow

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import pytest
+import warm_start
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 import gptlab.config  # noqa: F401 - registers the schema in Hydra's ConfigStore
 from gptlab.data.sources import cache_root, shakespeare_file
 from gptlab.errors import GptlabError
+from gptlab.ui import server_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -144,9 +146,15 @@ def slack(seconds: float) -> float:
 
 
 def run_cli(
-    args: List[str], cwd: Path, timeout: float = 300, env_extra=None
+    args: List[str], cwd: Path, timeout: float = 300, env_extra=None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """Run `python -m <args>` as a user would, from cwd; timeout stretched by SLACK."""
+    """Run `python -m <args>` as a user would, from cwd; timeout stretched by SLACK.
+
+    The process is forked from this test process's warm-start server (tests/warm_start.py: torch,
+    MLflow and Hydra already imported); fresh=True starts a new interpreter instead.
+    """
+    if warm_start.enabled() and not fresh:
+        return warm_start.run(args, cwd, cli_env(env_extra), slack(timeout))
     return subprocess.run(
         [sys.executable, "-m", *args],
         cwd=cwd,
@@ -157,9 +165,11 @@ def run_cli(
     )
 
 
-def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False) -> subprocess.Popen:
+def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False, fresh: bool = False):
     """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start
-    several)."""
+    several): a Popen, or warm_start's equivalent."""
+    if warm_start.enabled() and not fresh:
+        return warm_start.WarmPopen(args, cwd, cli_env(), merge_stderr)
     return subprocess.Popen(
         [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
@@ -192,6 +202,7 @@ def start_mlflow_server(store: Path, attempts: int = 3):
                     str(store / "artifacts"),
                 ],
                 cwd=store,
+                env=server_env(),  # as gptlab.ui's: no job runner beside it
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -10,6 +10,7 @@ import time
 
 import psutil
 import pytest
+import warm_start
 from helpers import REPO
 
 SCRIPT = REPO / "launch" / "gpu_check.sh"
@@ -27,10 +28,12 @@ BENCHES = {
 
 
 def env(tmp, **extra):
-    """The script's environment: this interpreter, its temporary files under tmp, no device-tool
-    $OUT, no leftover settings."""
+    """The script's environment: this interpreter (its gptlab commands forked warm:
+    tests/warm_start.py), its temporary files under tmp, no device-tool $OUT, no leftover
+    settings."""
     base = {k: v for k, v in os.environ.items() if k != "OUT" and not k.startswith("GPU_CHECK_")}
-    return {**base, "PYTHON": sys.executable, "TMPDIR": str(tmp), **extra}
+    python = warm_start.python_env() if warm_start.enabled() else {"PYTHON": sys.executable}
+    return {**base, **python, "TMPDIR": str(tmp), **extra}
 
 
 # the suite's other tests share the machine: the dry run gets three times the steps' timeouts and

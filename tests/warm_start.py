@@ -42,6 +42,10 @@ PRELOAD = [
     "hydra",
     "omegaconf",
     "submitit",
+    "optuna",
+    "tiktoken",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
     "gptlab.cli",
     "gptlab.config",
     "gptlab.training.build",
@@ -49,6 +53,8 @@ PRELOAD = [
     "gptlab.records.tracker",
     "gptlab.records.runfolder",
     "gptlab.distributed.world",
+    "gptlab.records.sinks",
+    "gptlab.search.sweeper",
 ]
 
 CPU = [0.0]  # CPU seconds of the warm commands that ended: tests/conftest.py's recorder adds them

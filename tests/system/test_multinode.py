@@ -145,6 +145,16 @@ def _job_records(job_id: str) -> str:
     return "".join(parts)
 
 
+def _sacct_starts(job_id: str) -> str:
+    """Each start of job_id as sacct has it: one `State|NodeList` line per start."""
+    return _run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList"]).stdout
+
+
+def _ended(starts: str) -> str:
+    """starts, once no start in it is still running ("" before)."""
+    return "" if "RUNNING" in starts or "COMPLETING" in starts else starts
+
+
 def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -593,7 +603,8 @@ def test_a_lost_node_is_detected_fast_and_its_job_requeued_onto_the_other(tmp_pa
         assert r.returncode == 0, r.stdout + r.stderr
     print(f"\ngptlab-n2 lost: down after {detected:.1f} s; back with `up` in {took:.1f} s")
     assert proc.returncode == 0, out[-3000:] + _job_records(job_id)
-    starts = _run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList"]).stdout
+    # the job's result is written before its batch step ends: slurmdbd has the end a moment later
+    starts = _wait(lambda: _ended(_sacct_starts(job_id)), 60, "sacct to record the job's end")
     assert starts.split() == ["NODE_FAIL|gptlab-n2", "COMPLETED|gptlab-n1"], starts
     assert _job_nodes(run_dir) == (job_id, ["gptlab-n1"])
     assert "resubmitted" not in out  # SLURM's requeue: no failure the launcher saw

@@ -90,9 +90,10 @@ def test_a_search_on_slurm_survives_its_killed_sweeper(shakespeare, tmp_path, tr
     assert len(parents) == 1, [r.data.tags.get("run_type") for r in runs]
     parent = parents[0]
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(kids) == 8, [
-        (k.data.tags.get("search.trial"), k.info.status, k.data.tags.get("run_dir")) for k in kids
-    ]
+    assert len(kids) == 8, "\n".join(
+        [f"{k.data.tags.get('search.trial')} {k.info.status} {k.info.run_id}" for k in kids]
+        + ["--- the first sweeper:", first[-2000:], "--- the second:", out[-3000:]]
+    )
     complete = {t.number: t.value for t in trials if t.state.name == "COMPLETE"}
     for k in kids:
         number = int(k.data.tags["search.trial"])

@@ -1,4 +1,4 @@
-"""The one error type the user sees, and the two ways any other failure is caught."""
+"""The error type the user sees, and the two ways any other failure is caught."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from typing import Any, Callable, Iterator, Optional
 
 class GptlabError(Exception):
     """A problem with the user's config or inputs (not a bug): the message says what to do."""
+
+
+class Superseded(GptlabError):
+    """A search trial's job that a later launch of the trial replaced: it ends untouched."""
 
 
 # The package catches `Exception` blindly in these helpers, and in the few places that name their

@@ -337,6 +337,7 @@ def test_a_trial_number_the_study_lacks_is_one_line(tmp_path):
 def test_a_job_of_a_superseded_launch_ends_without_touching_its_folder(shakespeare, tmp_path):
     """A dead sweeper's trial job still queued when another sweeper launched the trial again: when
     it starts, it ends at once with one line, and the folder stays the new launch's."""
+    from gptlab.errors import Superseded
     from gptlab.search.trial import open_link
 
     url = f"sqlite:///{tmp_path}/optuna.db"
@@ -345,7 +346,7 @@ def test_a_job_of_a_superseded_launch_ends_without_touching_its_folder(shakespea
     t = study.ask()
     storage.set_trial_system_attr(t._trial_id, studies.ATTEMPT_ATTR, 1)
     assert open_link(settings(storage=url, trial=0, attempt=1), True).number == 0
-    with pytest.raises(GptlabError, match="another sweeper has launched it again"):
+    with pytest.raises(Superseded, match="another sweeper has launched it again"):
         open_link(settings(storage=url, trial=0, attempt=0), True)
     run = tmp_path / "0"
     out = run_cli([

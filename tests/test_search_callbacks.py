@@ -353,6 +353,25 @@ def test_a_recorded_parent_is_reopened_only_in_its_own_store_while_active():
     assert client.deleted == ["P"]
 
 
+def test_a_superseded_trial_job_is_not_a_failed_job_of_its_sweep():
+    """A dead sweeper's queued job that finds its trial launched again ends at once: no FAILED
+    child for it under the search's parent (the trial's child is its new launch's run)."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from gptlab.errors import GptlabError, Superseded
+    from gptlab.search.callbacks import failed_job
+
+    def ended(status, value):
+        job = JobReturn(status=status)
+        job._return_value = value
+        return job
+
+    assert failed_job(ended(JobStatus.FAILED, GptlabError("optimizer.lr: must be > 0")))
+    assert failed_job(ended(JobStatus.FAILED, RuntimeError("boom")))
+    assert not failed_job(ended(JobStatus.FAILED, Superseded("trial 2: this job is launch 0")))
+    assert not failed_job(ended(JobStatus.COMPLETED, {"steps": 5}))
+
+
 def test_a_job_that_failed_before_its_run_gets_a_failed_child_once():
     from gptlab.records import parent
     from gptlab.records.identity import RunIdentity

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab import console
 from gptlab.cli import fail
 from gptlab.distributed import slurm
-from gptlab.errors import GptlabError, never_fatal
+from gptlab.errors import GptlabError, Superseded, never_fatal
 from gptlab.records import identity, layout, parent
 from gptlab.records.store import (
     check_reachable,
@@ -205,7 +205,7 @@ class SweepCallback(Callback):
 
         A job that failed before its tracker made a run still shows up, FAILED, under the parent.
         """
-        if job_return.status != JobStatus.FAILED or not slurm.first_task():
+        if not failed_job(job_return) or not slurm.first_task():
             return
         with never_fatal(
             lambda e: log.warning(f"could not record the failed job in MLflow: {error_text(e)}")
@@ -219,6 +219,17 @@ class SweepCallback(Callback):
             ident = identity.identify(config_dict, run_dir, identity.this_process(), overrides)
             error = error_text(job_return._return_value)
             parent.record_failed_job(mlflow_client(sweep["uri"]), sweep, ident, error)
+
+
+def failed_job(job_return: JobReturn) -> bool:
+    """Whether a job's end is a failure its sweep records.
+
+    A trial's job superseded by a later launch of the trial is not one: the trial's run is the
+    new launch's.
+    """
+    return job_return.status == JobStatus.FAILED and not isinstance(
+        job_return._return_value, Superseded
+    )
 
 
 SEARCH_SWEEPER = "hydra_plugins.gptlab_search.optuna_search.GptlabOptunaSweeper"

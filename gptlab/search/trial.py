@@ -13,7 +13,7 @@ import os
 from typing import Any, Dict, Optional
 
 from gptlab.distributed import world as distributed
-from gptlab.errors import GptlabError, never_fatal
+from gptlab.errors import GptlabError, Superseded, never_fatal
 from gptlab.search import study as studies
 
 log = logging.getLogger(__name__)
@@ -84,5 +84,5 @@ def open_link(hs: Any, is_main: bool) -> Optional[TrialLink]:
     link = TrialLink(hs, is_main)
     superseded = distributed.broadcast_object(link.superseded)
     if superseded:
-        raise GptlabError(superseded)
+        raise Superseded(superseded)
     return link

@@ -20,6 +20,7 @@ import json
 import os
 import resource
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -92,10 +93,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        for name in (self.path, self.path + ".ready"):
-            if os.path.exists(name):
-                os.unlink(name)
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)  # its socket, and the shim python_env wrote
 
 
 def _get_server() -> _Server:

@@ -115,6 +115,9 @@ def _wait_for(pred, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+COLLECTIVE_S = 300
+
+
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespeare):
     cmd = [
@@ -127,7 +130,8 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         "train.max_steps=1000000",
         "train.log_every=1",
         "tracking.mlflow=false",
-        "parallelism.timeout_s=30",
+        # the survivor's collective would wait this long: an end far sooner is the launcher's doing
+        f"parallelism.timeout_s={COLLECTIVE_S}",
         "train.max_restarts=0",  # no restart: the death ends the job
     ]
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -140,7 +144,8 @@ def test_a_killed_worker_ends_the_whole_job_naming_the_rank(tmp_path, shakespear
         workers[1].send_signal(signal.SIGKILL)
         t0 = time.time()
         _, err = proc.communicate(timeout=slack(60))
-        assert time.time() - t0 < 30  # well within the collective timeout
+        took = time.time() - t0
+        assert took < COLLECTIVE_S / 3, took  # well within the collective timeout
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -19,7 +19,8 @@ MUTANTS ?=
 # and servers (docs/testing.md: the measured times). The services tests (SLURM, the team server)
 # run in one process beside them, which the others yield the CPU to (nice): their jobs' deadlines
 # assume a machine not saturated, and they mostly wait. Its commands multiply on one thread, as the
-# xdist workers' do (tests/conftest.py): on a shared machine a second thread mostly spins.
+# xdist workers' do (tests/conftest.py): on a shared machine a second thread mostly spins. SLURM and
+# the team server are theirs alone, so the others start at once, without waiting for them to be up.
 WORKERS ?= 4
 NICE ?= 10
 # Python writes its bytecode in the recipes even where the environment says not to: pytest then keeps
@@ -63,8 +64,9 @@ train: setup
 # Tiny Shakespeare is looked for first: without it the suite stops here with one line
 test: setup lint bytecode
 	@$(BIN)/python tests/conftest.py >/dev/null
-	bash .ci/with_services.sh sh -c 'log=$$(mktemp); \
-		OMP_NUM_THREADS=1 $(BIN)/python -m pytest -p no:cacheprovider -m services --durations=10 $(PYTEST_ARGS) >$$log 2>&1 & s=$$!; \
+	GPTLAB_CI_SERVICES=chromium bash .ci/with_services.sh sh -c 'log=$$(mktemp); \
+		GPTLAB_CI_SERVICES="mlflow_server slurm" OMP_NUM_THREADS=1 bash .ci/with_services.sh \
+		$(BIN)/python -m pytest -p no:cacheprovider -m services --durations=10 $(PYTEST_ARGS) >$$log 2>&1 & s=$$!; \
 		nice -n $(NICE) $(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup -m "not services" --durations=25 \
 		$(PYTEST_ARGS); a=$$?; wait $$s; b=$$?; echo "== the services tests, run beside the others:"; \
 		cat $$log; rm -f $$log; [ $$a = 0 ] && { [ $$b = 0 ] || [ $$b = 5 ]; }'

@@ -3,6 +3,7 @@
 # each .ci/setup.d/NAME.sh defines ci_up_NAME (install if missing, start) and ci_down_NAME (stop).
 # Installing needs root and Debian's apt; without them the services are skipped, and so are the tests
 # that need them (except under CI=true, where those tests fail instead).
+# GPTLAB_CI_SERVICES="slurm mlflow_server" starts only those (default: every hook).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,9 @@ hooks=()
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     for f in .ci/setup.d/*.sh; do
         [ -e "$f" ] || continue
+        if [ -n "${GPTLAB_CI_SERVICES:-}" ] && [[ " $GPTLAB_CI_SERVICES " != *" $(basename "$f" .sh) "* ]]; then
+            continue
+        fi
         # shellcheck disable=SC1090
         source "$f"
         hooks+=("$(basename "$f" .sh)")

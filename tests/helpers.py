@@ -176,6 +176,24 @@ def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False, fresh: boo
     )  # fmt: skip
 
 
+def start_cli_logged(args: List[str], cwd: Path, log: Path, fresh: bool = False):
+    """Start `python -m <args>` as start_cli does, its output (stdout and stderr) into the file log
+    and in a session of its own (os.killpg(pid) ends it and anything it started)."""
+    with open(log, "w") as out:
+        if warm_start.enabled() and not fresh:
+            null = os.open(os.devnull, os.O_RDONLY)
+            try:
+                return warm_start.WarmProcess(
+                    args, cwd, cli_env(), null, out.fileno(), out.fileno(), start_new_session=True
+                )
+            finally:
+                os.close(null)
+        return subprocess.Popen(
+            [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
 def start_mlflow_server(store: Path, attempts: int = 3):
     """A real `mlflow server` on a free loopback port with a SQLite backend: (process, uri).
 
@@ -200,6 +218,8 @@ def start_mlflow_server(store: Path, attempts: int = 3):
                     f"sqlite:///{store / 'mlflow.db'}",
                     "--artifacts-destination",
                     str(store / "artifacts"),
+                    "--workers",  # as gptlab.ui's default: MLflow's 4 each import MLflow
+                    "1",
                 ],
                 cwd=store,
                 env=server_env(),  # as gptlab.ui's: no job runner beside it

@@ -109,13 +109,14 @@ class WarmProcess:
 
     def __init__(
         self, argv: List[str], cwd: Path, env: Dict[str, str], stdin, stdout, stderr,
-        server: Optional[str] = None,
+        server: Optional[str] = None, start_new_session: bool = False,
     ):  # fmt: skip
         self.args = argv
         self.returncode: Optional[int] = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(server or _get_server().path)
-        request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "session": start_new_session}
+        request = json.dumps(request).encode()
         socket.send_fds(self._sock, [request + b"\n"], [stdin, stdout, stderr])
         self._buffer = b""
         self.pid = json.loads(self._line(None))["pid"]
@@ -147,6 +148,12 @@ class WarmProcess:
             self._sock.close()
         return self.returncode
 
+    def poll(self) -> Optional[int]:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -172,12 +179,6 @@ class WarmPopen(WarmProcess):
         self.stdout = open(out_r, encoding="utf-8", errors="replace")  # noqa: SIM115 - as Popen's
         self.stderr = None if err_r is None else open(err_r, encoding="utf-8", errors="replace")  # noqa: SIM115
 
-    def poll(self) -> Optional[int]:
-        try:
-            return self.wait(0)
-        except subprocess.TimeoutExpired:
-            return None
-
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
@@ -202,54 +203,17 @@ class WarmPopen(WarmProcess):
         return texts.get(0), (texts.get(1) if self.stderr is not None else None)
 
 
-def _read_all(fds: List[int], deadline: Optional[float]) -> List[bytes]:
-    """Everything written to the pipes' read ends fds until each is closed, or until deadline."""
-    out = {fd: [] for fd in fds}
-    sel = selectors.DefaultSelector()
-    for fd in fds:
-        sel.register(fd, selectors.EVENT_READ)
-    try:
-        while sel.get_map():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimeoutError
-            for key, _ in sel.select(left):
-                chunk = os.read(key.fd, 65536)
-                if chunk:
-                    out[key.fd].append(chunk)
-                else:
-                    sel.unregister(key.fd)
-    finally:
-        sel.close()
-    return [b"".join(out[fd]) for fd in fds]
-
-
 def run(argv: List[str], cwd: Path, env: Dict[str, str], timeout: Optional[float]):
     """subprocess.run([python, "-m", *argv], capture_output=True, text=True), started warm."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    null = os.open(os.devnull, os.O_RDONLY)
-    try:
-        proc = WarmProcess(argv, cwd, env, null, out_w, err_w)
-    finally:
-        for fd in (out_w, err_w, null):
-            os.close(fd)
+    proc = WarmPopen(argv, cwd, env, merge_stderr=False)
     args = [sys.executable, "-m", *argv]
     try:
-        stdout, stderr = _read_all([out_r, err_r], deadline)
-        left = None if deadline is None else max(0.1, deadline - time.monotonic())
-        code = proc.wait(left)
-    except (TimeoutError, subprocess.TimeoutExpired):
+        stdout, stderr = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
         proc.kill()  # as subprocess.run does on a timeout
         proc.wait()
         raise subprocess.TimeoutExpired(args, timeout) from None
-    finally:
-        os.close(out_r)
-        os.close(err_r)
-    return subprocess.CompletedProcess(
-        args, code, stdout.decode(errors="replace"), stderr.decode(errors="replace")
-    )
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)
 
 
 def python_env() -> Dict[str, str]:
@@ -354,7 +318,7 @@ def _reap(running: Dict[int, socket.socket], sel: selectors.BaseSelector) -> Non
         conn = running.pop(pid, None)
         if conn is None:
             continue
-        if conn in (key.fileobj for key in sel.get_map().values()):
+        with contextlib.suppress(KeyError):  # a client still connected
             sel.unregister(conn)
         reply = {
             "returncode": os.waitstatus_to_exitcode(status),
@@ -377,6 +341,8 @@ def _run_command(request: dict, fds: List[int]) -> None:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    if request["session"]:  # Popen's start_new_session: its own process group to signal
+        os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])

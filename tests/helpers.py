@@ -165,14 +165,19 @@ def run_cli(
     )
 
 
-def start_cli(args: List[str], cwd: Path, merge_stderr: bool = False, fresh: bool = False):
+def start_cli(
+    args: List[str], cwd: Path, merge_stderr: bool = False, fresh: bool = False, env_extra=None,
+    start_new_session: bool = False,
+):  # fmt: skip
     """Start `python -m <args>` as run_cli does, without waiting (to signal it, or to start
     several): a Popen, or warm_start's equivalent."""
+    env = cli_env(env_extra)
     if warm_start.enabled() and not fresh:
-        return warm_start.WarmPopen(args, cwd, cli_env(), merge_stderr)
+        return warm_start.WarmPopen(args, cwd, env, merge_stderr, start_new_session)
     return subprocess.Popen(
-        [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE,
+        [sys.executable, "-m", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+        start_new_session=start_new_session,
     )  # fmt: skip
 
 

@@ -264,6 +264,7 @@ def test_a_store_down_when_a_run_ends_is_one_warning_naming_the_command(
 
 
 @pytest.mark.slow
+@pytest.mark.services  # the team server: make test starts it for the services tests' process
 def test_registration_on_the_team_server_resolves_by_alias(
     shakespeare,
     tmp_path,

@@ -421,32 +421,41 @@ def test_every_folder_is_tried_and_each_one_not_recorded_is_one_line(offline_run
 # ---- one SQLite store, many processes ------------------------------------------------------------
 
 RACE = """
-import sys, time
+import os, sys, time, traceback
+import mlflow  # imported once: each racer is a fork with no connection of its own yet
 from gptlab.records.store import artifact_root, get_or_create_experiment, mlflow_client
-uri, start = sys.argv[1], float(sys.argv[2])
-time.sleep(max(0.0, start - time.time()))  # all at once
-client = mlflow_client(uri)
-run = client.create_run(get_or_create_experiment(client, "race", artifact_root(uri)))
-client.set_terminated(run.info.run_id)
+uri, start, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+racers = []
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            time.sleep(max(0.0, start - time.time()))  # all at once
+            client = mlflow_client(uri)
+            run = client.create_run(get_or_create_experiment(client, "race", artifact_root(uri)))
+            client.set_terminated(run.info.run_id)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        os._exit(code)
+    racers.append(pid)
+print([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in racers])
 """
 
 
 @pytest.mark.integration
 def test_processes_that_open_one_fresh_sqlite_store_at_once_all_record(tmp_path):
     """Each process's first connection creates and migrates the store; without the lock they
-    race."""
+    race (four processes, forked from one that imported MLflow)."""
     uri = f"sqlite:///{tmp_path / 'new' / 'mlflow.db'}"
     start = str(time.time() + 3)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACE, uri, start],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for _ in range(4)
-    ]
-    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, outputs
+    r = subprocess.run([sys.executable, "-c", RACE, uri, start, "4"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[0, 0, 0, 0]", (
+        r.stdout + r.stderr
+    )
     assert [r.info.status for r in all_runs(uri)] == ["FINISHED"] * 4
     assert (tmp_path / "new" / "mlflow.db.lock").is_file()
 

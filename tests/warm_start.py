@@ -167,12 +167,17 @@ class WarmPopen(WarmProcess):
     """subprocess.Popen([python, "-m", *argv], stdout=PIPE, stderr=PIPE or STDOUT, text=True),
     started warm: what tests use of Popen (pid, poll, wait, communicate, send_signal, kill)."""
 
-    def __init__(self, argv: List[str], cwd: Path, env: Dict[str, str], merge_stderr: bool):
+    def __init__(
+        self, argv: List[str], cwd: Path, env: Dict[str, str], merge_stderr: bool,
+        start_new_session: bool = False,
+    ):  # fmt: skip
         out_r, out_w = os.pipe()
         err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         try:
-            super().__init__(argv, cwd, env, null, out_w, err_w)
+            super().__init__(
+                argv, cwd, env, null, out_w, err_w, start_new_session=start_new_session
+            )
         finally:
             for fd in {out_w, err_w, null}:
                 os.close(fd)

@@ -13,13 +13,12 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import need
+from helpers import need, start_cli
 from test_compare import client_for, sweep  # noqa: F401 - the session's real sweep
 from test_registry_serving import registered  # noqa: F401 - a run registered as nano-chars@champion
 
@@ -73,15 +72,8 @@ def text_of(dom: str) -> str:
 
 def start_ui(cwd: Path, port: int):
     """(process, output so far, server pid) once gptlab.ui has printed the URLs."""
-    ui = subprocess.Popen(
-        [sys.executable, "-m", "gptlab.ui", f"ui.port={port}"],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    ui = start_cli(["gptlab.ui", f"ui.port={port}"], cwd, merge_stderr=True,
+                   env_extra={"PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
     lines, deadline = [], time.monotonic() + 240
     while time.monotonic() < deadline:
         line = ui.stdout.readline()

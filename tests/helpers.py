@@ -196,13 +196,9 @@ def start_cli_logged(args: List[str], cwd: Path, log: Path, fresh: bool = False)
     and in a session of its own (os.killpg(pid) ends it and anything it started)."""
     with open(log, "w") as out:
         if warm_start.enabled() and not fresh:
-            null = os.open(os.devnull, os.O_RDONLY)
-            try:
-                return warm_start.WarmProcess(
-                    args, cwd, cli_env(), null, out.fileno(), out.fileno(), start_new_session=True
-                )
-            finally:
-                os.close(null)
+            return warm_start.WarmProcess(
+                args, cwd, cli_env(), None, out.fileno(), out.fileno(), start_new_session=True
+            )
         return subprocess.Popen(
             [sys.executable, "-m", *args], cwd=cwd, env=cli_env(), stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,

@@ -105,11 +105,15 @@ def _get_server() -> _Server:
 
 
 class WarmProcess:
-    """A started warm command: its pid, and its exit status once it ended (Popen's returncode)."""
+    """A started warm command: its pid, and its exit status once it ended (Popen's returncode).
+
+    stdin, stdout, stderr are file descriptors the command gets (stdin None: /dev/null); the
+    caller keeps its own copies.
+    """
 
     def __init__(
-        self, argv: List[str], cwd: Path, env: Dict[str, str], stdin, stdout, stderr,
-        server: Optional[str] = None, start_new_session: bool = False,
+        self, argv: List[str], cwd: Path, env: Dict[str, str], stdin: Optional[int], stdout: int,
+        stderr: int, server: Optional[str] = None, start_new_session: bool = False,
     ):  # fmt: skip
         self.args = argv
         self.returncode: Optional[int] = None
@@ -117,7 +121,13 @@ class WarmProcess:
         self._sock.connect(server or _get_server().path)
         request = {"argv": argv, "cwd": str(cwd), "env": env, "session": start_new_session}
         request = json.dumps(request).encode()
-        socket.send_fds(self._sock, [request + b"\n"], [stdin, stdout, stderr])
+        null = os.open(os.devnull, os.O_RDONLY) if stdin is None else None
+        try:
+            fds = [null if stdin is None else stdin, stdout, stderr]
+            socket.send_fds(self._sock, [request + b"\n"], fds)
+        finally:
+            if null is not None:
+                os.close(null)
         self._buffer = b""
         self.pid = json.loads(self._line(None))["pid"]
 
@@ -173,13 +183,12 @@ class WarmPopen(WarmProcess):
     ):  # fmt: skip
         out_r, out_w = os.pipe()
         err_r, err_w = (None, out_w) if merge_stderr else os.pipe()
-        null = os.open(os.devnull, os.O_RDONLY)
         try:
             super().__init__(
-                argv, cwd, env, null, out_w, err_w, start_new_session=start_new_session
+                argv, cwd, env, None, out_w, err_w, start_new_session=start_new_session
             )
         finally:
-            for fd in {out_w, err_w, null}:
+            for fd in {out_w, err_w}:
                 os.close(fd)
         self.stdout = open(out_r, encoding="utf-8", errors="replace")  # noqa: SIM115 - as Popen's
         self.stderr = None if err_r is None else open(err_r, encoding="utf-8", errors="replace")  # noqa: SIM115

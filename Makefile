@@ -37,25 +37,36 @@ setup: $(VENV)/.installed
 # else PyTorch's CPU-only index.
 # A venv cut short (python but no pip) is made again rather than used.
 # Then uv resolves and downloads the rest in parallel (pip takes minutes), holding torch to the one
-# installed (torch.txt); plain pip where uv cannot be had. Both write the bytecode at install: a
-# command (and each of the thousands the tests start) then never compiles a library's source, even
-# where PYTHONDONTWRITEBYTECODE keeps Python from caching what it compiles.
+# installed (torch.txt), while torch's bytecode is written on every core beside it; plain pip where
+# uv cannot be had. Then the bytecode of the rest: a command (and each of the thousands the tests
+# start) then never compiles a library's source, even where PYTHONDONTWRITEBYTECODE keeps Python
+# from caching what it compiles. Of LAZY_BYTECODE, large packages of which gptlab imports a small
+# part (sympy under torch's dynamo, pandas under MLflow, transformers' GPT-2), only that part:
+# importing it once writes it.
+LAZY_BYTECODE ?= transformers|sympy|pandas|scipy|sklearn|databricks|networkx|pip|nltk|fontTools|pygments|libcst
+WARM_IMPORTS ?= import gptlab.training.build, mlflow, torch._dynamo, matplotlib.pyplot, pygments.lexers; \
+	from transformers import GPT2LMHeadModel
+SITE = $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python -a -x $(BIN)/pip || $(PYTHON) -m venv --clear $(VENV)
 	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
 		echo "torch already installed"; \
-	elif $(BIN)/pip install --no-index --no-deps "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
+	elif $(BIN)/pip install --no-index --no-deps --no-compile "torch==$(TORCH_VERSION)" >/dev/null 2>&1; then \
 		echo "torch $(TORCH_VERSION) installed from a local wheel"; \
 	elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		$(BIN)/pip install "torch==$(TORCH_VERSION)"; \
+		$(BIN)/pip install --no-compile "torch==$(TORCH_VERSION)"; \
 	else \
-		$(BIN)/pip install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
+		$(BIN)/pip install --no-compile "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
 			--extra-index-url https://pypi.org/simple; \
 	fi
 	$(BIN)/python -c 'from importlib.metadata import version as v; print("torch==" + v("torch").split("+")[0])' \
 		> $(VENV)/torch.txt
-	$(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --compile-bytecode --python $(BIN)/python \
-		-c $(VENV)/torch.txt -e ".[dev,eval]" || $(BIN)/pip install -q -e ".[dev,eval]"
+	$(BIN)/python -m compileall -qq -j0 "$(SITE)/torch" & c=$$!; \
+	{ $(BIN)/pip install -q uv && $(BIN)/python -m uv pip install -q --python $(BIN)/python \
+		-c $(VENV)/torch.txt -e ".[dev,eval]" || $(BIN)/pip install -q --no-compile -e ".[dev,eval]"; }; \
+	s=$$?; wait $$c; exit $$s
+	$(BIN)/python -m compileall -qq -j0 -x '/site-packages/($(LAZY_BYTECODE))/' "$(SITE)" & c=$$!; \
+	$(BIN)/python -c "$(WARM_IMPORTS)"; s=$$?; wait $$c; exit $$s
 	touch $@
 
 train: setup

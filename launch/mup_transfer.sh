@@ -8,9 +8,11 @@
 #                                        # 500 steps, AdamW and Muon: the 4 sweeps run side by side
 #                                        # on the one GPU; 84 runs of ~2M tokens, expected
 #                                        # under 5 minutes on an H200 (not yet measured there)
-#   bash launch/mup_transfer.sh --cpu    # this CPU, small: widths 32, 64, 128 x 4 lrs, 150 steps,
-#                                        # 2 layers, AdamW, one sweep at a time: 9.5 minutes on 2
-#                                        # loaded cores, 3 of them CPU time (measured 2026-12-04)
+#   bash launch/mup_transfer.sh --cpu    # this CPU, small: widths 64, 256, 512 x 6 lrs, 150
+#                                        # steps, 2 layers, AdamW, one sweep at a time: about 9
+#                                        # minutes on 2 cores; MUP_TRANSFER_OPTIMIZERS="adamw muon"
+#                                        # adds Muon's two sweeps, about 35 minutes more (measured
+#                                        # 2026-12-05: docs/measurements/2026-12-05-mup-transfer.md)
 #
 # Settings (environment): MUP_TRANSFER_HARDWARE (default "hardware=h200 hardware.compile=false":
 # compiling each of the runs would cost more than it saves), MUP_TRANSFER_OPTIMIZERS ("adamw muon"),
@@ -35,8 +37,8 @@ export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTHONDONT
 if [ "${1:-}" = "--cpu" ]; then
   HW=${MUP_TRANSFER_HARDWARE:-hardware=cpu hardware.threads=1}
   OPTIMIZERS=${MUP_TRANSFER_OPTIMIZERS:-adamw}
-  WIDTHS=${MUP_TRANSFER_WIDTHS:-32,64,128}
-  LRS=${MUP_TRANSFER_LRS:-2e-3,6e-3,2e-2,6e-2}
+  WIDTHS=${MUP_TRANSFER_WIDTHS:-64,256,512}
+  LRS=${MUP_TRANSFER_LRS:-6e-4,2e-3,6e-3,2e-2,6e-2,2e-1}  # x3.3 apart; Muon's optimum is near 6e-2
   STEPS=${MUP_TRANSFER_STEPS:-150}
   SHAPE="model.n_layer=2 model.block_size=32 train.batch_size=8 train.eval_every=50 \
 train.eval_steps=5 train.eval_batch_size=32"

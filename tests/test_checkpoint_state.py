@@ -188,8 +188,10 @@ def logged_val_losses(run_dir: Path):
         ["optimizer=muon"],  # Muon's momentum buffers beside AdamW's moments and step counts
         # the weight average, kept in the optimizer state, and evaluated
         ["optimizer.ema_decay=0.9"],
+        # muP at twice its base width: the hidden matrices' group and its lr_mult of 1/2
+        ["model.parametrization=mup", "model.mup_base_width=16"],
     ],
-    ids=["random", "sequential", "fp16", "muon", "ema"],
+    ids=["random", "sequential", "fp16", "muon", "ema", "mup"],
 )
 @pytest.mark.integration
 def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
@@ -221,6 +223,10 @@ def test_resume_in_a_new_process_is_bitwise_exact(tmp_path, shakespeare, extra):
         assert kinds == {frozenset({"momentum_buffer", *average}), frozenset({*adamw, *average})}
     if "data.sampling=sequential" in extra:
         assert saved["loader"]["kind"] == "sequential" and saved["loader"]["position"] > 0
+    if "model.parametrization=mup" in extra:
+        assert sorted(g.get("lr_mult", 1.0) for g in saved["optimizer"]["param_groups"])[0] == 0.5
+        model = saved["model_config"]  # what sample, export and init_from rebuild the model from
+        assert (model["parametrization"], model["mup_base_width"]) == ("mup", 16)
     if "optimizer.ema_decay=0.9" in extra:
         assert all("ema" in v for v in saved["optimizer"]["state"].values())
         assert logged_val_losses(straight) == logged_val_losses(split) and logged_val_losses(split)

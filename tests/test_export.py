@@ -48,6 +48,31 @@ def test_export_writes_safetensors_and_a_gpt2_folder_transformers_loads(trained,
     assert top.encode(text) == tokenizer.encode(text)
 
 
+@pytest.mark.integration
+def test_a_mup_models_hf_folder_is_a_plain_gpt2_with_the_same_logits(tmp_path, shakespeare):
+    """muP at twice its base width (attention scale, output multiplier) trained a few steps: the
+    exported folder is a plain GPT-2 that transformers loads and that scores as gptlab's model."""
+    transformers = pytest.importorskip("transformers")
+    from gptlab.export import main as export
+    from gptlab.model.inference import load_model
+
+    run_dir = tmp_path / "run"
+    overrides = nano_overrides(
+        shakespeare, "train.max_steps=4", "train.eval_every=4", "train.sample_tokens=0",
+        "model.parametrization=mup", "model.mup_base_width=16",
+    )  # fmt: skip
+    run_training(compose_config(overrides), run_dir)
+    export([f"run={run_dir}", f"out={tmp_path / 'out'}"])
+    ours, _, _ = load_model(str(run_dir))
+    assert ours.config.parametrization == "mup" and ours.config.width_mult == 2.0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out" / "hf_gpt2")).eval()
+    x = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, _ = ours(x)
+        got = hf(x).logits
+    assert torch.allclose(got, expected, atol=1e-4), (got - expected).abs().max()
+
+
 @pytest.mark.slow
 def test_export_command_which_best_and_a_model_that_is_not_gpt2_shaped(tmp_path, shakespeare):
     """From the command line: which=best exports the best checkpoint, not the newest; a SwiGLU model

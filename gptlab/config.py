@@ -268,6 +268,11 @@ class Config:
         return self.train.batch_size // (self.micro_batch_size * self.world_size)
 
 
+# Hydra 1.3 deep-copies the config repository, and with it this whole store, for every config
+# group it lists (--help lists them all) and for every composition. The store is a singleton that
+# hands out a copy of each node it loads, so a copy may share it: what Hydra's main branch does
+# (its StructuredConfigSource reads ConfigStore.instance() on each load).
+ConfigStore.__deepcopy__ = lambda self, memo: self
 ConfigStore.instance().store(name="gptlab_schema", node=Config)
 
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+import warm_start
 
 from gptlab import cli
 from gptlab.bench import BenchConfig, bench_config
@@ -152,6 +153,9 @@ def test_the_ladder_measures_each_rung_in_its_own_benchmark_and_prints_one_table
     monkeypatch.setenv("CXX", "no-such-compiler")
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # as a user's shell starts the rungs
     monkeypatch.chdir(tmp_path)
+    if warm_start.enabled():  # each rung still its own `-m gptlab.bench` process, forked warm
+        python = warm_start.python_env()["PYTHON"]
+        monkeypatch.setattr(ladder, "bench_command", lambda nproc: [python, "-m", "gptlab.bench"])
     folder = tmp_path / "ladder"
     args = ["bench.ladder=true", "model=gpt_nano", f"data.path={shakespeare}", "bench.warmup=1",
             "bench.steps=3", "train.batch_size=8", "hardware.precision=bf16",

@@ -112,6 +112,17 @@ def nano_overrides(data_path: Path, *extra: str) -> List[str]:
     return ["debug=smoke", f"data.path={data_path}", *extra]
 
 
+def trained_hf_export(tmp_path: Path, shakespeare: Path, *extra: str) -> Tuple[Path, Path]:
+    """A smoke run (nano_overrides with extra) trained in tmp_path/run, then exported by the
+    command in this process to tmp_path/export: (the run folder, its Hugging Face GPT-2 folder)."""
+    from gptlab.export import main as export
+    from gptlab.train import run_training
+
+    run_dir = tmp_path / "run"
+    run_training(compose_config(nano_overrides(shakespeare, *extra)), run_dir)
+    return run_dir, export([f"run={run_dir}", f"out={tmp_path / 'export'}"]) / "hf_gpt2"
+
+
 def overwrite_entry(folder: Path, prefix: str, content: Optional[bytes] = None) -> Tuple[str, str]:
     """In a sharded checkpoint, overwrite the saved entry first by name of those starting with
     prefix, in place, keeping every file's size (random bytes: a bad disk block; or content, padded

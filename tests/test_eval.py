@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import compose_config, nano_overrides, run_cli
+from helpers import compose_config, nano_overrides, run_cli, trained_hf_export
 
 from gptlab.errors import GptlabError
 from gptlab.evaluation.next_line import next_line_examples, task_yaml, write_jsonl
@@ -197,16 +197,12 @@ def test_gptlab_eval_equals_lm_evals_hf_model_on_the_export(tmp_path, shakespear
     from gptlab.eval import main as evaluate
     from gptlab.eval import task_manager
     from gptlab.evaluation.harness import GptlabLM
-    from gptlab.export import main as export
     from gptlab.model.inference import load_model
 
-    run_dir = tmp_path / "run"
-    overrides = nano_overrides(
-        shakespeare, "train.max_steps=40", "train.sample_tokens=0", "model.block_size=64",
+    run_dir, hf_dir = trained_hf_export(
+        tmp_path, shakespeare, "train.max_steps=40", "train.sample_tokens=0", "model.block_size=64",
         "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=512",
     )  # fmt: skip
-    run_training(compose_config(overrides), run_dir)
-    hf_dir = export([f"run={run_dir}", f"out={tmp_path / 'export'}"]) / "hf_gpt2"
     model, tok, _ = load_model(str(run_dir))
     ours = GptlabLM(model, tok, torch.device("cpu"), batch_size=4)
     theirs = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=4)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from helpers import compose_config, nano_overrides, run_cli
+from helpers import compose_config, nano_overrides, run_cli, trained_hf_export
 from test_sample import trained  # noqa: F401 - a short run's folder, trained once per module
 
 from gptlab.train import run_training
@@ -53,19 +53,15 @@ def test_a_mup_models_hf_folder_is_a_plain_gpt2_with_the_same_logits(tmp_path, s
     """muP at twice its base width (attention scale, output multiplier) trained a few steps: the
     exported folder is a plain GPT-2 that transformers loads and that scores as gptlab's model."""
     transformers = pytest.importorskip("transformers")
-    from gptlab.export import main as export
     from gptlab.model.inference import load_model
 
-    run_dir = tmp_path / "run"
-    overrides = nano_overrides(
-        shakespeare, "train.max_steps=4", "train.eval_every=4", "train.sample_tokens=0",
+    run_dir, folder = trained_hf_export(
+        tmp_path, shakespeare, "train.max_steps=4", "train.eval_every=4", "train.sample_tokens=0",
         "model.parametrization=mup", "model.mup_base_width=16",
     )  # fmt: skip
-    run_training(compose_config(overrides), run_dir)
-    export([f"run={run_dir}", f"out={tmp_path / 'out'}"])
     ours, _, _ = load_model(str(run_dir))
     assert ours.config.parametrization == "mup" and ours.config.width_mult == 2.0
-    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out" / "hf_gpt2")).eval()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
     x = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, _ = ours(x)
@@ -117,20 +113,12 @@ def test_a_bpe_models_hf_folder_encodes_and_scores_text_as_gptlab_does(tmp_path,
     """The path lm_eval's hf model takes: AutoTokenizer and GPT2LMHeadModel on the folder give
     gptlab's ids and logits, and the config names the tokenizer's special tokens."""
     transformers = pytest.importorskip("transformers")
-    from gptlab.export import main as export
     from gptlab.model.inference import load_model
 
-    run_dir = tmp_path / "run"
-    overrides = nano_overrides(
-        shakespeare,
-        "train.max_steps=3",
-        "train.sample_tokens=0",
-        "data.tokenizer.kind=bpe",
-        "data.tokenizer.vocab_size=512",
-    )
-    run_training(compose_config(overrides), run_dir)
-    export([f"run={run_dir}", f"out={tmp_path / 'out'}"])  # the command, in this process
-    folder = tmp_path / "out" / "hf_gpt2"
+    run_dir, folder = trained_hf_export(
+        tmp_path, shakespeare, "train.max_steps=3", "train.sample_tokens=0",
+        "data.tokenizer.kind=bpe", "data.tokenizer.vocab_size=512",
+    )  # fmt: skip
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(folder)).eval()
     ours, gptlab_tokenizer, _ = load_model(str(run_dir))
